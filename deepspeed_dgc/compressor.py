@@ -1,0 +1,261 @@
+"""Compressor: top-k threshold estimation, INT4 group quantization and index coding.
+
+Pure functions on tensors; they know nothing of processes or DeepSpeed (GRACE's
+Compressor role, Xu et al., ICDCS 2021). This PyTorch code is the reference path:
+fused kernels must reproduce it, and tests use it as the oracle.
+"""
+
+import math
+from typing import Optional, Tuple
+
+import torch
+
+# DGC's threshold correction (Lin et al., ICLR 2018, arXiv 1712.01887, section 3 / appendix):
+# sample |x|, take the top-k threshold of the sample, then correct towards the target count.
+SAMPLE_FRACTION = 0.01
+MIN_SAMPLE = 1024
+UPPER_SLACK = 1.3  # kept > 1.3 k: exact top-k among the kept
+LOWER_SLACK = 0.8  # kept < 0.8 k: lower the threshold
+LOWER_FACTOR = 0.8
+MAX_LOWER_ROUNDS = 10
+
+INT4_QMAX = 7  # symmetric: codes -7..7, stored with an offset of 8 in one nibble
+
+
+def target_count(numel: int, density: float) -> int:
+    """Number of elements top-k selection aims to keep: ``ceil(density * numel)``, at least 1.
+
+    Args:
+        numel: elements in the tensor (>= 1).
+        density: fraction in (0, 1].
+    """
+    return min(numel, max(1, math.ceil(density * numel)))
+
+
+def select_topk(x: torch.Tensor, density: float, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Select about ``density * numel`` elements of largest magnitude, as DGC does.
+
+    The threshold is estimated on a random sample of ``|x|`` (1% of the elements, at least
+    1024), then corrected: if the threshold keeps more than 1.3 k elements, an exact top-k
+    is taken among the kept; if it keeps fewer than 0.8 k, it is lowered by a factor 0.8,
+    at most 10 times (Lin et al., ICLR 2018, "Deep Gradient Compression", section 3 and
+    the sampling in its appendix).
+
+    Args:
+        x: 1-D floating tensor of n >= 1 elements, finite.
+        density: target fraction kept, in (0, 1]; 1 keeps everything.
+        generator: random generator for the sample (on ``x.device``); None uses torch's default.
+
+    Returns:
+        Bool mask, shape ``(n,)``, True where the element is kept. Its count is k when the
+        exact step ran, and otherwise within [0.8 k, 1.3 k] unless 10 lowering rounds did not
+        reach 0.8 k (e.g. most elements are exactly zero).
+    """
+    n = x.numel()
+    k = target_count(n, density)
+    if k >= n:
+        return torch.ones(n, dtype=torch.bool, device=x.device)
+    mag = x.abs()
+    if n <= MIN_SAMPLE:
+        sample = mag
+    else:
+        n_sample = max(MIN_SAMPLE, int(n * SAMPLE_FRACTION))
+        idx = torch.randint(0, n, (n_sample, ), device=x.device, generator=generator)
+        sample = mag[idx]
+    k_sample = max(1, math.ceil(sample.numel() * k / n))
+    threshold = torch.topk(sample, k_sample, sorted=False).values.min()
+    mask = mag >= threshold
+    count = int(mask.sum())
+    rounds = 0
+    while count < LOWER_SLACK * k and rounds < MAX_LOWER_ROUNDS:
+        threshold = threshold * LOWER_FACTOR
+        mask = mag >= threshold
+        count = int(mask.sum())
+        rounds += 1
+    if count > UPPER_SLACK * k:
+        kept_idx = mask.nonzero().squeeze(1)
+        top = torch.topk(mag[kept_idx], k, sorted=False).indices
+        mask = torch.zeros(n, dtype=torch.bool, device=x.device)
+        mask[kept_idx[top]] = True
+    return mask
+
+
+def int4_packed_bytes(numel: int) -> int:
+    """Bytes of ``numel`` INT4 codes packed two per byte: ``ceil(numel / 2)``."""
+    return (numel + 1) // 2
+
+
+def int4_group_ids(segment_counts: torch.Tensor, group_size: int) -> Tuple[torch.Tensor, int]:
+    """Scale group of each value when groups restart at every segment (tensor) boundary.
+
+    Args:
+        segment_counts: int64 tensor, shape ``(S,)``, values per segment.
+        group_size: values per group.
+
+    Returns:
+        ``(group_ids, n_groups)``: int64 tensor of shape ``(sum(segment_counts),)`` and
+        ``sum(ceil(count / group_size))``.
+    """
+    counts = segment_counts.long()
+    device = counts.device
+    groups = (counts + group_size - 1) // group_size
+    n_groups = int(groups.sum())
+    m = int(counts.sum())
+    seg_of = torch.repeat_interleave(torch.arange(counts.numel(), device=device), counts)
+    seg_start = torch.cumsum(counts, 0) - counts
+    group_base = torch.cumsum(groups, 0) - groups
+    pos_in_seg = torch.arange(m, device=device) - seg_start[seg_of]
+    return group_base[seg_of] + pos_in_seg // group_size, n_groups
+
+
+def quantize_int4(values: torch.Tensor, group_size: int,
+                  segment_counts: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric group-wise INT4 quantization with absmax scales.
+
+    Consecutive runs of ``group_size`` values of one segment share one scale
+    ``s = absmax / 7`` (a group never spans two segments, so a small tensor never shares a
+    scale with a large neighbour); a value is stored as ``round(v / s)`` in [-7, 7], offset by
+    8 into a nibble, two per byte (element 2i in the low nibble) over the whole stream. The
+    rounding error is at most ``s / 2`` per value. This is the number format of ZeRO++ qgZ
+    (Wang et al., arXiv 2306.10209, section 4.2), without its swizzle.
+
+    Args:
+        values: 1-D float tensor of m >= 0 finite values (any float dtype; math in fp32).
+        group_size: values per scale group.
+        segment_counts: int64 ``(S,)`` values per segment, summing to m; None: one segment.
+
+    Returns:
+        ``(packed, scales)``: packed uint8 codes of shape ``(ceil(m/2),)`` and fp32 scales of
+        shape ``(n_groups,)`` (see :func:`int4_group_ids`).
+    """
+    m = values.numel()
+    if segment_counts is None:
+        segment_counts = torch.tensor([m], device=values.device)
+    v = values.float()
+    gid, n_groups = int4_group_ids(segment_counts, group_size)
+    scales = torch.zeros(n_groups, dtype=torch.float32, device=v.device)
+    scales.scatter_reduce_(0, gid, v.abs(), reduce="amax", include_self=True)
+    scales.div_(INT4_QMAX)
+    inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
+    codes = torch.round(v * inv[gid]).clamp_(-INT4_QMAX, INT4_QMAX).to(torch.int16) + 8
+    return pack_nibbles(codes.to(torch.uint8)), scales
+
+
+def dequantize_int4(packed: torch.Tensor,
+                    scales: torch.Tensor,
+                    numel: int,
+                    group_size: int,
+                    segment_counts: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Inverse of :func:`quantize_int4`.
+
+    Args:
+        packed: uint8 tensor of ``ceil(numel/2)`` bytes.
+        scales: fp32 scales, one per group.
+        numel: number of values m.
+        group_size: as used to quantize.
+        segment_counts: as used to quantize (None: one segment).
+
+    Returns:
+        fp32 tensor of shape ``(numel,)``.
+
+    Raises:
+        ValueError: the number of scales does not match the segments.
+    """
+    if segment_counts is None:
+        segment_counts = torch.tensor([numel], device=packed.device)
+    gid, n_groups = int4_group_ids(segment_counts, group_size)
+    if n_groups != scales.numel() or gid.numel() != numel:
+        raise ValueError(f"dequantize_int4: {scales.numel()} scales for {n_groups} groups of {numel} values")
+    codes = unpack_nibbles(packed, numel).to(torch.float32) - 8.0
+    return codes * scales[gid]
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """Pack uint8 codes in [0, 15] two per byte: element 2i low nibble, 2i+1 high nibble."""
+    if codes.numel() % 2:
+        codes = torch.cat([codes, codes.new_zeros(1)])
+    pairs = codes.view(-1, 2)
+    return pairs[:, 0] | (pairs[:, 1] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """Inverse of :func:`pack_nibbles`: uint8 codes of shape ``(numel,)``."""
+    return torch.stack([packed & 0x0F, packed >> 4], dim=1).view(-1)[:numel]
+
+
+# ---- index coding -------------------------------------------------------------------------
+# Sorted positions are sent as gaps (position minus previous position minus 1; the first gap
+# is the first position) in LEB128 varints: 7 bits per byte, high bit set on all but the last
+# byte of a value. At density d the mean gap is about 1/d, so a kept element costs 8 bits of
+# index for d >= 1/128 and 16 bits down to d = 1/16384, instead of 32.
+
+_VARINT_LIMITS = (1 << 7, 1 << 14, 1 << 21, 1 << 28, 1 << 35)
+
+
+def encode_indices(positions: torch.Tensor, segment_counts: torch.Tensor) -> torch.Tensor:
+    """Varint-code sorted positions, segment by segment.
+
+    Args:
+        positions: int64 tensor, shape ``(K,)``; within each segment strictly increasing and >= 0.
+        segment_counts: int64 tensor, shape ``(S,)``, positions per segment (sum K); each segment's
+            gaps restart from position 0.
+
+    Returns:
+        uint8 tensor of the varint bytes (about one byte per position when gaps are < 128).
+    """
+    if positions.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8, device=positions.device)
+    gaps = positions.clone()
+    gaps[1:] -= positions[:-1] + 1
+    starts = torch.cumsum(segment_counts, 0) - segment_counts
+    starts = starts[segment_counts > 0]
+    gaps[starts] = positions[starts]
+    if bool((gaps < 0).any()):
+        raise ValueError("encode_indices: positions must be strictly increasing within each segment")
+    nbytes = torch.ones_like(gaps)
+    for limit in _VARINT_LIMITS[:-1]:
+        nbytes += (gaps >= limit).long()
+    ends = torch.cumsum(nbytes, 0)  # exclusive end offset of each value
+    total = int(ends[-1])
+    value_of_byte = torch.repeat_interleave(torch.arange(gaps.numel(), device=gaps.device), nbytes)
+    byte_in_value = torch.arange(total, device=gaps.device) - (ends - nbytes)[value_of_byte]
+    chunk = (gaps[value_of_byte] >> (7 * byte_in_value)) & 0x7F
+    more = (byte_in_value < nbytes[value_of_byte] - 1).long() << 7
+    return (chunk | more).to(torch.uint8)
+
+
+def decode_indices(data: torch.Tensor, segment_counts: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`encode_indices`.
+
+    Args:
+        data: uint8 varint bytes.
+        segment_counts: int64 tensor, shape ``(S,)``, positions per segment.
+
+    Returns:
+        int64 positions, shape ``(sum(segment_counts),)``, relative to each segment's start.
+
+    Raises:
+        ValueError: the bytes do not hold exactly ``sum(segment_counts)`` complete varints.
+    """
+    k = int(segment_counts.sum()) if segment_counts.numel() else 0
+    device = data.device
+    if data.numel() == 0:
+        if k:
+            raise ValueError(f"decode_indices: no index bytes for {k} positions")
+        return torch.empty(0, dtype=torch.long, device=device)
+    b = data.long()
+    is_last = (b & 0x80) == 0
+    if not bool(is_last[-1]) or int(is_last.sum()) != k:
+        raise ValueError(f"decode_indices: {data.numel()} bytes do not hold {k} complete varints")
+    value_of_byte = torch.cumsum(is_last.long(), 0) - is_last.long()
+    last_pos = is_last.nonzero().squeeze(1)
+    starts = torch.cat([last_pos.new_zeros(1), last_pos[:-1] + 1])
+    byte_in_value = torch.arange(b.numel(), device=device) - starts[value_of_byte]
+    gaps = torch.zeros(k, dtype=torch.long, device=device)
+    gaps.index_add_(0, value_of_byte, (b & 0x7F) << (7 * byte_in_value))
+    steps = gaps + 1
+    csum = torch.cumsum(steps, 0)
+    seg_of = torch.repeat_interleave(torch.arange(segment_counts.numel(), device=device), segment_counts)
+    seg_base = (torch.cumsum(segment_counts, 0) - segment_counts)  # index of each segment's first value
+    base = torch.where(seg_base > 0, csum[(seg_base - 1).clamp(min=0)], torch.zeros_like(seg_base))
+    return csum - base[seg_of] - 1

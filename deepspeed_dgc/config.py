@@ -1,0 +1,114 @@
+"""The top-level ``"dgc"`` section of a DeepSpeed config, as a pydantic model.
+
+DeepSpeed keeps an unknown top-level key in the raw config dict and ignores it, so
+the section is parsed and validated here, in DeepSpeed's own pydantic style
+(``extra="forbid"``: an unknown or misspelled key is an error naming the key).
+"""
+
+from typing import Any, Literal, Mapping, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+DGC_SECTION = "dgc"
+
+
+class DGCConfigError(ValueError):
+    """A ``"dgc"`` section that is invalid on its own or clashes with the rest of ds_config."""
+
+
+class DGCConfig(BaseModel):
+    """Settings of dynamic gradient compression for the ZeRO-3 reduce-scatter.
+
+    Keys (all under the top-level ``"dgc"`` key of ds_config):
+
+    - ``enabled`` (bool, default false): replace ZeRO-3's gradient reduce-scatter.
+    - ``density`` (float in (0, 1], default 0.01): fraction of each tensor's elements kept
+      by top-k selection each micro-step (DGC, Lin et al. 2018, section 2).
+      ``1.0`` sends every element (dense).
+    - ``quantization`` (``"int4"`` or ``"none"``, default ``"int4"``): format of the kept values.
+      ``"int4"`` is symmetric group-wise quantization with absmax scales; ``"none"`` sends them
+      in the communication dtype.
+    - ``group_size`` (int >= 2, even, default 128): kept values per INT4 scale group.
+    - ``error_feedback`` (bool, default true): carry what was not sent (unselected values and
+      quantization error) to the next micro-step.
+    - ``min_numel`` (int >= 0, default 2048): tensors with fewer elements are sent dense and
+      unquantized.
+    - ``stats_interval`` (int >= 1, default 100): optimizer steps between telemetry log lines.
+
+    ``density: 1.0`` with ``quantization: "none"`` is the lossless mode: bit-identical to stock
+    ZeRO-3 at 2 ranks.
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True)
+
+    enabled: bool = False
+    density: float = Field(0.01, gt=0.0, le=1.0)
+    quantization: Literal["int4", "none"] = "int4"
+    group_size: int = Field(128, ge=2, le=1 << 20, multiple_of=2)
+    error_feedback: bool = True
+    min_numel: int = Field(2048, ge=0)
+    stats_interval: int = Field(100, ge=1)
+
+    @property
+    def lossless(self) -> bool:
+        """True when nothing is dropped or rounded: density 1 and no quantization."""
+        return self.density >= 1.0 and self.quantization == "none"
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in (DGC_SECTION, ) + tuple(e["loc"]))
+        if e["type"] == "extra_forbidden":
+            allowed = ", ".join(DGCConfig.model_fields)
+            lines.append(f"unknown key '{key}' (allowed keys: {allowed})")
+        else:
+            lines.append(f"invalid value for '{key}': {e['msg']} (got {e.get('input')!r})")
+    return "; ".join(lines)
+
+
+def parse_dgc_config(ds_config: Mapping[str, Any]) -> Optional[DGCConfig]:
+    """Read the ``"dgc"`` section of a ds_config dict.
+
+    Args:
+        ds_config: the whole DeepSpeed config as a dict (``engine.config``).
+
+    Returns:
+        The parsed :class:`DGCConfig`, or None when the section is absent.
+
+    Raises:
+        DGCConfigError: the section is not a dict, has an unknown key, or a value out of range;
+            the message names the key (e.g. ``dgc.densty``) and the allowed keys or values.
+    """
+    section = ds_config.get(DGC_SECTION) if ds_config is not None else None
+    if section is None:
+        return None
+    if not isinstance(section, Mapping):
+        raise DGCConfigError(f"'{DGC_SECTION}' must be a JSON object, got {type(section).__name__}")
+    try:
+        return DGCConfig(**section)
+    except ValidationError as err:
+        raise DGCConfigError(f"invalid ds_config section '{DGC_SECTION}': " + _format_validation_error(err)) from None
+
+
+def check_engine_compatible(cfg: DGCConfig, engine) -> None:
+    """Reject DeepSpeed settings that the compressed reduce-scatter cannot serve.
+
+    Args:
+        cfg: an enabled DGC config.
+        engine: the ``DeepSpeedEngine`` being initialized.
+
+    Raises:
+        DGCConfigError: ZeRO stage is not 3, ``zero_optimization.reduce_scatter`` is false
+            (stock then uses an all-reduce path we do not replace), or
+            ``zero_optimization.zero_quantized_gradients`` is true (qgZ would compete for the
+            same collective).
+    """
+    stage = engine.zero_optimization_stage()
+    if stage != 3:
+        raise DGCConfigError(f"'dgc.enabled' requires 'zero_optimization.stage' = 3, got {stage}")
+    if not engine.zero_reduce_scatter():
+        raise DGCConfigError("'dgc.enabled' requires 'zero_optimization.reduce_scatter' = true (got false)")
+    if engine.zero_quantized_gradients():
+        raise DGCConfigError("'dgc.enabled' cannot be combined with 'zero_optimization.zero_quantized_gradients' = "
+                             "true: both replace the gradient reduce-scatter; disable one of them")

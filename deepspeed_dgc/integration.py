@@ -1,0 +1,186 @@
+"""The ZeRO-3 seam: activation from ds_config and the patch of the optimizer instance.
+
+``import deepspeed_dgc`` wraps ``DeepSpeedEngine._configure_zero_optimizer`` (every caller of
+``deepspeed.initialize`` goes through it: scripts, HF Trainer, Accelerate) and
+``DeepSpeedEngine.__init__`` (to reject an enabled ``"dgc"`` section that nothing consumed,
+e.g. with ZeRO disabled). When ``"dgc": {"enabled": true}``, the ZeRO-3 optimizer instance
+gets our reducer in place of its private ``__avg_scatter_grads`` and a ``step`` wrapper that
+commits or rolls back error feedback (see ../shared/deepspeed-0.19.8-seams.md, sections 1-3, 8).
+"""
+
+import functools
+from typing import List, Optional
+
+import torch
+import deepspeed
+from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+from .config import DGCConfig, check_engine_compatible, parse_dgc_config
+from .memory import ErrorFeedback
+from .reducer import CompressedReduceScatter
+from .telemetry import DGCStats, log_step
+
+SEAM = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
+SEED_BASE = 0x5EED
+_STATE_ATTR = "_dgc_state"
+
+
+class DGCSeamError(ImportError):
+    """The installed DeepSpeed lacks the methods this extension replaces."""
+
+
+class DGCState:
+    """Everything the extension keeps for one engine: config, residuals, reducer, telemetry.
+
+    Reachable as ``engine._dgc_state`` and ``optimizer._dgc_state``; scripts use
+    :func:`get_stats` instead.
+    """
+
+    def __init__(self, cfg: DGCConfig, global_rank: int):
+        self.cfg = cfg
+        self.global_rank = global_rank
+        self.memory = ErrorFeedback()
+        self.reducer = CompressedReduceScatter(cfg, self.memory, seed=SEED_BASE + global_rank)
+        self.stats = DGCStats()
+        self.monitor = None
+        self.engine_samples = lambda: 0
+
+
+def check_seam() -> None:
+    """Fail loudly when DeepSpeed lacks a method we replace (another DeepSpeed version).
+
+    Raises:
+        DGCSeamError: naming the missing method and the installed DeepSpeed version.
+    """
+    missing = [name for cls, name in ((DeepSpeedZeroOptimizer_Stage3, SEAM), (DeepSpeedEngine, "_configure_zero_optimizer"))
+               if not hasattr(cls, name)]
+    if missing:
+        raise DGCSeamError(f"deepspeed_dgc needs {', '.join(missing)}, which deepspeed {deepspeed.__version__} lacks; "
+                           "install the DeepSpeed version range in setup.py (tested: 0.19.8)")
+
+
+def _make_avg_scatter_grads(opt, state: DGCState):
+    """Build the replacement of ``opt.__avg_scatter_grads(params, communication_data_type)``."""
+
+    def avg_scatter_grads(params_to_reduce: List[torch.nn.Parameter], communication_data_type: torch.dtype):
+        opt._assert_same_partition_group(params_to_reduce)
+        group = opt._get_param_partition_group(params_to_reduce[0])
+        partitions, result = state.reducer.reduce_scatter([p.grad for p in params_to_reduce],
+                                                          [p.ds_id for p in params_to_reduce],
+                                                          group,
+                                                          communication_data_type,
+                                                          loss_scale=float(opt.loss_scale))
+        state.stats.record(result)
+        world = state.reducer.communicator(group).world_size
+        averaging_world_size = opt._gradient_averaging_world_size(params_to_reduce, world)
+        if averaging_world_size != world:  # sequence/expert parallel averaging, as stock
+            partitions = [g.mul(world / float(averaging_world_size)) for g in partitions]
+        return [g.to(opt.gradient_accumulation_dtype) for g in partitions]
+
+    return avg_scatter_grads
+
+
+def _wrap_step(opt, state: DGCState):
+    """Commit error feedback after an applied step, roll it back after a skipped one."""
+    step = opt.step
+
+    @functools.wraps(step)
+    def dgc_step(*args, **kwargs):
+        out = step(*args, **kwargs)
+        skipped = bool(opt.overflow)
+        if skipped:
+            state.memory.rollback()
+        else:
+            state.memory.commit()
+        log_now = (state.stats.steps + 1) % state.cfg.stats_interval == 0
+        s = state.stats.end_step(skipped, state.memory.residual_norm() if log_now else None)
+        if log_now:
+            log_step(s, state.global_rank, state.monitor, state.engine_samples())
+        return out
+
+    return dgc_step
+
+
+def install(engine, opt, cfg: DGCConfig) -> DGCState:
+    """Patch a ZeRO-3 optimizer instance of ``engine`` with the compressed reduce-scatter.
+
+    Args:
+        engine: the ``DeepSpeedEngine`` that owns ``opt``.
+        opt: a ``DeepSpeedZeroOptimizer_Stage3`` (or subclass) instance.
+        cfg: the enabled ``"dgc"`` config.
+
+    Returns:
+        The :class:`DGCState` now attached to both engine and optimizer.
+
+    Raises:
+        DGCSeamError: ``opt`` is not a ZeRO-3 optimizer with the expected method.
+    """
+    if not isinstance(opt, DeepSpeedZeroOptimizer_Stage3) or not hasattr(opt, SEAM):
+        raise DGCSeamError(f"deepspeed_dgc can only patch a ZeRO-3 optimizer, got {type(opt).__name__}")
+    state = DGCState(cfg, engine.global_rank)
+    state.monitor = getattr(engine, "monitor", None)
+    state.engine_samples = lambda: getattr(engine, "global_samples", 0)
+    setattr(opt, SEAM, _make_avg_scatter_grads(opt, state))
+    opt.step = _wrap_step(opt, state)
+    setattr(opt, _STATE_ATTR, state)
+    setattr(engine, _STATE_ATTR, state)
+    return state
+
+
+def _engine_dgc_config(engine) -> Optional[DGCConfig]:
+    config = engine.config if isinstance(engine.config, dict) else {}
+    return parse_dgc_config(config)
+
+
+def _wrap_configure_zero_optimizer(orig):
+
+    @functools.wraps(orig)
+    def _configure_zero_optimizer(self, optimizer):
+        cfg = _engine_dgc_config(self)
+        if cfg is None or not cfg.enabled:
+            return orig(self, optimizer)
+        check_engine_compatible(cfg, self)
+        opt = orig(self, optimizer)
+        install(self, opt, cfg)
+        return opt
+
+    _configure_zero_optimizer._dgc_wrapped = True
+    return _configure_zero_optimizer
+
+
+def _wrap_engine_init(orig):
+
+    @functools.wraps(orig)
+    def __init__(self, *args, **kwargs):
+        orig(self, *args, **kwargs)
+        cfg = _engine_dgc_config(self)
+        if cfg is not None and cfg.enabled and getattr(self, _STATE_ATTR, None) is None:
+            check_engine_compatible(cfg, self)  # names the clashing key, e.g. a stage other than 3
+            raise RuntimeError("'dgc.enabled' is true but no ZeRO-3 optimizer was created to compress "
+                               "(an optimizer and 'zero_optimization.stage' = 3 are required)")
+
+    __init__._dgc_wrapped = True
+    return __init__
+
+
+def activate() -> None:
+    """Install the wrappers on ``DeepSpeedEngine`` once (idempotent). Called by ``import deepspeed_dgc``."""
+    check_seam()
+    if not getattr(DeepSpeedEngine._configure_zero_optimizer, "_dgc_wrapped", False):
+        DeepSpeedEngine._configure_zero_optimizer = _wrap_configure_zero_optimizer(DeepSpeedEngine._configure_zero_optimizer)
+    if not getattr(DeepSpeedEngine.__init__, "_dgc_wrapped", False):
+        DeepSpeedEngine.__init__ = _wrap_engine_init(DeepSpeedEngine.__init__)
+
+
+def get_stats(engine) -> Optional[DGCStats]:
+    """This rank's compression telemetry for ``engine``, or None when DGC is not enabled on it.
+
+    Args:
+        engine: a ``DeepSpeedEngine`` from ``deepspeed.initialize``.
+
+    Returns:
+        :class:`~deepspeed_dgc.telemetry.DGCStats` (bytes are this rank's, in bytes).
+    """
+    state = getattr(engine, _STATE_ATTR, None)
+    return None if state is None else state.stats

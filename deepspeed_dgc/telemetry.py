@@ -1,0 +1,119 @@
+"""Telemetry: bytes on the wire, compression ratio, density and residual norm per step."""
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, Optional
+
+from deepspeed.utils import logger
+
+from .reducer import ReduceResult
+
+
+@dataclass
+class StepStats:
+    """Counters of one optimizer step on this rank (all micro-steps of its accumulation window).
+
+    Attributes:
+        step: optimizer step number (1-based, counting skipped steps).
+        wire_bytes: bytes sent to other ranks by the compressed reduce-scatter.
+        dense_fp32_bytes: bytes stock fp32 reduce-scatter would have sent for the same tensors.
+        kept: elements selected in compressed tensors.
+        compressed_numel: elements of compressed tensors.
+        skipped: the step was skipped (overflow); its residual updates were rolled back.
+        residual_norm: L2 norm of all residuals after the step (only on logged steps, else None).
+    """
+    step: int = 0
+    wire_bytes: int = 0
+    dense_fp32_bytes: float = 0.0
+    kept: int = 0
+    compressed_numel: int = 0
+    skipped: bool = False
+    residual_norm: Optional[float] = None
+
+    @property
+    def compression_ratio(self) -> float:
+        """Dense fp32 bytes over wire bytes (0 when nothing was sent)."""
+        return self.dense_fp32_bytes / self.wire_bytes if self.wire_bytes else 0.0
+
+    @property
+    def density(self) -> float:
+        """Fraction of compressed-tensor elements selected (1 when no tensor was compressed)."""
+        return self.kept / self.compressed_numel if self.compressed_numel else 1.0
+
+
+@dataclass
+class DGCStats:
+    """Run totals of this rank plus the last completed step, readable by a training script.
+
+    Get it with :func:`deepspeed_dgc.get_stats`. Byte counts are this rank's: what it sent to
+    other ranks (``wire_bytes_total``) and what stock fp32 ZeRO-3 would have sent for the same
+    reduce-scatters (``dense_fp32_bytes_total``, ``(W-1)/W * numel * 4`` per tensor and call).
+    """
+    steps: int = 0
+    skipped_steps: int = 0
+    wire_bytes_total: int = 0
+    dense_fp32_bytes_total: float = 0.0
+    kept_total: int = 0
+    compressed_numel_total: int = 0
+    last: Optional[StepStats] = None
+    _current: StepStats = field(default_factory=StepStats, repr=False)
+
+    @property
+    def compression_ratio(self) -> float:
+        """Run total dense fp32 bytes over wire bytes (0 before anything was sent)."""
+        return self.dense_fp32_bytes_total / self.wire_bytes_total if self.wire_bytes_total else 0.0
+
+    @property
+    def mean_density(self) -> float:
+        """Run total selected elements over compressed elements."""
+        return self.kept_total / self.compressed_numel_total if self.compressed_numel_total else 1.0
+
+    def record(self, r: ReduceResult) -> None:
+        """Add one reduce-scatter call to the current step."""
+        cur = self._current
+        cur.wire_bytes += r.wire_bytes
+        cur.dense_fp32_bytes += r.dense_fp32_bytes
+        cur.kept += r.kept
+        cur.compressed_numel += r.compressed_numel
+
+    def end_step(self, skipped: bool, residual_norm: Optional[float]) -> StepStats:
+        """Close the current step, add it to the totals and return it."""
+        cur = self._current
+        self.steps += 1
+        cur.step, cur.skipped, cur.residual_norm = self.steps, skipped, residual_norm
+        self.skipped_steps += int(skipped)
+        self.wire_bytes_total += cur.wire_bytes
+        self.dense_fp32_bytes_total += cur.dense_fp32_bytes
+        self.kept_total += cur.kept
+        self.compressed_numel_total += cur.compressed_numel
+        self.last = cur
+        self._current = StepStats()
+        return cur
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Totals and the last step as a JSON-ready dict."""
+        return {
+            "steps": self.steps,
+            "skipped_steps": self.skipped_steps,
+            "wire_bytes_total": self.wire_bytes_total,
+            "dense_fp32_bytes_total": round(self.dense_fp32_bytes_total),
+            "compression_ratio": self.compression_ratio,
+            "mean_density": self.mean_density,
+            "last": None if self.last is None else dict(asdict(self.last),
+                                                         compression_ratio=self.last.compression_ratio,
+                                                         density=self.last.density),
+        }
+
+
+def log_step(s: StepStats, rank: int, monitor=None, global_samples: int = 0) -> None:
+    """Write a step's telemetry as one log line and, if enabled, to DeepSpeed's monitor."""
+    norm = "n/a" if s.residual_norm is None else f"{s.residual_norm:.4g}"
+    logger.info(f"[deepspeed_dgc] rank {rank} step {s.step}: wire {s.wire_bytes} B, dense fp32 {s.dense_fp32_bytes:.0f} B, "
+                f"ratio {s.compression_ratio:.1f}x, density {s.density:.4f}, residual norm {norm}"
+                f"{', skipped (overflow)' if s.skipped else ''}")
+    if monitor is not None and getattr(monitor, "enabled", False) and rank == 0:
+        events = [("Train/dgc/wire_bytes", s.wire_bytes, global_samples),
+                  ("Train/dgc/compression_ratio", s.compression_ratio, global_samples),
+                  ("Train/dgc/density", s.density, global_samples)]
+        if s.residual_norm is not None:
+            events.append(("Train/dgc/residual_norm", s.residual_norm, global_samples))
+        monitor.write_events(events)

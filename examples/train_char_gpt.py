@@ -1,0 +1,272 @@
+"""Character-level GPT on tiny Shakespeare, trained with DeepSpeed ZeRO-3 (+ optional DGC).
+
+Launch from the repository root, e.g.::
+
+    deepspeed --num_gpus 2 examples/train_char_gpt.py --deepspeed_config configs/zero3_dgc_int4.json
+
+The ``"dgc"`` section of the DeepSpeed config (if any) is read by the ``deepspeed_dgc``
+extension, which is activated by importing it. Rank 0 prints a final ``SUMMARY {json}`` line
+and optionally writes the same JSON to ``--summary-json``.
+"""
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+import deepspeed
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from tqdm import tqdm
+
+try:
+    import deepspeed_dgc  # importing activates the DGC extension for deepspeed.initialize
+except ImportError as exc:
+    sys.exit(f"train_char_gpt.py: cannot import deepspeed_dgc ({exc}). "
+             "Install it from the repository root with `pip install -e .`.")
+
+DATA_PATH = Path(__file__).resolve().parent / "data" / "tinyshakespeare.txt"
+TRAIN_LOSS_WINDOW = 10  # final_train_loss = mean of the last this-many logged train losses
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with a fused qkv projection."""
+
+    def __init__(self, n_embd: int, n_head: int):
+        super().__init__()
+        if n_embd % n_head:
+            raise ValueError(f"n_embd={n_embd} is not divisible by n_head={n_head}")
+        self.n_head = n_head
+        self.qkv = nn.Linear(n_embd, 3 * n_embd)
+        self.proj = nn.Linear(n_embd, n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (B, T, C) float -> (B, T, C) float."""
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        # (B, T, C) -> (B, n_head, T, C // n_head)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, n_embd: int, n_head: int):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(n_embd)
+        self.attn = CausalSelfAttention(n_embd, n_head)
+        self.ln2 = nn.LayerNorm(n_embd)
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (B, T, C) float -> (B, T, C) float."""
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class CharGPT(nn.Module):
+    """Small decoder-only transformer over a character vocabulary."""
+
+    def __init__(self, vocab_size: int, block_size: int, n_layer: int, n_embd: int, n_head: int):
+        super().__init__()
+        self.block_size = block_size
+        self.tok_emb = nn.Embedding(vocab_size, n_embd)
+        self.pos_emb = nn.Embedding(block_size, n_embd)
+        self.blocks = nn.Sequential(*(Block(n_embd, n_head) for _ in range(n_layer)))
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.lm_head = nn.Linear(n_embd, vocab_size)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-character cross-entropy (nats).
+
+        idx, targets: (B, T) int64 token ids with T <= block_size; targets[b, t] is the token
+        following idx[b, t]. Returns a scalar float loss.
+        """
+        T = idx.shape[1]
+        pos = torch.arange(T, device=idx.device)
+        x = self.blocks(self.tok_emb(idx) + self.pos_emb(pos))
+        logits = self.lm_head(self.ln_f(x))  # (B, T, vocab_size)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def load_data() -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Encode the corpus with a sorted-character vocabulary.
+
+    Returns (train, val, vocab_size): 1-D int64 token tensors holding the first 90% and the
+    last 10% of the text.
+    """
+    text = DATA_PATH.read_text(encoding="utf-8")
+    stoi = {ch: i for i, ch in enumerate(sorted(set(text)))}
+    data = torch.tensor([stoi[ch] for ch in text], dtype=torch.long)
+    n_train = int(0.9 * len(data))
+    return data[:n_train], data[n_train:], len(stoi)
+
+
+def get_batch(data: torch.Tensor, batch_size: int, block_size: int,
+              generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random windows of ``data``: returns (x, y), each (batch_size, block_size) int64, y = x shifted by one."""
+    starts = torch.randint(len(data) - block_size, (batch_size, ), generator=generator)
+    x = torch.stack([data[s:s + block_size] for s in starts.tolist()])
+    y = torch.stack([data[s + 1:s + 1 + block_size] for s in starts.tolist()])
+    return x, y
+
+
+def all_reduce_mean(value: float, world_size: int) -> float:
+    """Mean of a Python float over all ranks (collective)."""
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.item() / world_size
+
+
+@torch.no_grad()
+def evaluate(engine, val_batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> float:
+    """Mean loss over the fixed validation batches, sharded round-robin over the ranks (collective).
+
+    Every rank runs the same number of forward passes, as ZeRO-3 forward gathers parameters
+    collectively; a rank short of batches repeats batch 0 and discards the result.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shard = val_batches[rank::world]
+    loss_sum = 0.0
+    engine.eval()
+    for i in range(math.ceil(len(val_batches) / world)):
+        x, y = shard[i] if i < len(shard) else val_batches[0]
+        loss = engine(x.to(device), y.to(device)).item()
+        if i < len(shard):
+            loss_sum += loss
+    engine.train()
+    totals = torch.tensor([loss_sum, float(len(shard))], dtype=torch.float64)
+    dist.all_reduce(totals)
+    return (totals[0] / totals[1]).item()
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+    parser.add_argument("--max-steps", type=int, default=300, help="optimizer steps")
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--eval-interval", type=int, default=50, help="evaluate every this many steps")
+    parser.add_argument("--eval-batches", type=int, default=8, help="validation batches per evaluation")
+    parser.add_argument("--summary-json", type=Path, help="rank 0 writes the run summary here")
+    parser.add_argument("--lr", type=float, help="override the ds_config optimizer (and scheduler) learning rate")
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--n-embd", type=int, default=128)
+    parser.add_argument("--n-head", type=int, default=4)
+    parser.add_argument("--block-size", type=int, default=64, help="context length in characters")
+    parser = deepspeed.add_config_arguments(parser)
+    args = parser.parse_args()
+    if not args.deepspeed_config:
+        parser.error("--deepspeed_config is required")
+    if args.max_steps < 1 or args.eval_interval < 1 or args.eval_batches < 1:
+        parser.error("--max-steps, --eval-interval and --eval-batches must be >= 1")
+    return args
+
+
+def load_ds_config(path: str, lr: float | None) -> dict:
+    """Read the DeepSpeed JSON config; ``lr`` (if given) replaces the optimizer lr and the
+    scheduler's peak lr (``warmup_max_lr``)."""
+    with open(path) as f:
+        config = json.load(f)
+    if lr is not None:
+        config["optimizer"]["params"]["lr"] = lr
+        scheduler_params = config.get("scheduler", {}).get("params", {})
+        if "warmup_max_lr" in scheduler_params:
+            scheduler_params["warmup_max_lr"] = lr
+    return config
+
+
+def main() -> None:
+    args = parse_args()
+    ds_config = load_ds_config(args.deepspeed_config, args.lr)
+
+    deepspeed.init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    is_main = rank == 0
+
+    train_data, val_data, vocab_size = load_data()
+    torch.manual_seed(args.seed)  # identical initialisation on every rank
+    model = CharGPT(vocab_size, args.block_size, args.n_layer, args.n_embd, args.n_head)
+    n_params = sum(p.numel() for p in model.parameters())  # counted before ZeRO-3 partitions them
+    if is_main:
+        print(f"model: {n_params:,} parameters, vocab {vocab_size}, world size {world}", flush=True)
+
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    device = engine.device
+    batch_size = engine.train_micro_batch_size_per_gpu()
+    grad_accum = engine.gradient_accumulation_steps()
+
+    val_gen = torch.Generator().manual_seed(args.seed)  # same validation set on every rank
+    val_batches = [get_batch(val_data, batch_size, args.block_size, val_gen) for _ in range(args.eval_batches)]
+    train_gen = torch.Generator().manual_seed(args.seed + rank)  # different training batches per rank
+
+    recent_train = deque(maxlen=TRAIN_LOSS_WINDOW)
+    val_losses = []
+    train_loss = val_loss = float("nan")
+    progress = tqdm(total=args.max_steps, disable=not is_main, dynamic_ncols=True)
+    start = time.perf_counter()
+    for step in range(1, args.max_steps + 1):
+        micro_losses = []
+        for _ in range(grad_accum):
+            x, y = get_batch(train_data, batch_size, args.block_size, train_gen)
+            loss = engine(x.to(device), y.to(device))
+            engine.backward(loss)
+            engine.step()
+            micro_losses.append(loss.item())
+        train_loss = all_reduce_mean(sum(micro_losses) / grad_accum, world)
+        recent_train.append(train_loss)
+        if step % args.eval_interval == 0 and step < args.max_steps:
+            val_loss = evaluate(engine, val_batches, device)
+            val_losses.append([step, val_loss])
+            progress.write(f"step {step} | train {train_loss:.4f} | val {val_loss:.4f}")
+        progress.set_postfix(train=f"{train_loss:.4f}", val=f"{val_loss:.4f}")
+        progress.update()
+    wall_s = time.perf_counter() - start  # training loop incl. periodic evals, excl. the final eval
+    progress.close()
+
+    final_val_loss = evaluate(engine, val_batches, device)
+    val_losses.append([args.max_steps, final_val_loss])
+    if is_main:
+        print(f"step {args.max_steps} | train {train_loss:.4f} | val {final_val_loss:.4f}", flush=True)
+
+    stats = deepspeed_dgc.get_stats(engine)
+    if stats is None:
+        # Stock ZeRO-3: every micro-step reduce-scatters all fp32 gradients; this rank sends
+        # (world - 1) / world of them.
+        dense = round(args.max_steps * grad_accum * (world - 1) / world * n_params * 4)
+        wire, dense_fp32, ratio = dense, dense, 1.0
+    else:
+        wire, dense_fp32, ratio = stats.wire_bytes_total, stats.dense_fp32_bytes_total, stats.compression_ratio
+
+    if is_main:
+        summary = {
+            "config": args.deepspeed_config,
+            "dgc": ds_config.get("dgc"),
+            "seed": args.seed,
+            "world_size": world,
+            "n_params": n_params,
+            "steps": args.max_steps,
+            "final_val_loss": final_val_loss,
+            "final_train_loss": sum(recent_train) / len(recent_train),
+            "val_losses": val_losses,
+            "wall_s": wall_s,
+            "wire_bytes_total": wire,
+            "dense_fp32_bytes_total": dense_fp32,
+            "compression_ratio": ratio,
+            "skipped_steps": engine.skipped_steps,
+            "dgc_stats": None if stats is None else stats.to_dict(),
+        }
+        if args.summary_json:
+            args.summary_json.parent.mkdir(parents=True, exist_ok=True)
+            args.summary_json.write_text(json.dumps(summary, indent=2) + "\n")
+        print("SUMMARY " + json.dumps(summary), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""Worker: run the compressed reduce-scatter directly on random gradients and save everything.
+
+Usage: reduce_worker.py OUT_DIR. Writes OUT_DIR/rank<r>.pt: {case: {"cfg", "steps": [...]}} where
+each step holds this rank's inputs, outputs and committed residuals after the step.
+"""
+
+import sys
+
+import torch
+
+from common import init
+
+from deepspeed_dgc.config import DGCConfig
+from deepspeed_dgc.memory import ErrorFeedback
+from deepspeed_dgc.reducer import CompressedReduceScatter
+
+SIZES = [1, 7, 42, 1001]
+CASES = {
+    "sparse_int4": dict(density=0.1, quantization="int4", group_size=16, min_numel=0),
+    "dense_int4": dict(density=1.0, quantization="int4", group_size=16, min_numel=0),
+    "lossless": dict(density=1.0, quantization="none", min_numel=0),
+    "sparse_raw_mixed": dict(density=0.05, quantization="none", min_numel=40),
+    "zero_rank": dict(density=0.1, quantization="int4", group_size=16, min_numel=0),
+}
+STEPS = 4
+
+
+def main(out_dir: str) -> None:
+    rank = init()
+    results = {}
+    for ci, (name, kw) in enumerate(CASES.items()):
+        cfg = DGCConfig(enabled=True, **kw)
+        memory = ErrorFeedback()
+        reducer = CompressedReduceScatter(cfg, memory, seed=rank)
+        gen = torch.Generator().manual_seed(1000 * ci + 17 * rank + 1)
+        steps = []
+        for step in range(STEPS):
+            grads = [torch.randn(n, generator=gen) * (1 + 10 * step) for n in SIZES]
+            grads[-1] = grads[-1].view(7, 143)  # any shape is accepted
+            if name == "zero_rank" and rank == 1:
+                grads = [torch.zeros_like(g) for g in grads]
+            outs, res = reducer.reduce_scatter(grads, list(range(len(grads))), None, torch.float32)
+            memory.commit()
+            steps.append(dict(inputs=[g.clone() for g in grads],
+                              outputs=[o.clone() for o in outs],
+                              residuals={k: v.clone() for k, v in memory.committed.items()},
+                              wire_bytes=res.wire_bytes,
+                              kept=res.kept))
+        results[name] = dict(cfg=kw, steps=steps)
+    torch.save(results, f"{out_dir}/rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
