@@ -196,11 +196,12 @@ class CompressedReduceScatter:
             accs.append(acc)
 
         finite = bool(torch.isfinite(dense_m).all()) and all(bool(torch.isfinite(a).all()) for a in accs)
-        if not finite:  # send well-formed zeros; this rank's output becomes NaN below
+        if finite:
+            masks = [select_topk(a, cfg.density, self._generator(device)) for a in accs]
+        else:  # send well-formed zeros and nothing selected; this rank's output becomes NaN below
             dense_m.zero_()
             accs = [torch.zeros_like(a) for a in accs]
-
-        masks = [select_topk(a, cfg.density, self._generator(device)) for a in accs]
+            masks = [torch.zeros(a.numel(), dtype=torch.bool, device=device) for a in accs]
         acc_m, chunks = _owner_matrix(accs, world, torch.float32, device)
         mask_m, _ = _owner_matrix(masks, world, torch.bool, device)
         c_numels = [numels[i] for i in c_idx]
@@ -311,12 +312,12 @@ class CompressedReduceScatter:
             index_bytes, off = _take(buf, off, n_index, torch.uint8)
             if buf.numel() - off >= 4:
                 raise DGCProtocolError(f"rank {src} sent {buf.numel()} bytes, expected {off} plus padding")
-            if n_index == 0:
+            if n_index == 0:  # nothing kept, or every real element kept (positions implied)
                 if real_pos is None:
                     real_pos = real_row.nonzero().squeeze(1)
-                if kept != real_pos.numel():
+                if kept not in (0, real_pos.numel()):
                     raise DGCProtocolError(f"rank {src} sent {kept} values without indices for {real_pos.numel()} elements")
-                pos = real_pos
+                pos = real_pos[:kept]
             else:
                 try:
                     pos = decode_indices(index_bytes, torch.tensor([kept], device=device))

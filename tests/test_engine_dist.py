@@ -1,0 +1,87 @@
+"""ZeRO-3 through deepspeed.initialize in 2 real processes: the seam against stock DeepSpeed."""
+
+import math
+import tempfile
+
+import pytest
+import torch
+
+from dist_launch import check_ok, launch
+
+
+def run(mode, world=2, timeout_s=240):
+    out = tempfile.mkdtemp()
+    check_ok(launch(world, "engine_worker.py", [mode, out], timeout_s=timeout_s))
+    return [torch.load(f"{out}/rank{r}.pt") for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def stock():
+    return run("stock")
+
+
+def test_lossless_bit_identical_to_stock(stock):
+    """density 1 + no quantization, gradient accumulation 2, 4 steps: same losses, full
+    gradients and fp32 parameters as stock ZeRO-3, bit for bit."""
+    ours = run("lossless")
+    for r in range(2):
+        assert ours[r]["losses"] == stock[r]["losses"]
+        for step, (a, b) in enumerate(zip(ours[r]["grads"], stock[r]["grads"])):
+            for x, y in zip(a, b):
+                assert torch.equal(x, y), f"rank {r} step {step}: gradients differ"
+        for step, (a, b) in enumerate(zip(ours[r]["params"], stock[r]["params"])):
+            for x, y in zip(a, b):
+                assert torch.equal(x, y), f"rank {r} step {step}: parameters differ"
+        # parameters moved, so the comparison is not between two untouched models
+        assert not torch.equal(stock[r]["params"][0][0], stock[r]["params"][-1][0])
+        stats = ours[r]["stats"]
+        assert stats["steps"] == 4 and stats["wire_bytes_total"] > 0
+
+
+@pytest.mark.parametrize("mode", ["overflow_fp16", "overflow_bf16"])
+def test_inf_on_one_rank_skips_step_everywhere(mode):
+    """Inf in rank 1's input at step 2: every rank skips that step, parameters and residuals
+    stay as they were, residuals stay finite, and training goes on."""
+    ranks = run(mode)
+    for r, rec in enumerate(ranks):
+        assert rec["skipped"] == [0, 0, 1, 1], f"rank {r}"
+        for x, y in zip(rec["params"][2], rec["params"][3]):  # params before / after step 2
+            assert torch.equal(x, y)
+        assert not all(torch.equal(x, y) for x, y in zip(rec["params"][3], rec["params"][4]))  # step 3 applied
+        assert rec["residuals"][1], "sparse compression left no residuals"
+        for res in rec["residuals"]:
+            assert all(bool(torch.isfinite(v).all()) for v in res.values())
+        for k in rec["residuals"][1]:
+            assert torch.equal(rec["residuals"][1][k], rec["residuals"][2][k])
+        assert not all(torch.equal(rec["residuals"][2][k], rec["residuals"][3][k]) for k in rec["residuals"][2])
+        assert rec["stats"]["skipped_steps"] == 1
+        assert all(math.isfinite(l) for i, l in enumerate(rec["losses"]) if not (r == 1 and i == 2))
+    if mode == "overflow_fp16":
+        assert [rec["loss_scale"] for rec in ranks][0] == [256.0, 256.0, 128.0, 128.0]
+
+
+def test_bad_config_fails_on_every_rank_naming_the_key():
+    ranks = run("bad_config")
+    expected = {
+        "misspelled": "dgc.densty",
+        "density_range": "dgc.density",
+        "quantization_value": "dgc.quantization",
+        "stage2": "zero_optimization.stage",
+        "no_reduce_scatter": "zero_optimization.reduce_scatter",
+        "qgz": "zero_optimization.zero_quantized_gradients",
+        "stage0": "zero_optimization.stage",
+    }
+    for r, messages in enumerate(ranks):
+        for case, key in expected.items():
+            msg = messages[case]
+            assert msg is not None, f"rank {r}: {case} was accepted"
+            assert msg.startswith("DGCConfigError") and key in msg, f"rank {r} {case}: {msg}"
+    assert "allowed keys: enabled, density" in ranks[0]["misspelled"]
+    assert "'int4' or 'none'" in ranks[0]["quantization_value"]
+
+
+def test_ranks_that_disagree_fail_on_every_rank():
+    """Rank 1 runs another density: both ranks raise at the first bucket instead of mixing formats."""
+    ranks = run("mismatch")
+    for r, msg in enumerate(ranks):
+        assert msg is not None and msg.startswith("DGCProtocolError") and "differ between ranks" in msg, f"rank {r}: {msg}"

@@ -1,0 +1,158 @@
+"""Worker: train a small odd-sized model with ZeRO-3 through deepspeed.initialize and save what happened.
+
+Usage: engine_worker.py MODE OUT_DIR [STEPS]. MODE is one of
+  stock, lossless          fp32, gradient accumulation 2: losses, full grads and fp32 params per step
+  overflow_fp16, overflow_bf16
+                           DGC on; rank 1's input holds Inf at step 2: skipped steps, params, residuals
+  bad_config               initialize with invalid "dgc" settings; record each error message
+  mismatch                 rank 1 uses another density than rank 0; record the error of the first step
+"""
+
+import copy
+import sys
+
+import torch
+import deepspeed
+from deepspeed.accelerator import get_accelerator
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
+
+import deepspeed_dgc
+from common import init
+
+BASE = {
+    "train_micro_batch_size_per_gpu": 4,
+    "gradient_accumulation_steps": 1,
+    "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
+    "zero_optimization": {"stage": 3, "reduce_bucket_size": 3000, "stage3_param_persistence_threshold": 0},
+    "steps_per_print": 1000000,
+}
+LOSSLESS = {"enabled": True, "density": 1.0, "quantization": "none", "min_numel": 0}
+SPARSE = {"enabled": True, "density": 0.1, "quantization": "int4", "min_numel": 256, "stats_interval": 1}
+
+
+class Net(torch.nn.Module):
+    """Odd sizes so partitions are padded: 24 -> 101 -> 37; weights above and below the bucket size."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1 = torch.nn.Linear(24, 101)
+        self.ln = torch.nn.LayerNorm(101)
+        self.l2 = torch.nn.Linear(101, 37)
+
+    def forward(self, x, y):
+        h = self.l2(self.ln(torch.nn.functional.gelu(self.l1(x))))
+        return torch.nn.functional.mse_loss(h.float(), y.float())
+
+
+def make_engine(config):
+    torch.manual_seed(0)
+    model = Net()
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine
+
+
+def full_params(engine):
+    return [safe_get_full_fp32_param(p).clone() for p in engine.module.parameters()]
+
+
+def batches(rank, steps, micro, dtype):
+    gen = torch.Generator().manual_seed(100 + rank)
+    return [[(torch.randn(4, 24, generator=gen).to(dtype), torch.randn(4, 37, generator=gen).to(dtype))
+             for _ in range(micro)] for _ in range(steps)]
+
+
+def train(mode, rank, steps):
+    cfg = copy.deepcopy(BASE)
+    dtype = torch.float32
+    gas = 1
+    if mode in ("stock", "lossless"):
+        gas = 2
+        cfg["gradient_accumulation_steps"] = gas
+        if mode == "lossless":
+            cfg["dgc"] = LOSSLESS
+    else:
+        cfg["dgc"] = SPARSE
+        if mode == "overflow_fp16":
+            # DeepSpeed's CPU accelerator refuses fp16 unless oneDNN has fp16 kernels for this CPU;
+            # torch computes fp16 on any CPU, and the fp16 loss-scaling path is what is under test.
+            get_accelerator().is_fp16_supported = lambda: True
+            cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1, "loss_scale_window": 1000}
+            dtype = torch.float16
+        else:
+            cfg["bf16"] = {"enabled": True}
+            dtype = torch.bfloat16
+    engine = make_engine(cfg)
+    record = dict(losses=[], grads=[], params=[full_params(engine)], skipped=[], residuals=[], loss_scale=[],
+                  stats=None)
+    for step, micro_batches in enumerate(batches(rank, steps, gas, dtype)):
+        for m, (x, y) in enumerate(micro_batches):
+            if mode.startswith("overflow") and step == 2 and rank == 1:
+                x = x.clone()
+                x[0, 0] = float("inf")
+            loss = engine(x, y)
+            engine.backward(loss)
+            record["losses"].append(float(loss))
+            if m == len(micro_batches) - 1:
+                record["grads"].append([safe_get_full_grad(p).float().clone() for p in engine.module.parameters()])
+            engine.step()
+        record["params"].append(full_params(engine))
+        record["skipped"].append(engine.skipped_steps)
+        state = getattr(engine, "_dgc_state", None)
+        if state is not None:
+            record["residuals"].append({k: v.clone() for k, v in state.memory.committed.items()})
+        record["loss_scale"].append(float(engine.optimizer.loss_scale))
+    stats = deepspeed_dgc.get_stats(engine)
+    record["stats"] = None if stats is None else stats.to_dict()
+    return record
+
+
+BAD = {
+    "misspelled": {"dgc": {"enabled": True, "densty": 0.1}},
+    "density_range": {"dgc": {"enabled": True, "density": 1.5}},
+    "quantization_value": {"dgc": {"enabled": True, "quantization": "int3"}},
+    "stage2": {"dgc": {"enabled": True}, "zero_optimization": {"stage": 2}},
+    "no_reduce_scatter": {"dgc": {"enabled": True}, "zero_optimization": {"stage": 3, "reduce_scatter": False}},
+    "qgz": {"dgc": {"enabled": True}, "zero_optimization": {"stage": 3, "zero_quantized_gradients": True}},
+    "stage0": {"dgc": {"enabled": True}, "zero_optimization": {"stage": 0}},
+}
+
+
+def bad_configs():
+    messages = {}
+    for name, override in BAD.items():
+        cfg = copy.deepcopy(BASE)
+        cfg.update(override)
+        try:
+            make_engine(cfg)
+            messages[name] = None
+        except Exception as err:  # record whatever was raised; the test checks the text
+            messages[name] = f"{type(err).__name__}: {err}"
+    return messages
+
+
+def mismatch(rank):
+    cfg = copy.deepcopy(BASE)
+    cfg["dgc"] = dict(SPARSE, density=0.1 if rank == 0 else 0.2)
+    engine = make_engine(cfg)
+    (x, y), = batches(rank, 1, 1, torch.float32)[0]
+    try:
+        engine.backward(engine(x, y))
+        engine.step()
+        return None
+    except Exception as err:  # the test checks which error, on which rank
+        return f"{type(err).__name__}: {err}"
+
+
+def main(mode, out_dir, steps=4):
+    rank = init()
+    if mode == "bad_config":
+        result = bad_configs()
+    elif mode == "mismatch":
+        result = mismatch(rank)
+    else:
+        result = train(mode, rank, steps)
+    torch.save(result, f"{out_dir}/rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], *[int(a) for a in sys.argv[3:]])
