@@ -31,8 +31,8 @@ class DGCConfig(BaseModel):
     - ``group_size`` (int >= 2, even, default 128): kept values per INT4 scale group.
     - ``error_feedback`` (bool, default true): carry what was not sent (unselected values and
       quantization error) to the next micro-step.
-    - ``min_numel`` (int >= 0, default 2048): tensors with fewer elements are sent dense and
-      unquantized.
+    - ``min_numel`` (int >= 0, default 2048): tensors with fewer elements are not sparsified:
+      they are sent whole (still quantized, with error feedback) and need no indices.
     - ``stats_interval`` (int >= 1, default 100): optimizer steps between telemetry log lines.
 
     ``density: 1.0`` with ``quantization: "none"`` is the lossless mode: bit-identical to stock

@@ -7,7 +7,8 @@ W ranks, this rank r:
 2. selects top-k of each tensor (:func:`select_topk`) and splits the selection by owner rank:
    owner o gets the kept elements of ``flat[o*c : min((o+1)*c, n)]``, ``c = ceil(n/W)``;
 3. quantizes the kept values per owner to INT4 with group-wise absmax scales and varint-codes
-   their positions (:mod:`deepspeed_dgc.compressor`); tensors under ``min_numel`` go dense;
+   their positions (:mod:`deepspeed_dgc.compressor`); tensors under ``min_numel`` (and all
+   tensors at density 1) are sent whole, still quantized, with no indices;
 4. exchanges one byte payload per owner with an uneven all-to-all (:class:`TorchCommunicator`);
 5. sums what every sender sent for its own partition into a dense fp32 buffer;
 6. stages the new residual ``acc - sent`` (includes the quantization error), unscaled.
@@ -21,15 +22,14 @@ Wire format of one payload (sender -> owner), aligned to 4 bytes::
 
     int32[5]  header: MAGIC, fingerprint (config and bucket shape), kept count, index bytes, scale groups
     fp32[G]   INT4 scales (groups restart at each tensor; absent without quantization)
-    dense     the owner's rows of the tensors under min_numel, raw, in the communication dtype
-    values    kept values: packed INT4 (two per byte) or raw communication dtype
-    uint8[]   varint gaps of the kept positions (absent when every real element is kept)
+    values    kept values in column order: packed INT4 (two per byte) or raw communication dtype
+    uint8[]   varint gaps of the kept positions of sparsified tensors (the others are implied)
 """
 
 import json
 import zlib
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 
@@ -55,14 +55,14 @@ class ReduceResult:
         wire_bytes: bytes this rank sent to other ranks (payloads and size exchange).
         dense_fp32_bytes: what stock fp32 reduce-scatter would send for the same tensors,
             ``(W-1)/W * numel * 4`` summed over tensors.
-        kept: elements selected among compressed tensors (this rank, all owners).
-        compressed_numel: elements of the compressed tensors.
+        kept: elements sent (this rank, all owners); tensors that are not sparsified count whole.
+        numel: elements of all tensors of the call.
         finite: False when this rank's input held Inf/NaN (its output was poisoned with NaN).
     """
     wire_bytes: int
     dense_fp32_bytes: float
     kept: int
-    compressed_numel: int
+    numel: int
     finite: bool
 
 
@@ -133,18 +133,18 @@ class CompressedReduceScatter:
         """Bytes sent to other ranks so far, over all groups."""
         return sum(c.wire_bytes for c in self._communicators.values())
 
-    def _fingerprint(self, numels: Sequence[int], compressed: Sequence[bool], comm_dtype: torch.dtype) -> int:
+    def _fingerprint(self, numels: Sequence[int], sparse: Sequence[bool], comm_dtype: torch.dtype) -> int:
         desc = json.dumps([
             self.cfg.density, self.cfg.quantization, self.cfg.group_size, self.cfg.min_numel,
             str(comm_dtype),
             list(numels),
-            list(compressed)
+            list(sparse)
         ])
         return zlib.crc32(desc.encode()) & 0x7FFFFFFF
 
-    def is_compressed(self, numel: int) -> bool:
-        """Whether a tensor of ``numel`` elements takes the compressed path (else dense)."""
-        return not self.cfg.lossless and numel >= self.cfg.min_numel
+    def is_sparse(self, numel: int) -> bool:
+        """Whether a tensor of ``numel`` elements is top-k sparsified (else sent whole, still quantized)."""
+        return self.cfg.density < 1.0 and numel >= self.cfg.min_numel
 
     def reduce_scatter(self,
                        grads: Sequence[torch.Tensor],
@@ -159,7 +159,7 @@ class CompressedReduceScatter:
                 Every rank passes tensors of the same sizes in the same order.
             keys: error-feedback key of each gradient (``param.ds_id``).
             group: process group of the partition (None: the world).
-            comm_dtype: dtype of dense values and of raw kept values on the wire.
+            comm_dtype: dtype of values on the wire when ``quantization`` is ``"none"``.
             loss_scale: current loss scale the gradients are multiplied by (residuals are stored
                 divided by it).
 
@@ -177,65 +177,47 @@ class CompressedReduceScatter:
         device = grads[0].device
         cfg = self.cfg
         numels = [g.numel() for g in grads]
-        compressed = [self.is_compressed(n) for n in numels]
-        flats = [g.reshape(-1) for g in grads]
-        c_idx = [i for i, c in enumerate(compressed) if c]
-        d_idx = [i for i, c in enumerate(compressed) if not c]
+        sparse = [self.is_sparse(n) for n in numels]
 
-        # Dense part: stock casts to the communication dtype and pre-divides by the world size.
-        dense_m, dense_chunks = _owner_matrix([flats[i] for i in d_idx], world, comm_dtype, device)
-        dense_m.div_(world)
-
-        # Compressed part: acc = g/W + residual * loss_scale, in fp32.
+        # acc = g/W + residual * loss_scale in fp32. Stock casts to the communication dtype and
+        # pre-divides by W; an fp32 division rounded to that dtype gives the same values.
         accs = []
-        for i in c_idx:
-            acc = flats[i].float().div(world)
-            residual = self.memory.get(keys[i]) if cfg.error_feedback else None
+        for g, key in zip(grads, keys):
+            acc = g.reshape(-1).to(comm_dtype).float().div(world)
+            residual = self.memory.get(key) if cfg.error_feedback else None
             if residual is not None:
                 acc.add_(residual, alpha=loss_scale)
             accs.append(acc)
 
-        finite = bool(torch.isfinite(dense_m).all()) and all(bool(torch.isfinite(a).all()) for a in accs)
+        finite = all(bool(torch.isfinite(a).all()) for a in accs)
         if finite:
-            masks = [select_topk(a, cfg.density, self._generator(device)) for a in accs]
-        else:  # send well-formed zeros and nothing selected; this rank's output becomes NaN below
-            dense_m.zero_()
+            masks = [
+                select_topk(a, cfg.density, self._generator(device)) if s else torch.ones(a.numel(), dtype=torch.bool, device=device)
+                for a, s in zip(accs, sparse)
+            ]
+        else:  # send well-formed payloads with nothing selected; this rank's output becomes NaN below
             accs = [torch.zeros_like(a) for a in accs]
             masks = [torch.zeros(a.numel(), dtype=torch.bool, device=device) for a in accs]
         acc_m, chunks = _owner_matrix(accs, world, torch.float32, device)
         mask_m, _ = _owner_matrix(masks, world, torch.bool, device)
-        c_numels = [numels[i] for i in c_idx]
-        real_m = _real_mask(c_numels, chunks, world, device)
+        implied_m = _real_mask(numels, chunks, world, device)  # positions sent without an index
+        implied_m[:, _columns(chunks, sparse, device)] = False
         sent_m = torch.zeros_like(acc_m)
-        fingerprint = self._fingerprint(numels, compressed, comm_dtype)
-
         seg_ends = torch.cumsum(torch.tensor(chunks, dtype=torch.long, device=device), 0)
+        fingerprint = self._fingerprint(numels, sparse, comm_dtype)
+
         payloads = []
         for o in range(world):
             pos = mask_m[o].nonzero().squeeze(1)
-            vals = acc_m[o][pos]
             kept = pos.numel()
-            full = kept == int(real_m[o].sum())
-            index_bytes = (torch.empty(0, dtype=torch.uint8, device=device)
-                           if full else encode_indices(pos, torch.tensor([kept], device=device)))
-            parts = [None, None, _bytes(dense_m[o])]
-            if cfg.quantization == "int4":
-                segs = _segment_counts(pos, seg_ends)
-                packed, scales = quantize_int4(vals, cfg.group_size, segs)
-                sent_m[o][pos] = dequantize_int4(packed, scales, kept, cfg.group_size, segs)
-                parts[1] = _bytes(scales)
-                parts.append(packed)
-            else:
-                raw = vals.to(comm_dtype)
-                sent_m[o][pos] = raw.float()
-                parts[1] = torch.empty(0, dtype=torch.uint8, device=device)
-                parts.append(_bytes(raw))
-            parts.append(index_bytes)
-            header = torch.tensor([MAGIC, fingerprint, kept, index_bytes.numel(), parts[1].numel() // 4],
+            indexed = pos[~implied_m[o][pos]]
+            index_bytes = encode_indices(indexed, torch.tensor([indexed.numel()], device=device))
+            values, scales = self._encode_values(acc_m[o][pos], pos, seg_ends, comm_dtype)
+            sent_m[o][pos] = self._decode_values(values, scales, pos, seg_ends, comm_dtype)
+            header = torch.tensor([MAGIC, fingerprint, kept, index_bytes.numel(), scales.numel()],
                                   dtype=torch.int32,
                                   device=device)
-            parts[0] = _bytes(header)
-            payload = torch.cat(parts)
+            payload = torch.cat([_bytes(header), _bytes(scales), _bytes(values), index_bytes])
             pad = -payload.numel() % 4
             if pad:
                 payload = torch.cat([payload, payload.new_zeros(pad)])
@@ -243,59 +225,65 @@ class CompressedReduceScatter:
 
         wire_before = comm.wire_bytes
         received = comm.all_to_all(payloads)
-        out_c, out_d = self._sum_received(received, real_m[rank], seg_ends, dense_m.shape[1], comm_dtype, fingerprint)
+        out = self._sum_received(received, implied_m[rank], seg_ends, comm_dtype, fingerprint)
 
-        if cfg.error_feedback and finite:
+        if cfg.error_feedback and not cfg.lossless and finite:
             res_m = (acc_m - sent_m).div_(loss_scale)
             col = 0
-            for i, c in zip(c_idx, chunks):
-                self.memory.stage(keys[i], res_m[:, col:col + c].reshape(-1)[:numels[i]].clone())
+            for key, n, c in zip(keys, numels, chunks):
+                self.memory.stage(key, res_m[:, col:col + c].reshape(-1)[:n].clone())
                 col += c
 
-        outputs: List[Optional[torch.Tensor]] = [None] * len(grads)
-        for idx_list, chunk_list, out in ((c_idx, chunks, out_c), (d_idx, dense_chunks, out_d)):
-            col = 0
-            for i, c in zip(idx_list, chunk_list):
-                real = max(0, min(c, numels[i] - rank * c))
-                outputs[i] = out.narrow(0, col, real)
-                col += c
+        outputs, col = [], 0
+        for n, c in zip(numels, chunks):
+            outputs.append(out.narrow(0, col, max(0, min(c, n - rank * c))))
+            col += c
         if not finite:
-            for o in outputs:
-                o.fill_(float("nan"))
+            out.fill_(float("nan"))
 
-        dense_fp32 = sum((world - 1) / world * n * 4 for n in numels)
         result = ReduceResult(wire_bytes=comm.wire_bytes - wire_before,
-                              dense_fp32_bytes=dense_fp32,
+                              dense_fp32_bytes=sum((world - 1) / world * n * 4 for n in numels),
                               kept=int(mask_m.sum()),
-                              compressed_numel=sum(c_numels),
+                              numel=sum(numels),
                               finite=finite)
         return outputs, result
 
-    def _sum_received(self, received: Sequence[torch.Tensor], real_row: torch.Tensor, seg_ends: torch.Tensor,
-                      dense_cols: int, comm_dtype: torch.dtype, fingerprint: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _encode_values(self, vals: torch.Tensor, pos: torch.Tensor, seg_ends: torch.Tensor,
+                       comm_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Kept values (fp32, sorted by column) to ``(values on the wire, fp32 scales)``."""
+        if self.cfg.quantization == "int4":
+            return quantize_int4(vals, self.cfg.group_size, _segment_counts(pos, seg_ends))
+        return vals.to(comm_dtype), torch.empty(0, dtype=torch.float32, device=vals.device)
+
+    def _decode_values(self, values: torch.Tensor, scales: torch.Tensor, pos: torch.Tensor, seg_ends: torch.Tensor,
+                       comm_dtype: torch.dtype) -> torch.Tensor:
+        """Inverse of :meth:`_encode_values`: fp32 values, shape ``(pos.numel(),)``."""
+        if self.cfg.quantization == "int4":
+            return dequantize_int4(values, scales, pos.numel(), self.cfg.group_size, _segment_counts(pos, seg_ends))
+        return values.float()
+
+    def _sum_received(self, received: Sequence[torch.Tensor], implied_row: torch.Tensor, seg_ends: torch.Tensor,
+                      comm_dtype: torch.dtype, fingerprint: int) -> torch.Tensor:
         """Decode every sender's payload for this rank's partition and sum them in sender order.
 
         Args:
             received: uint8 payload from each rank of the group.
-            real_row: bool ``(sum c_i,)``, True where this rank's compressed row holds a real element.
-            seg_ends: int64 ``(T,)``, cumulative column ends of the compressed tensors in the row.
-            dense_cols: length of the dense row (sum of the dense tensors' chunks).
+            implied_row: bool ``(sum c_i,)``, True where a kept element needs no index (real
+                elements of tensors that are not sparsified).
+            seg_ends: int64 ``(T,)``, cumulative column ends of the tensors in the row.
             comm_dtype: dtype of raw values.
             fingerprint: this rank's fingerprint of config and bucket, which every payload must carry.
 
         Returns:
-            ``(out_c, out_d)``: fp32 sums over the compressed row (padded layout, shape
-            ``(sum c_i,)``) and the dense row (shape ``(dense_cols,)``).
+            fp32 sums over this rank's row, padded layout, shape ``(sum c_i,)``.
 
         Raises:
             DGCProtocolError: a payload is malformed or was made under another config or bucket.
         """
-        cfg = self.cfg
-        device = real_row.device
+        device = implied_row.device
         itemsize = torch.empty(0, dtype=comm_dtype).element_size()
-        out_c = torch.zeros(real_row.numel(), dtype=torch.float32, device=device)
-        out_d = torch.zeros(dense_cols, dtype=torch.float32, device=device)
-        real_pos = None
+        out = torch.zeros(implied_row.numel(), dtype=torch.float32, device=device)
+        implied = implied_row.nonzero().squeeze(1)
         for src, buf in enumerate(received):
             header, off = _take(buf, 0, 4 * HEADER_INT32, torch.int32)
             magic, fp, kept, n_index, n_groups = header.tolist()
@@ -303,38 +291,39 @@ class CompressedReduceScatter:
                 raise DGCProtocolError(
                     f"rank {src} sent a payload this rank cannot read (magic {magic:#x}, fingerprint {fp} vs {fingerprint}): "
                     "the 'dgc' config, the communication dtype or the bucket's tensor sizes differ between ranks")
+            n_indexed = kept - implied.numel()
+            if n_indexed < 0 and kept != 0:
+                raise DGCProtocolError(f"rank {src} kept {kept} elements, fewer than the {implied.numel()} sent whole")
             scales, off = _take(buf, off, 4 * n_groups, torch.float32)
-            dense, off = _take(buf, off, itemsize * dense_cols, comm_dtype)
-            if cfg.quantization == "int4":
+            if self.cfg.quantization == "int4":
                 values, off = _take(buf, off, int4_packed_bytes(kept), torch.uint8)
             else:
                 values, off = _take(buf, off, itemsize * kept, comm_dtype)
             index_bytes, off = _take(buf, off, n_index, torch.uint8)
             if buf.numel() - off >= 4:
                 raise DGCProtocolError(f"rank {src} sent {buf.numel()} bytes, expected {off} plus padding")
-            if n_index == 0:  # nothing kept, or every real element kept (positions implied)
-                if real_pos is None:
-                    real_pos = real_row.nonzero().squeeze(1)
-                if kept not in (0, real_pos.numel()):
-                    raise DGCProtocolError(f"rank {src} sent {kept} values without indices for {real_pos.numel()} elements")
-                pos = real_pos[:kept]
-            else:
-                try:
-                    pos = decode_indices(index_bytes, torch.tensor([kept], device=device))
-                except ValueError as err:
-                    raise DGCProtocolError(f"rank {src}: {err}") from None
-                if kept and int(pos[-1]) >= out_c.numel():
-                    raise DGCProtocolError(f"rank {src} sent an index past the partition ({int(pos[-1])})")
-            if cfg.quantization == "int4":
-                try:
-                    vals = dequantize_int4(values, scales, kept, cfg.group_size, _segment_counts(pos, seg_ends))
-                except ValueError as err:
-                    raise DGCProtocolError(f"rank {src}: {err}") from None
-            else:
-                vals = values.float()
-            out_c.index_add_(0, pos, vals)
-            out_d.add_(dense.float())
-        return out_c, out_d
+            if kept == 0:
+                continue  # a rank whose input was not finite sends nothing
+            try:
+                indexed = decode_indices(index_bytes, torch.tensor([n_indexed], device=device))
+                if n_indexed and int(indexed[-1]) >= out.numel():
+                    raise ValueError(f"index {int(indexed[-1])} past the partition of {out.numel()} elements")
+                pos = torch.sort(torch.cat([implied, indexed])).values if n_indexed else implied
+                vals = self._decode_values(values, scales, pos, seg_ends, comm_dtype)
+            except ValueError as err:
+                raise DGCProtocolError(f"rank {src}: {err}") from None
+            out.index_add_(0, pos, vals)
+        return out
+
+
+def _columns(chunks: Sequence[int], select: Sequence[bool], device) -> torch.Tensor:
+    """Column indices of the owner matrix that belong to tensors with ``select`` true."""
+    cols, col = [], 0
+    for c, s in zip(chunks, select):
+        if s:
+            cols.append(torch.arange(col, col + c, device=device))
+        col += c
+    return torch.cat(cols) if cols else torch.empty(0, dtype=torch.long, device=device)
 
 
 def _segment_counts(pos: torch.Tensor, seg_ends: torch.Tensor) -> torch.Tensor:

@@ -16,8 +16,8 @@ class StepStats:
         step: optimizer step number (1-based, counting skipped steps).
         wire_bytes: bytes sent to other ranks by the compressed reduce-scatter.
         dense_fp32_bytes: bytes stock fp32 reduce-scatter would have sent for the same tensors.
-        kept: elements selected in compressed tensors.
-        compressed_numel: elements of compressed tensors.
+        kept: elements sent (tensors that are not sparsified count whole).
+        numel: elements of all reduced tensors.
         skipped: the step was skipped (overflow); its residual updates were rolled back.
         residual_norm: L2 norm of all residuals after the step (only on logged steps, else None).
     """
@@ -25,7 +25,7 @@ class StepStats:
     wire_bytes: int = 0
     dense_fp32_bytes: float = 0.0
     kept: int = 0
-    compressed_numel: int = 0
+    numel: int = 0
     skipped: bool = False
     residual_norm: Optional[float] = None
 
@@ -36,8 +36,8 @@ class StepStats:
 
     @property
     def density(self) -> float:
-        """Fraction of compressed-tensor elements selected (1 when no tensor was compressed)."""
-        return self.kept / self.compressed_numel if self.compressed_numel else 1.0
+        """Fraction of elements sent (1 when nothing was reduced)."""
+        return self.kept / self.numel if self.numel else 1.0
 
 
 @dataclass
@@ -53,7 +53,7 @@ class DGCStats:
     wire_bytes_total: int = 0
     dense_fp32_bytes_total: float = 0.0
     kept_total: int = 0
-    compressed_numel_total: int = 0
+    numel_total: int = 0
     last: Optional[StepStats] = None
     _current: StepStats = field(default_factory=StepStats, repr=False)
 
@@ -64,8 +64,8 @@ class DGCStats:
 
     @property
     def mean_density(self) -> float:
-        """Run total selected elements over compressed elements."""
-        return self.kept_total / self.compressed_numel_total if self.compressed_numel_total else 1.0
+        """Run total elements sent over elements reduced."""
+        return self.kept_total / self.numel_total if self.numel_total else 1.0
 
     def record(self, r: ReduceResult) -> None:
         """Add one reduce-scatter call to the current step."""
@@ -73,7 +73,7 @@ class DGCStats:
         cur.wire_bytes += r.wire_bytes
         cur.dense_fp32_bytes += r.dense_fp32_bytes
         cur.kept += r.kept
-        cur.compressed_numel += r.compressed_numel
+        cur.numel += r.numel
 
     def end_step(self, skipped: bool, residual_norm: Optional[float]) -> StepStats:
         """Close the current step, add it to the totals and return it."""
@@ -84,7 +84,7 @@ class DGCStats:
         self.wire_bytes_total += cur.wire_bytes
         self.dense_fp32_bytes_total += cur.dense_fp32_bytes
         self.kept_total += cur.kept
-        self.compressed_numel_total += cur.compressed_numel
+        self.numel_total += cur.numel
         self.last = cur
         self._current = StepStats()
         return cur
