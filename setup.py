@@ -9,7 +9,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["deepspeed_dgc", "deepspeed_dgc.*", "op_builder", "op_builder.*"]),
-    python_requires=">=3.9",
+    python_requires=">=3.10",
     install_requires=[
         # The seam (a private ZeRO-3 method) was verified on 0.19.8 only; import fails loudly elsewhere.
         "deepspeed>=0.19.8,<0.20",
