@@ -97,19 +97,19 @@ def int4_group_ids(segment_counts: torch.Tensor, group_size: int) -> Tuple[torch
         ``sum(ceil(count / group_size))``.
     """
     counts = segment_counts.long()
-    device = counts.device
     groups = (counts + group_size - 1) // group_size
     n_groups = int(groups.sum())
     m = int(counts.sum())
-    seg_of = torch.repeat_interleave(torch.arange(counts.numel(), device=device), counts)
-    seg_start = torch.cumsum(counts, 0) - counts
-    group_base = torch.cumsum(groups, 0) - groups
-    pos_in_seg = torch.arange(m, device=device) - seg_start[seg_of]
-    return group_base[seg_of] + pos_in_seg // group_size, n_groups
+    # value i of segment s sits at i + shift_s in a layout where each segment is padded to whole groups
+    shift = (torch.cumsum(groups, 0) - groups) * group_size - (torch.cumsum(counts, 0) - counts)
+    padded_pos = torch.arange(m, device=counts.device) + torch.repeat_interleave(shift, counts, output_size=m)
+    return padded_pos.div_(group_size, rounding_mode="floor"), n_groups
 
 
-def quantize_int4(values: torch.Tensor, group_size: int,
-                  segment_counts: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+def quantize_int4(values: torch.Tensor,
+                  group_size: int,
+                  segment_counts: Optional[torch.Tensor] = None,
+                  return_dequantized: bool = False):
     """Symmetric group-wise INT4 quantization with absmax scales.
 
     Consecutive runs of ``group_size`` values of one segment share one scale
@@ -123,10 +123,12 @@ def quantize_int4(values: torch.Tensor, group_size: int,
         values: 1-D float tensor of m >= 0 finite values (any float dtype; math in fp32).
         group_size: values per scale group.
         segment_counts: int64 ``(S,)`` values per segment, summing to m; None: one segment.
+        return_dequantized: also return what :func:`dequantize_int4` will decode.
 
     Returns:
         ``(packed, scales)``: packed uint8 codes of shape ``(ceil(m/2),)`` and fp32 scales of
-        shape ``(n_groups,)`` (see :func:`int4_group_ids`).
+        shape ``(n_groups,)`` (see :func:`int4_group_ids`); with ``return_dequantized``,
+        ``(packed, scales, dequantized)`` where ``dequantized`` is fp32 of shape ``(m,)``.
     """
     m = values.numel()
     if segment_counts is None:
@@ -137,8 +139,11 @@ def quantize_int4(values: torch.Tensor, group_size: int,
     scales.scatter_reduce_(0, gid, v.abs(), reduce="amax", include_self=True)
     scales.div_(INT4_QMAX)
     inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
-    codes = torch.round(v * inv[gid]).clamp_(-INT4_QMAX, INT4_QMAX).to(torch.int16) + 8
-    return pack_nibbles(codes.to(torch.uint8)), scales
+    q = torch.round(v * inv[gid]).clamp_(-INT4_QMAX, INT4_QMAX)
+    packed = pack_nibbles((q.to(torch.int16) + 8).to(torch.uint8))
+    if return_dequantized:
+        return packed, scales, q.mul_(scales[gid])
+    return packed, scales
 
 
 def dequantize_int4(packed: torch.Tensor,

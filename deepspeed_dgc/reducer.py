@@ -212,8 +212,7 @@ class CompressedReduceScatter:
             kept = pos.numel()
             indexed = pos[~implied_m[o][pos]]
             index_bytes = encode_indices(indexed, torch.tensor([indexed.numel()], device=device))
-            values, scales = self._encode_values(acc_m[o][pos], pos, seg_ends, comm_dtype)
-            sent_m[o][pos] = self._decode_values(values, scales, pos, seg_ends, comm_dtype)
+            values, scales, sent_m[o][pos] = self._encode_values(acc_m[o][pos], pos, seg_ends, comm_dtype)
             header = torch.tensor([MAGIC, fingerprint, kept, index_bytes.numel(), scales.numel()],
                                   dtype=torch.int32,
                                   device=device)
@@ -249,11 +248,12 @@ class CompressedReduceScatter:
         return outputs, result
 
     def _encode_values(self, vals: torch.Tensor, pos: torch.Tensor, seg_ends: torch.Tensor,
-                       comm_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Kept values (fp32, sorted by column) to ``(values on the wire, fp32 scales)``."""
+                       comm_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Kept values (fp32, sorted by column) to ``(values on the wire, fp32 scales, fp32 decoded)``."""
         if self.cfg.quantization == "int4":
-            return quantize_int4(vals, self.cfg.group_size, _segment_counts(pos, seg_ends))
-        return vals.to(comm_dtype), torch.empty(0, dtype=torch.float32, device=vals.device)
+            return quantize_int4(vals, self.cfg.group_size, _segment_counts(pos, seg_ends), return_dequantized=True)
+        raw = vals.to(comm_dtype)
+        return raw, torch.empty(0, dtype=torch.float32, device=vals.device), raw.float()
 
     def _decode_values(self, values: torch.Tensor, scales: torch.Tensor, pos: torch.Tensor, seg_ends: torch.Tensor,
                        comm_dtype: torch.dtype) -> torch.Tensor:
@@ -328,4 +328,5 @@ def _columns(chunks: Sequence[int], select: Sequence[bool], device) -> torch.Ten
 
 def _segment_counts(pos: torch.Tensor, seg_ends: torch.Tensor) -> torch.Tensor:
     """Kept positions per tensor: ``pos`` (sorted columns of a row) counted by ``seg_ends`` ranges."""
-    return torch.bincount(torch.bucketize(pos, seg_ends, right=True), minlength=seg_ends.numel())
+    below_end = torch.searchsorted(pos, seg_ends)
+    return torch.diff(below_end, prepend=below_end.new_zeros(1))
