@@ -1,6 +1,8 @@
 """ZeRO-3 through deepspeed.initialize in 2 real processes: the seam against stock DeepSpeed."""
 
+import csv
 import math
+import os
 import tempfile
 
 import pytest
@@ -9,8 +11,8 @@ import torch
 from dist_launch import check_ok, launch
 
 
-def run(mode, world=2, timeout_s=240):
-    out = tempfile.mkdtemp()
+def run(mode, world=2, timeout_s=240, out=None):
+    out = out or tempfile.mkdtemp()
     check_ok(launch(world, "engine_worker.py", [mode, out], timeout_s=timeout_s))
     return [torch.load(f"{out}/rank{r}.pt") for r in range(world)]
 
@@ -42,7 +44,8 @@ def test_lossless_bit_identical_to_stock(stock):
 def test_inf_on_one_rank_skips_step_everywhere(mode):
     """Inf in rank 1's input at step 2: every rank skips that step, parameters and residuals
     stay as they were, residuals stay finite, and training goes on."""
-    ranks = run(mode)
+    out = tempfile.mkdtemp()
+    ranks = run(mode, out=out)
     for r, rec in enumerate(ranks):
         assert rec["skipped"] == [0, 0, 1, 1], f"rank {r}"
         for x, y in zip(rec["params"][2], rec["params"][3]):  # params before / after step 2
@@ -58,6 +61,11 @@ def test_inf_on_one_rank_skips_step_everywhere(mode):
         assert all(math.isfinite(l) for i, l in enumerate(rec["losses"]) if not (r == 1 and i == 2))
     if mode == "overflow_fp16":
         assert [rec["loss_scale"] for rec in ranks][0] == [256.0, 256.0, 128.0, 128.0]
+    else:  # telemetry reaches DeepSpeed's monitor (CSV here), one row per step (stats_interval 1)
+        with open(os.path.join(out, "monitor", "Train_dgc_compression_ratio.csv")) as f:
+            rows = list(csv.reader(f))[1:]
+        assert len(rows) == 4 and all(float(v) > 1 for _, v in rows)
+        assert os.path.exists(os.path.join(out, "monitor", "Train_dgc_residual_norm.csv"))
 
 
 def test_bad_config_fails_on_every_rank_naming_the_key():

@@ -61,7 +61,7 @@ def batches(rank, steps, micro, dtype):
              for _ in range(micro)] for _ in range(steps)]
 
 
-def train(mode, rank, steps):
+def train(mode, rank, steps, out_dir):
     cfg = copy.deepcopy(BASE)
     dtype = torch.float32
     gas = 1
@@ -80,6 +80,7 @@ def train(mode, rank, steps):
             dtype = torch.float16
         else:
             cfg["bf16"] = {"enabled": True}
+            cfg["csv_monitor"] = {"enabled": True, "output_path": out_dir, "job_name": "monitor"}
             dtype = torch.bfloat16
     engine = make_engine(cfg)
     record = dict(losses=[], grads=[], params=[full_params(engine)], skipped=[], residuals=[], loss_scale=[],
@@ -150,7 +151,7 @@ def main(mode, out_dir, steps=4):
     elif mode == "mismatch":
         result = mismatch(rank)
     else:
-        result = train(mode, rank, steps)
+        result = train(mode, rank, steps, out_dir)
     torch.save(result, f"{out_dir}/rank{rank}.pt")
 
 
