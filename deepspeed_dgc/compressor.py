@@ -264,3 +264,65 @@ def decode_indices(data: torch.Tensor, segment_counts: torch.Tensor) -> torch.Te
     seg_base = (torch.cumsum(segment_counts, 0) - segment_counts)  # index of each segment's first value
     base = torch.where(seg_base > 0, csum[(seg_base - 1).clamp(min=0)], torch.zeros_like(seg_base))
     return csum - base[seg_of] - 1
+
+
+# ---- weight formats (quantized parameter all-gather) ----------------------------------------
+# Group-wise absmax scaling as in ZeRO++ qwZ (Wang et al., arXiv 2306.10209, section 4.1):
+# s = absmax / qmax per group of group_size consecutive elements, code = v / s.
+WEIGHT_QMAX = {"int8": 127.0, "fp8_e4m3": 448.0, "int4": float(INT4_QMAX)}
+
+
+def weight_code_bytes(numel: int, fmt: str) -> int:
+    """Bytes of the codes of ``numel`` weights in ``fmt`` (1 per element, INT4 half of that, rounded up)."""
+    return int4_packed_bytes(numel) if fmt == "int4" else numel
+
+
+def weight_num_groups(numel: int, group_size: int) -> int:
+    """Scale groups of ``numel`` weights: ``ceil(numel / group_size)``."""
+    return -(-numel // group_size)
+
+
+def quantize_weights(x: torch.Tensor, fmt: str, group_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a flat weight shard with group-wise absmax scales.
+
+    Formats: ``"int8"`` (symmetric, round to nearest, error <= s/2), ``"fp8_e4m3"`` (the value
+    divided by s cast to float8 e4m3fn: relative error <= 2^-4, absolute <= 16 s in the top
+    binade), ``"int4"`` (as :func:`quantize_int4`).
+
+    Args:
+        x: 1-D float tensor of n >= 0 finite weights (fp32, bf16 or fp16; math in fp32).
+        fmt: one of ``WEIGHT_QMAX``.
+        group_size: elements per scale.
+
+    Returns:
+        ``(codes, scales)``: uint8 codes of shape ``(weight_code_bytes(n, fmt),)`` and fp32 scales
+        of shape ``(weight_num_groups(n, group_size),)``.
+
+    Raises:
+        ValueError: unknown format.
+    """
+    if fmt not in WEIGHT_QMAX:
+        raise ValueError(f"unknown weight format {fmt!r}; allowed: {', '.join(WEIGHT_QMAX)}")
+    if fmt == "int4":
+        return quantize_int4(x, group_size)
+    n = x.numel()
+    groups = weight_num_groups(n, group_size)
+    padded = torch.nn.functional.pad(x.float(), (0, groups * group_size - n)).view(groups, group_size)
+    scales = padded.abs().amax(dim=1) / WEIGHT_QMAX[fmt]
+    inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
+    scaled = padded * inv[:, None]
+    if fmt == "int8":
+        codes = torch.round(scaled).clamp_(-127, 127).to(torch.int8)
+    else:
+        codes = scaled.to(torch.float8_e4m3fn)
+    return codes.view(-1)[:n].view(torch.uint8), scales
+
+
+def dequantize_weights(codes: torch.Tensor, scales: torch.Tensor, numel: int, fmt: str, group_size: int) -> torch.Tensor:
+    """Inverse of :func:`quantize_weights`: fp32 tensor of shape ``(numel,)``."""
+    if fmt == "int4":
+        return dequantize_int4(codes, scales, numel, group_size)
+    values = codes.view(torch.int8 if fmt == "int8" else torch.float8_e4m3fn).float()
+    groups = scales.numel()
+    padded = torch.nn.functional.pad(values, (0, groups * group_size - numel)).view(groups, group_size)
+    return (padded * scales[:, None]).view(-1)[:numel]

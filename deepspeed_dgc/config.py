@@ -16,6 +16,21 @@ class DGCConfigError(ValueError):
     """A ``"dgc"`` section that is invalid on its own or clashes with the rest of ds_config."""
 
 
+class WeightsConfig(BaseModel):
+    """Compression of ZeRO-3's parameter all-gather (``"dgc": {"weights": {...}}``).
+
+    - ``quantization`` (``"none"``, ``"int8"``, ``"fp8_e4m3"`` or ``"int4"``, default ``"none"``):
+      format of the gathered copy of the weights; master weights and stored shards stay exact.
+      ``"none"`` gathers as stock (bytes are still counted).
+    - ``group_size`` (even int >= 2, default 256): weights per fp32 absmax scale.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    quantization: Literal["none", "int8", "fp8_e4m3", "int4"] = "none"
+    group_size: int = Field(256, ge=2, le=1 << 20, multiple_of=2)
+
+
 class DGCConfig(BaseModel):
     """Settings of dynamic gradient compression for the ZeRO-3 reduce-scatter.
 
@@ -34,6 +49,7 @@ class DGCConfig(BaseModel):
     - ``min_numel`` (int >= 0, default 2048): tensors with fewer elements are not sparsified:
       they are sent whole (still quantized, with error feedback) and need no indices.
     - ``stats_interval`` (int >= 1, default 100): optimizer steps between telemetry log lines.
+    - ``weights`` (:class:`WeightsConfig`): quantized parameter all-gather.
 
     ``density: 1.0`` with ``quantization: "none"`` is the lossless mode: bit-identical to stock
     ZeRO-3 at 2 ranks.
@@ -48,6 +64,7 @@ class DGCConfig(BaseModel):
     error_feedback: bool = True
     min_numel: int = Field(2048, ge=0)
     stats_interval: int = Field(100, ge=1)
+    weights: WeightsConfig = WeightsConfig()
 
     @property
     def lossless(self) -> bool:
@@ -60,7 +77,8 @@ def _format_validation_error(err: ValidationError) -> str:
     for e in err.errors():
         key = ".".join(str(p) for p in (DGC_SECTION, ) + tuple(e["loc"]))
         if e["type"] == "extra_forbidden":
-            allowed = ", ".join(DGCConfig.model_fields)
+            model = WeightsConfig if e["loc"][:1] == ("weights", ) else DGCConfig
+            allowed = ", ".join(model.model_fields)
             lines.append(f"unknown key '{key}' (allowed keys: {allowed})")
         else:
             lines.append(f"invalid value for '{key}': {e['msg']} (got {e.get('input')!r})")
@@ -100,15 +118,25 @@ def check_engine_compatible(cfg: DGCConfig, engine) -> None:
 
     Raises:
         DGCConfigError: ZeRO stage is not 3, ``zero_optimization.reduce_scatter`` is false
-            (stock then uses an all-reduce path we do not replace), or
+            (stock then uses an all-reduce path we do not replace),
             ``zero_optimization.zero_quantized_gradients`` is true (qgZ would compete for the
-            same collective).
+            same collective), or weight compression is combined with ``zero_quantized_weights``
+            or ``zero_quantized_nontrainable_weights``.
     """
     stage = engine.zero_optimization_stage()
     if stage != 3:
         raise DGCConfigError(f"'dgc.enabled' requires 'zero_optimization.stage' = 3, got {stage}")
     if not engine.zero_reduce_scatter():
         raise DGCConfigError("'dgc.enabled' requires 'zero_optimization.reduce_scatter' = true (got false)")
+    if cfg.weights.quantization != "none":
+        if engine.zero_quantized_weights():
+            raise DGCConfigError("'dgc.weights.quantization' cannot be combined with 'zero_optimization.zero_quantized_weights' "
+                                 "= true: both quantize the parameter all-gather; disable one of them")
+        if engine.zero_quantized_nontrainable_weights():
+            raise DGCConfigError("'dgc.weights.quantization' cannot be combined with "
+                                 "'zero_optimization.zero_quantized_nontrainable_weights' = true: in DeepSpeed 0.19.8 that "
+                                 "option is broken for parameters frozen before conversion and builds a CUDA-only quantizer; "
+                                 "our weight compression already covers frozen parameters in transit")
     if engine.zero_quantized_gradients():
         raise DGCConfigError("'dgc.enabled' cannot be combined with 'zero_optimization.zero_quantized_gradients' = "
                              "true: both replace the gradient reduce-scatter; disable one of them")

@@ -20,6 +20,7 @@ from .config import DGCConfig, check_engine_compatible, parse_dgc_config
 from .memory import ErrorFeedback
 from .reducer import CompressedReduceScatter
 from .telemetry import DGCStats, log_step
+from .weights import install_allgather
 
 SEAM = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
 SEED_BASE = 0x5EED
@@ -94,12 +95,20 @@ def _wrap_step(opt, state: DGCState):
         else:
             state.memory.commit()
         log_now = (state.stats.steps + 1) % state.cfg.stats_interval == 0
-        s = state.stats.end_step(skipped, state.memory.residual_norm() if log_now else None)
+        s = state.stats.end_step(skipped, state.memory.residual_norm() if log_now else None, _persistent_gather_bytes(opt))
         if log_now:
             log_step(s, state.global_rank, state.monitor, state.engine_samples())
         return out
 
     return dgc_step
+
+
+def _persistent_gather_bytes(opt) -> int:
+    """Bytes this rank sends in the post-step all-gather of persistent parameters (not compressed)."""
+    params = getattr(opt, "persistent_parameters", None) or []
+    if not params:
+        return 0
+    return sum((opt.partition_count - 1) * p.ds_tensor.ds_numel * p.ds_tensor.element_size() for p in params)
 
 
 def install(engine, opt, cfg: DGCConfig) -> DGCState:
@@ -122,6 +131,7 @@ def install(engine, opt, cfg: DGCConfig) -> DGCState:
     state.monitor = getattr(engine, "monitor", None)
     state.engine_samples = lambda: getattr(engine, "global_samples", 0)
     setattr(opt, SEAM, _make_avg_scatter_grads(opt, state))
+    install_allgather(cfg.weights.quantization, cfg.weights.group_size, state.stats.record_param_gather)
     opt.step = _wrap_step(opt, state)
     setattr(opt, _STATE_ATTR, state)
     setattr(engine, _STATE_ATTR, state)

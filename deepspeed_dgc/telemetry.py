@@ -20,12 +20,19 @@ class StepStats:
         numel: elements of all reduced tensors.
         skipped: the step was skipped (overflow); its residual updates were rolled back.
         residual_norm: L2 norm of all residuals after the step (only on logged steps, else None).
+        param_wire_bytes: bytes sent to other ranks by parameter all-gathers through our seam.
+        param_dense_fp32_bytes: what fp32 gathers of the same shards would send, ``(W-1) * n * 4``.
+        param_uncovered_bytes: bytes of the post-step gather of persistent parameters, which no
+            seam covers (stock dtype, estimated as ``(W-1) * shard numel * element size``).
     """
     step: int = 0
     wire_bytes: int = 0
     dense_fp32_bytes: float = 0.0
     kept: int = 0
     numel: int = 0
+    param_wire_bytes: int = 0
+    param_dense_fp32_bytes: float = 0.0
+    param_uncovered_bytes: int = 0
     skipped: bool = False
     residual_norm: Optional[float] = None
 
@@ -47,6 +54,8 @@ class DGCStats:
     Get it with :func:`deepspeed_dgc.get_stats`. Byte counts are this rank's: what it sent to
     other ranks (``wire_bytes_total``) and what stock fp32 ZeRO-3 would have sent for the same
     reduce-scatters (``dense_fp32_bytes_total``, ``(W-1)/W * numel * 4`` per tensor and call).
+    These and ``compression_ratio`` are about gradients; the ``param_*`` totals count the
+    parameter all-gathers (see :class:`StepStats`).
     """
     steps: int = 0
     skipped_steps: int = 0
@@ -54,6 +63,9 @@ class DGCStats:
     dense_fp32_bytes_total: float = 0.0
     kept_total: int = 0
     numel_total: int = 0
+    param_wire_bytes_total: int = 0
+    param_dense_fp32_bytes_total: float = 0.0
+    param_uncovered_bytes_total: int = 0
     last: Optional[StepStats] = None
     _current: StepStats = field(default_factory=StepStats, repr=False)
 
@@ -75,9 +87,18 @@ class DGCStats:
         cur.kept += r.kept
         cur.numel += r.numel
 
-    def end_step(self, skipped: bool, residual_norm: Optional[float]) -> StepStats:
+    def record_param_gather(self, wire_bytes: int, dense_fp32_bytes: float) -> None:
+        """Add one parameter all-gather to the current step."""
+        self._current.param_wire_bytes += wire_bytes
+        self._current.param_dense_fp32_bytes += dense_fp32_bytes
+
+    def end_step(self, skipped: bool, residual_norm: Optional[float], param_uncovered_bytes: int = 0) -> StepStats:
         """Close the current step, add it to the totals and return it."""
         cur = self._current
+        cur.param_uncovered_bytes = param_uncovered_bytes
+        self.param_wire_bytes_total += cur.param_wire_bytes
+        self.param_dense_fp32_bytes_total += cur.param_dense_fp32_bytes
+        self.param_uncovered_bytes_total += param_uncovered_bytes
         self.steps += 1
         cur.step, cur.skipped, cur.residual_norm = self.steps, skipped, residual_norm
         self.skipped_steps += int(skipped)
@@ -98,6 +119,11 @@ class DGCStats:
             "dense_fp32_bytes_total": round(self.dense_fp32_bytes_total),
             "compression_ratio": self.compression_ratio,
             "mean_density": self.mean_density,
+            "grad_wire_bytes_total": self.wire_bytes_total,
+            "grad_dense_fp32_bytes_total": round(self.dense_fp32_bytes_total),
+            "param_wire_bytes_total": self.param_wire_bytes_total,
+            "param_dense_fp32_bytes_total": round(self.param_dense_fp32_bytes_total),
+            "param_uncovered_bytes_total": self.param_uncovered_bytes_total,
             "last": None if self.last is None else dict(asdict(self.last),
                                                          compression_ratio=self.last.compression_ratio,
                                                          density=self.last.density),
@@ -108,12 +134,15 @@ def log_step(s: StepStats, rank: int, monitor=None, global_samples: int = 0) -> 
     """Write a step's telemetry as one log line and, if enabled, to DeepSpeed's monitor."""
     norm = "n/a" if s.residual_norm is None else f"{s.residual_norm:.4g}"
     logger.info(f"[deepspeed_dgc] rank {rank} step {s.step}: wire {s.wire_bytes} B, dense fp32 {s.dense_fp32_bytes:.0f} B, "
-                f"ratio {s.compression_ratio:.1f}x, density {s.density:.4f}, residual norm {norm}"
+                f"ratio {s.compression_ratio:.1f}x, density {s.density:.4f}, residual norm {norm}; "
+                f"params: wire {s.param_wire_bytes} B, dense fp32 {s.param_dense_fp32_bytes:.0f} B, "
+                f"uncovered {s.param_uncovered_bytes} B"
                 f"{', skipped (overflow)' if s.skipped else ''}")
     if monitor is not None and getattr(monitor, "enabled", False) and rank == 0:
         events = [("Train/dgc/wire_bytes", s.wire_bytes, global_samples),
                   ("Train/dgc/compression_ratio", s.compression_ratio, global_samples),
-                  ("Train/dgc/density", s.density, global_samples)]
+                  ("Train/dgc/density", s.density, global_samples),
+                  ("Train/dgc/param_wire_bytes", s.param_wire_bytes, global_samples)]
         if s.residual_norm is not None:
             events.append(("Train/dgc/residual_norm", s.residual_norm, global_samples))
         monitor.write_events(events)

@@ -6,7 +6,7 @@ import subprocess
 import sys
 import tempfile
 
-from dist_launch import ROOT, free_port
+from dist_launch import ROOT, free_port, remove_shm_buffers
 
 SUMMARY_KEYS = {
     "final_val_loss", "final_train_loss", "steps", "wall_s", "wire_bytes_total", "dense_fp32_bytes_total",
@@ -16,14 +16,18 @@ SUMMARY_KEYS = {
 
 def test_char_gpt_learns_with_dgc():
     out = os.path.join(tempfile.mkdtemp(), "summary.json")
+    port = free_port()
     cmd = [
-        sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()),
+        sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port),
         "examples/train_char_gpt.py", "--deepspeed_config", "configs/zero3_dgc_int4_d01.json", "--max-steps", "40",
         "--eval-interval", "10", "--eval-batches", "4", "--n-layer", "1", "--n-embd", "64", "--block-size", "32",
         "--summary-json", out
     ]
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    finally:
+        remove_shm_buffers(port)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     s = json.load(open(out))
     assert SUMMARY_KEYS <= set(s)

@@ -1,0 +1,113 @@
+"""Quantized ZeRO-3 parameter all-gather (INT8 / FP8 e4m3 / INT4 weights), like ZeRO++ qwZ.
+
+ZeRO-3 gathers every non-persistent parameter in forward and again in backward, so weights
+cross the network about twice as often as gradients. This replaces the module global
+``deepspeed.runtime.zero.partition_parameters._dist_allgather_fn`` through which every
+coordinator-driven gather goes (forward, backward, prefetch, coalesced and single-parameter
+fetches, hpZ secondary groups; see ../shared/deepspeed-0.19.8-weights.md, section 0): each rank
+quantizes its shard with group-wise absmax scales, one uint8 payload per rank is all-gathered,
+and every shard is dequantized on arrival into DeepSpeed's buffer. Stored shards, master weights
+and optimizer state are never touched; only the gathered copy used for forward and backward is
+approximate, and it is identical on every rank (each rank decodes the same bytes, its own too).
+
+Not covered (exact by design or out of reach): ``GatheredParameters``, checkpoint gathers and the
+once-per-step gather of persistent parameters after ``optimizer.step`` (they call
+``all_gather_into_tensor`` directly); the latter's bytes are reported as
+``param_uncovered_bytes_total``.
+
+Payload of one rank's shard of n elements (size fixed by n, so all ranks agree)::
+
+    fp32[ceil(n/group_size)]  scales
+    uint8[...]                codes (n bytes; INT4: ceil(n/2)), zero padding to 4 bytes
+"""
+
+from typing import Callable, Optional
+
+import torch
+from deepspeed import comm as dist
+from deepspeed.runtime.zero import partition_parameters
+
+from .compressor import dequantize_weights, quantize_weights, weight_code_bytes, weight_num_groups
+
+FP32_BYTES = 4
+
+
+def payload_bytes(numel: int, fmt: str, group_size: int) -> int:
+    """Bytes of one rank's payload for a shard of ``numel`` elements (scales, codes, 4-byte padding)."""
+    raw = FP32_BYTES * weight_num_groups(numel, group_size) + weight_code_bytes(numel, fmt)
+    return raw + (-raw % 4)
+
+
+class _DequantizeOnWait:
+    """Handle returned to DeepSpeed: ``wait()`` finishes the gather and decodes every shard into ``output``."""
+
+    def __init__(self, work, recv: torch.Tensor, output: torch.Tensor, numel: int, fmt: str, group_size: int):
+        self.work, self.recv, self.output = work, recv, output
+        self.numel, self.fmt, self.group_size = numel, fmt, group_size
+
+    def wait(self) -> None:
+        if self.work is None:
+            return
+        self.work.wait()
+        n, p = self.numel, payload_bytes(self.numel, self.fmt, self.group_size)
+        n_scale = FP32_BYTES * weight_num_groups(n, self.group_size)
+        code_len = weight_code_bytes(n, self.fmt)
+        world = self.recv.numel() // p
+        for r in range(world):
+            piece = self.recv[r * p:(r + 1) * p]
+            scales = piece[:n_scale].view(torch.float32)
+            values = dequantize_weights(piece[n_scale:n_scale + code_len], scales, n, self.fmt, self.group_size)
+            self.output[r * n:(r + 1) * n].copy_(values)
+        self.work = self.recv = None
+
+
+class QuantizedAllGather:
+    """Drop-in for ``partition_parameters._dist_allgather_fn(input_shard, output_flat, group)``.
+
+    Args:
+        fmt: ``"none"`` (stock gather, bytes only counted), ``"int8"``, ``"fp8_e4m3"`` or ``"int4"``.
+        group_size: weights per fp32 scale.
+        record: called as ``record(wire_bytes, dense_fp32_bytes)`` per gather, with the bytes this
+            rank sends to the others, ``(W-1) * payload``, and what an fp32 gather would send,
+            ``(W-1) * n * 4``.
+        stock: the function replaced (used for ``"none"`` and non-float tensors).
+    """
+
+    def __init__(self, fmt: str, group_size: int, record: Callable[[int, float], None], stock: Callable):
+        self.fmt, self.group_size, self.record, self.stock = fmt, group_size, record, stock
+
+    def __call__(self, input_tensor: torch.Tensor, output_tensor: torch.Tensor, group=None):
+        """Gather every rank's shard ``input_tensor`` (1-D, n elements) into ``output_tensor`` (W*n).
+
+        Returns:
+            A handle whose ``wait()`` leaves the concatenated, dequantized shards in ``output_tensor``.
+        """
+        world = dist.get_world_size(group=group)
+        n = input_tensor.numel()
+        if self.fmt == "none" or not output_tensor.is_floating_point():
+            self.record((world - 1) * n * input_tensor.element_size(), (world - 1) * n * FP32_BYTES)
+            return self.stock(input_tensor, output_tensor, group)
+        if output_tensor.numel() != world * n:
+            raise ValueError(f"quantized all-gather: output of {output_tensor.numel()} elements for {world} shards of {n}")
+        codes, scales = quantize_weights(input_tensor.reshape(-1), self.fmt, self.group_size)
+        p = payload_bytes(n, self.fmt, self.group_size)
+        payload = torch.zeros(p, dtype=torch.uint8, device=input_tensor.device)
+        payload[:scales.numel() * FP32_BYTES] = scales.view(torch.uint8)
+        payload[scales.numel() * FP32_BYTES:scales.numel() * FP32_BYTES + codes.numel()] = codes
+        recv = torch.empty(world * p, dtype=torch.uint8, device=input_tensor.device)
+        work = dist.all_gather_into_tensor(recv, payload, group=group, async_op=True)
+        self.record((world - 1) * p, (world - 1) * n * FP32_BYTES)
+        return _DequantizeOnWait(work, recv, output_tensor, n, self.fmt, self.group_size)
+
+
+_stock_allgather_fn: Optional[Callable] = None
+
+
+def install_allgather(fmt: str, group_size: int, record: Callable[[int, float], None]) -> QuantizedAllGather:
+    """Replace ``partition_parameters._dist_allgather_fn`` (process-wide; the latest engine's settings win)."""
+    global _stock_allgather_fn
+    if _stock_allgather_fn is None:
+        _stock_allgather_fn = partition_parameters._dist_allgather_fn
+    fn = QuantizedAllGather(fmt, group_size, record, _stock_allgather_fn)
+    partition_parameters._dist_allgather_fn = fn
+    return fn
