@@ -13,6 +13,7 @@ from typing import List, Optional
 
 import torch
 import deepspeed
+from deepspeed import comm as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
@@ -20,7 +21,7 @@ from .config import DGCConfig, check_engine_compatible, parse_dgc_config
 from .memory import ErrorFeedback
 from .reducer import CompressedReduceScatter
 from .telemetry import DGCStats, log_step
-from .weights import install_allgather
+from .weights import install_allgather, zero_shard_padding
 
 SEAM = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
 SEED_BASE = 0x5EED
@@ -44,6 +45,8 @@ class DGCState:
         self.memory = ErrorFeedback()
         self.reducer = CompressedReduceScatter(cfg, self.memory, seed=SEED_BASE + global_rank)
         self.stats = DGCStats()
+        self.params: List[torch.nn.Parameter] = []  # the engine's parameters (ZeRO-3 shards)
+        self.dp_rank = 0
         self.monitor = None
         self.engine_samples = lambda: 0
 
@@ -89,6 +92,8 @@ def _wrap_step(opt, state: DGCState):
     @functools.wraps(step)
     def dgc_step(*args, **kwargs):
         out = step(*args, **kwargs)
+        if state.cfg.weights.quantization != "none":  # the step copied stale padding back into the shards
+            zero_shard_padding(state.params, state.dp_rank)
         skipped = bool(opt.overflow)
         if skipped:
             state.memory.rollback()
@@ -128,6 +133,10 @@ def install(engine, opt, cfg: DGCConfig) -> DGCState:
     if not isinstance(opt, DeepSpeedZeroOptimizer_Stage3) or not hasattr(opt, SEAM):
         raise DGCSeamError(f"deepspeed_dgc can only patch a ZeRO-3 optimizer, got {type(opt).__name__}")
     state = DGCState(cfg, engine.global_rank)
+    state.params = list(engine.module.parameters())
+    state.dp_rank = dist.get_rank(group=opt.dp_process_group)
+    if cfg.weights.quantization != "none":
+        zero_shard_padding(state.params, state.dp_rank)
     state.monitor = getattr(engine, "monitor", None)
     state.engine_samples = lambda: getattr(engine, "global_samples", 0)
     setattr(opt, SEAM, _make_avg_scatter_grads(opt, state))

@@ -21,7 +21,7 @@ Payload of one rank's shard of n elements (size fixed by n, so all ranks agree):
     uint8[...]                codes (n bytes; INT4: ceil(n/2)), zero padding to 4 bytes
 """
 
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 from deepspeed import comm as dist
@@ -98,6 +98,27 @@ class QuantizedAllGather:
         work = dist.all_gather_into_tensor(recv, payload, group=group, async_op=True)
         self.record((world - 1) * p, (world - 1) * n * FP32_BYTES)
         return _DequantizeOnWait(work, recv, output_tensor, n, self.fmt, self.group_size)
+
+
+def zero_shard_padding(params: Iterable[torch.nn.Parameter], rank: int) -> None:
+    """Set the padding tail of each stored ZeRO-3 shard (``param.ds_tensor``) to 0.
+
+    DeepSpeed allocates shards with ``torch.empty`` and copies the fp32 partition, padding included,
+    back after every step, so the tail past the real elements holds stale memory. A quantizer that
+    sees it may take a huge garbage value as a group's absmax and wipe out the real weights in that
+    group. Real elements are not touched. (hpZ secondary shards are zero-padded by DeepSpeed.)
+
+    Args:
+        params: ZeRO-3 parameters (with ``ds_tensor`` and ``ds_numel``).
+        rank: this rank in the parameters' data-parallel group.
+    """
+    with torch.no_grad():
+        for p in params:
+            shard = p.ds_tensor
+            size = shard.numel()
+            real = max(0, min(p.ds_numel - rank * size, size))
+            if real < size:
+                shard.narrow(0, real, size - real).zero_()
 
 
 _stock_allgather_fn: Optional[Callable] = None

@@ -78,6 +78,9 @@ def test_bad_config_fails_on_every_rank_naming_the_key():
         "no_reduce_scatter": "zero_optimization.reduce_scatter",
         "qgz": "zero_optimization.zero_quantized_gradients",
         "stage0": "zero_optimization.stage",
+        "qwz": "zero_optimization.zero_quantized_weights",
+        "nontrainable": "zero_optimization.zero_quantized_nontrainable_weights",
+        "weights_format": "dgc.weights.quantization",
     }
     for r, messages in enumerate(ranks):
         for case, key in expected.items():

@@ -65,6 +65,8 @@ def test_config_defaults_and_lossless():
     ({"min_numel": -1}, "'dgc.min_numel'"),
     ({"stats_interval": 0}, "'dgc.stats_interval'"),
     ({"enabled": "maybe"}, "'dgc.enabled'"),
+    ({"weights": {"quantization": "int2"}}, "'dgc.weights.quantization'"),
+    ({"weights": {"group_sise": 64}}, "unknown key 'dgc.weights.group_sise' \\(allowed keys: quantization, group_size\\)"),
 ])
 def test_config_errors_name_the_key(section, needle):
     with pytest.raises(DGCConfigError, match=needle.replace(".", r"\.")):

@@ -115,6 +115,11 @@ BAD = {
     "no_reduce_scatter": {"dgc": {"enabled": True}, "zero_optimization": {"stage": 3, "reduce_scatter": False}},
     "qgz": {"dgc": {"enabled": True}, "zero_optimization": {"stage": 3, "zero_quantized_gradients": True}},
     "stage0": {"dgc": {"enabled": True}, "zero_optimization": {"stage": 0}},
+    "qwz": {"dgc": {"enabled": True, "weights": {"quantization": "int8"}},
+            "zero_optimization": {"stage": 3, "zero_quantized_weights": True}},
+    "nontrainable": {"dgc": {"enabled": True, "weights": {"quantization": "fp8_e4m3"}},
+                     "zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": True}},
+    "weights_format": {"dgc": {"enabled": True, "weights": {"quantization": "int2"}}},
 }
 
 

@@ -1,0 +1,67 @@
+"""Worker: ZeRO-3 with the quantized parameter all-gather; record the weights forward actually saw.
+
+Usage: weights_worker.py FORMAT OUT_DIR [HPZ]. Parameters are not persistent and neither prefetched
+nor reused, so every step gathers each weight in forward and again in backward. Per step it saves
+the exact full fp32 parameters before the step, the gathered weights each module saw in forward,
+whether the stored shards changed during forward/backward, whether they equal the fp32 master
+partition after the step, and the telemetry of the step.
+"""
+
+import copy
+import sys
+
+import torch
+import deepspeed
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_local_fp32_param
+
+import deepspeed_dgc
+from common import init
+from engine_worker import BASE, Net, batches
+
+STEPS = 3
+
+
+def real_numel(p, rank):
+    """Elements of this rank's shard that are real (the rest is padding)."""
+    size = p.ds_tensor.numel()
+    return max(0, min(p.ds_numel - rank * size, size))
+
+
+def main(fmt, out_dir, hpz=1):
+    rank = init()
+    cfg = copy.deepcopy(BASE)
+    cfg["zero_optimization"].update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=0,
+                                    stage3_max_reuse_distance=0, zero_hpz_partition_size=hpz)
+    cfg["dgc"] = {"enabled": True, "density": 1.0, "quantization": "int4", "weights": {"quantization": fmt}}
+    torch.manual_seed(0)
+    model = Net()
+    seen = {}
+
+    def capture(module, _inputs):
+        seen[module._name] = [p.data.detach().clone().reshape(-1) for p in module.parameters(recurse=False)]
+
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    for name, module in engine.module.named_children():  # after DeepSpeed's own gather hooks
+        module._name = name
+        module.register_forward_pre_hook(capture)
+    params = list(engine.module.parameters())
+    record = []
+    for (x, y), in batches(rank, STEPS, 1, torch.float32):
+        exact = [safe_get_full_fp32_param(p).reshape(-1).clone() for p in params]
+        shards_before = [p.ds_tensor.clone() for p in params]
+        seen.clear()
+        loss = engine(x, y)
+        engine.backward(loss)
+        shards_unchanged = all(torch.equal(a, p.ds_tensor) for a, p in zip(shards_before, params))
+        engine.step()
+        master_equal = all(torch.equal(p.ds_tensor[:real_numel(p, rank)],
+                                        safe_get_local_fp32_param(p).reshape(-1)[:real_numel(p, rank)]) for p in params)
+        stats = deepspeed_dgc.get_stats(engine).last
+        record.append(dict(exact=exact, seen=dict(seen), shards_unchanged=shards_unchanged, master_equal=master_equal,
+                           param_wire=stats.param_wire_bytes, param_dense=stats.param_dense_fp32_bytes,
+                           loss=float(loss)))
+    torch.save(record, f"{out_dir}/rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], *[int(a) for a in sys.argv[3:]])
