@@ -25,7 +25,7 @@ class WeightsConfig(BaseModel):
     - ``group_size`` (even int >= 2, default 256): weights per fp32 absmax scale.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     quantization: Literal["none", "int8", "fp8_e4m3", "int4"] = "none"
     group_size: int = Field(256, ge=2, le=1 << 20, multiple_of=2)
@@ -55,7 +55,8 @@ class DGCConfig(BaseModel):
     ZeRO-3 at 2 ranks.
     """
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True)
+    # strict: "0.5", true or 1 for a float/bool key is an error, never a silent coercion
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     enabled: bool = False
     density: float = Field(0.01, gt=0.0, le=1.0)
@@ -95,12 +96,13 @@ def parse_dgc_config(ds_config: Mapping[str, Any]) -> Optional[DGCConfig]:
         The parsed :class:`DGCConfig`, or None when the section is absent.
 
     Raises:
-        DGCConfigError: the section is not a dict, has an unknown key, or a value out of range;
+        DGCConfigError: the section is not a dict (``null`` included), has an unknown key, a value
+            of the wrong JSON type (types are strict: ``"0.5"`` or ``true`` is not a density) or out of range;
             the message names the key (e.g. ``dgc.densty``) and the allowed keys or values.
     """
-    section = ds_config.get(DGC_SECTION) if ds_config is not None else None
-    if section is None:
+    if ds_config is None or DGC_SECTION not in ds_config:
         return None
+    section = ds_config[DGC_SECTION]
     if not isinstance(section, Mapping):
         raise DGCConfigError(f"'{DGC_SECTION}' must be a JSON object, got {type(section).__name__}")
     try:

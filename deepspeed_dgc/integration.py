@@ -15,9 +15,10 @@ import torch
 import deepspeed
 from deepspeed import comm as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
-from .config import DGCConfig, check_engine_compatible, parse_dgc_config
+from .config import DGCConfig, DGCConfigError, check_engine_compatible, parse_dgc_config
 from .memory import ErrorFeedback
 from .reducer import CompressedReduceScatter
 from .telemetry import DGCStats, log_step
@@ -128,8 +129,12 @@ def install(engine, opt, cfg: DGCConfig) -> DGCState:
         The :class:`DGCState` now attached to both engine and optimizer.
 
     Raises:
+        DGCConfigError: no optimizer was given (ZeRO-3 then only offloads parameters).
         DGCSeamError: ``opt`` is not a ZeRO-3 optimizer with the expected method.
     """
+    if isinstance(opt, DeepSpeedZeRoOffload):
+        raise DGCConfigError("'dgc.enabled' requires an optimizer: without one, ZeRO-3 only partitions parameters "
+                             "and reduces no gradients (pass an optimizer or an 'optimizer' section)")
     if not isinstance(opt, DeepSpeedZeroOptimizer_Stage3) or not hasattr(opt, SEAM):
         raise DGCSeamError(f"deepspeed_dgc can only patch a ZeRO-3 optimizer, got {type(opt).__name__}")
     state = DGCState(cfg, engine.global_rank)

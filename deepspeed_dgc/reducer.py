@@ -225,6 +225,8 @@ class CompressedReduceScatter:
         wire_before = comm.wire_bytes
         received = comm.all_to_all(payloads)
         out = self._sum_received(received, implied_m[rank], seg_ends, comm_dtype, fingerprint)
+        if cfg.quantization == "none" and comm_dtype != torch.float32:
+            out = out.to(comm_dtype).float()  # stock's result is in the communication dtype
 
         if cfg.error_feedback and not cfg.lossless and finite:
             res_m = (acc_m - sent_m).div_(loss_scale)

@@ -185,6 +185,8 @@ def load_ds_config(path: str, lr: float | None) -> dict:
 def main() -> None:
     args = parse_args()
     ds_config = load_ds_config(args.deepspeed_config, args.lr)
+    if args.summary_json:  # fail now, not after training, if the summary cannot be written there
+        args.summary_json.parent.mkdir(parents=True, exist_ok=True)
 
     deepspeed.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -225,7 +227,7 @@ def main() -> None:
             val_loss = evaluate(engine, val_batches, device)
             val_losses.append([step, val_loss])
             progress.write(f"step {step} | train {train_loss:.4f} | val {val_loss:.4f}")
-        progress.set_postfix(train=f"{train_loss:.4f}", val=f"{val_loss:.4f}")
+        progress.set_postfix(train=f"{train_loss:.4f}", val="-" if math.isnan(val_loss) else f"{val_loss:.4f}")
         progress.update()
     wall_s = time.perf_counter() - start  # training loop incl. periodic evals, excl. the final eval
     progress.close()
@@ -263,7 +265,6 @@ def main() -> None:
             "dgc_stats": None if stats is None else stats.to_dict(),
         }
         if args.summary_json:
-            args.summary_json.parent.mkdir(parents=True, exist_ok=True)
             args.summary_json.write_text(json.dumps(summary, indent=2) + "\n")
         print("SUMMARY " + json.dumps(summary), flush=True)
 

@@ -65,6 +65,10 @@ def test_config_defaults_and_lossless():
     ({"min_numel": -1}, "'dgc.min_numel'"),
     ({"stats_interval": 0}, "'dgc.stats_interval'"),
     ({"enabled": "maybe"}, "'dgc.enabled'"),
+    ({"enabled": 1}, "'dgc.enabled'"),
+    ({"density": True}, "'dgc.density'"),
+    ({"density": "0.5"}, "'dgc.density'"),
+    ({"group_size": 4.0}, "'dgc.group_size'"),
     ({"weights": {"quantization": "int2"}}, "'dgc.weights.quantization'"),
     ({"weights": {"group_sise": 64}}, "unknown key 'dgc.weights.group_sise' \\(allowed keys: quantization, group_size\\)"),
 ])
@@ -73,9 +77,10 @@ def test_config_errors_name_the_key(section, needle):
         parse_dgc_config({"dgc": section})
 
 
-def test_config_section_must_be_object():
+@pytest.mark.parametrize("section", [True, None, [], "on"])
+def test_config_section_must_be_object(section):
     with pytest.raises(DGCConfigError, match="JSON object"):
-        parse_dgc_config({"dgc": True})
+        parse_dgc_config({"dgc": section})
 
 
 def test_config_is_frozen():

@@ -2,6 +2,8 @@
 
 Usage: engine_worker.py MODE OUT_DIR [STEPS]. MODE is one of
   stock, lossless          fp32, gradient accumulation 2: losses, full grads and fp32 params per step
+  stock_bf16comm, lossless_bf16comm
+                           the same with communication_data_type bf16
   overflow_fp16, overflow_bf16
                            DGC on; rank 1's input holds Inf at step 2: skipped steps, params, residuals
   bad_config               initialize with invalid "dgc" settings; record each error message
@@ -17,7 +19,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
 import deepspeed_dgc
-from common import init
+from common import finish, init
 
 BASE = {
     "train_micro_batch_size_per_gpu": 4,
@@ -65,11 +67,13 @@ def train(mode, rank, steps, out_dir):
     cfg = copy.deepcopy(BASE)
     dtype = torch.float32
     gas = 1
-    if mode in ("stock", "lossless"):
+    if mode.startswith(("stock", "lossless")):
         gas = 2
         cfg["gradient_accumulation_steps"] = gas
-        if mode == "lossless":
+        if mode.startswith("lossless"):
             cfg["dgc"] = LOSSLESS
+        if mode.endswith("_bf16comm"):
+            cfg["communication_data_type"] = "bf16"
     else:
         cfg["dgc"] = SPARSE
         if mode == "overflow_fp16":
@@ -120,6 +124,7 @@ BAD = {
     "nontrainable": {"dgc": {"enabled": True, "weights": {"quantization": "fp8_e4m3"}},
                      "zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": True}},
     "weights_format": {"dgc": {"enabled": True, "weights": {"quantization": "int2"}}},
+    "no_optimizer": {"dgc": {"enabled": True}, "optimizer": None},
 }
 
 
@@ -128,6 +133,7 @@ def bad_configs():
     for name, override in BAD.items():
         cfg = copy.deepcopy(BASE)
         cfg.update(override)
+        cfg = {k: v for k, v in cfg.items() if v is not None}
         try:
             make_engine(cfg)
             messages[name] = None
@@ -158,6 +164,7 @@ def main(mode, out_dir, steps=4):
     else:
         result = train(mode, rank, steps, out_dir)
     torch.save(result, f"{out_dir}/rank{rank}.pt")
+    finish()
 
 
 if __name__ == "__main__":

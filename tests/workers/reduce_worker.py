@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from common import init
+from common import finish, init
 
 from deepspeed_dgc.config import DGCConfig
 from deepspeed_dgc.memory import ErrorFeedback
@@ -48,6 +48,7 @@ def main(out_dir: str) -> None:
                               kept=res.kept))
         results[name] = dict(cfg=kw, steps=steps)
     torch.save(results, f"{out_dir}/rank{rank}.pt")
+    finish()
 
 
 if __name__ == "__main__":

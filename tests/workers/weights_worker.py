@@ -15,7 +15,7 @@ import deepspeed
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_local_fp32_param
 
 import deepspeed_dgc
-from common import init
+from common import finish, init
 from engine_worker import BASE, Net, batches
 
 STEPS = 3
@@ -61,6 +61,7 @@ def main(fmt, out_dir, hpz=1):
                            param_wire=stats.param_wire_bytes, param_dense=stats.param_dense_fp32_bytes,
                            loss=float(loss)))
     torch.save(record, f"{out_dir}/rank{rank}.pt")
+    finish()
 
 
 if __name__ == "__main__":
