@@ -138,8 +138,7 @@ def quantize_int4(values: torch.Tensor,
     scales = torch.zeros(n_groups, dtype=torch.float32, device=v.device)
     scales.scatter_reduce_(0, gid, v.abs(), reduce="amax", include_self=True)
     scales.div_(INT4_QMAX)
-    inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
-    q = torch.round(v * inv[gid]).clamp_(-INT4_QMAX, INT4_QMAX)
+    q = torch.round(_divide_by_scale(v, scales[gid])).clamp_(-INT4_QMAX, INT4_QMAX)
     packed = pack_nibbles((q.to(torch.int16) + 8).to(torch.uint8))
     if return_dequantized:
         return packed, scales, q.mul_(scales[gid])
@@ -173,6 +172,16 @@ def dequantize_int4(packed: torch.Tensor,
         raise ValueError(f"dequantize_int4: {scales.numel()} scales for {n_groups} groups of {numel} values")
     codes = unpack_nibbles(packed, numel).to(torch.float32) - 8.0
     return codes * scales[gid]
+
+
+def _divide_by_scale(v: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``v / scale``, and 0 where the scale is 0 (an all-zero group).
+
+    A true division, not a multiply by ``1 / scale``: for a subnormal scale (a group whose absmax
+    is below 1e-38, as residuals of rarely-updated rows become) the reciprocal overflows to inf and
+    ``0 * inf`` is NaN, while ``|v| / scale`` stays within the code range.
+    """
+    return torch.where(scale > 0, v / torch.where(scale > 0, scale, torch.ones_like(scale)), torch.zeros_like(v))
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -309,8 +318,7 @@ def quantize_weights(x: torch.Tensor, fmt: str, group_size: int) -> Tuple[torch.
     groups = weight_num_groups(n, group_size)
     padded = torch.nn.functional.pad(x.float(), (0, groups * group_size - n)).view(groups, group_size)
     scales = padded.abs().amax(dim=1) / WEIGHT_QMAX[fmt]
-    inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
-    scaled = padded * inv[:, None]
+    scaled = _divide_by_scale(padded, scales[:, None])
     if fmt == "int8":
         codes = torch.round(scaled).clamp_(-127, 127).to(torch.int8)
     else:

@@ -15,6 +15,7 @@ import torch
 import deepspeed
 from deepspeed import comm as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.zero import partition_parameters
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
@@ -58,8 +59,9 @@ def check_seam() -> None:
     Raises:
         DGCSeamError: naming the missing method and the installed DeepSpeed version.
     """
-    missing = [name for cls, name in ((DeepSpeedZeroOptimizer_Stage3, SEAM), (DeepSpeedEngine, "_configure_zero_optimizer"))
-               if not hasattr(cls, name)]
+    needed = ((DeepSpeedZeroOptimizer_Stage3, SEAM), (DeepSpeedEngine, "_configure_zero_optimizer"),
+              (partition_parameters, "_dist_allgather_fn"))
+    missing = [name for owner, name in needed if not hasattr(owner, name)]
     if missing:
         raise DGCSeamError(f"deepspeed_dgc needs {', '.join(missing)}, which deepspeed {deepspeed.__version__} lacks; "
                            "install the DeepSpeed version range in setup.py (tested: 0.19.8)")

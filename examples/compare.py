@@ -50,18 +50,26 @@ def run_config(config: str, args: argparse.Namespace) -> dict:
     return json.loads(summary_path.read_text())
 
 
+def param_mb(summary: dict) -> str:
+    """Parameter all-gather MB sent by rank 0 and the fp32 MB of the same gathers ("n/a" for stock runs)."""
+    if summary.get("param_wire_bytes_total") is None:
+        return "n/a"
+    return f"{summary['param_wire_bytes_total'] / 1e6:.1f} ({summary['param_dense_fp32_bytes_total'] / 1e6:.1f})"
+
+
 def markdown_table(summaries: list[dict]) -> str:
     """One row per run summary; the first summary is the baseline for the val-loss gap."""
     base_val = summaries[0]["final_val_loss"]
     rows = [
-        "| config | final val loss | val gap vs baseline | final train loss | compression vs fp32 | wire MB | wall s | skipped steps |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| config | final val loss | val gap vs baseline | final train loss | grad compression vs fp32 | grad wire MB "
+        "| param wire MB (fp32 MB) | wall s | skipped steps |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s in summaries:
         gap_pct = 100.0 * (s["final_val_loss"] - base_val) / base_val
         rows.append(f"| {Path(s['config']).stem} | {s['final_val_loss']:.4f} | {gap_pct:+.2f}% "
                     f"| {s['final_train_loss']:.4f} | {s['compression_ratio']:.1f}x "
-                    f"| {s['wire_bytes_total'] / 1e6:.1f} | {s['wall_s']:.1f} | {s['skipped_steps']} |")
+                    f"| {s['wire_bytes_total'] / 1e6:.1f} | {param_mb(s)} | {s['wall_s']:.1f} | {s['skipped_steps']} |")
     return "\n".join(rows) + "\n"
 
 

@@ -263,6 +263,12 @@ def main() -> None:
             "compression_ratio": ratio,
             "skipped_steps": engine.skipped_steps,
             "dgc_stats": None if stats is None else stats.to_dict(),
+            # gradient and parameter traffic apart (None where stock DeepSpeed ran without the seam)
+            "grad_wire_bytes_total": wire,
+            "grad_dense_fp32_bytes_total": dense_fp32,
+            "param_wire_bytes_total": None if stats is None else stats.param_wire_bytes_total,
+            "param_dense_fp32_bytes_total": None if stats is None else round(stats.param_dense_fp32_bytes_total),
+            "param_uncovered_bytes_total": None if stats is None else stats.param_uncovered_bytes_total,
         }
         if args.summary_json:
             args.summary_json.write_text(json.dumps(summary, indent=2) + "\n")

@@ -6,8 +6,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from deepspeed_dgc.compressor import (LOWER_SLACK, UPPER_SLACK, decode_indices, dequantize_int4, encode_indices,
-                                      int4_group_ids, int4_packed_bytes, quantize_int4, select_topk, target_count)
+from deepspeed_dgc.compressor import (LOWER_SLACK, UPPER_SLACK, decode_indices, dequantize_int4, dequantize_weights,
+                                      encode_indices, int4_group_ids, int4_packed_bytes, quantize_int4, quantize_weights,
+                                      select_topk, target_count)
 
 SIZES = [1, 7, 1001, 4099]
 
@@ -34,6 +35,30 @@ def test_int4_round_trip_within_bound(n, group_size):
         sel = groups == g
         i = int(x[sel].abs().argmax())
         assert abs(float(y[sel][i]) - float(x[sel][i])) <= 1e-6 * abs(float(x[sel][i]))
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8", "fp8_e4m3"])
+def test_tiny_and_subnormal_groups_stay_finite(fmt):
+    """Groups whose absmax is subnormal (residuals of rarely-updated embedding rows end up there):
+    1/scale would overflow to inf and 0 * inf is NaN; the codes must stay finite and in bound."""
+    x = torch.zeros(512)
+    x[:128] = torch.randn(128, generator=_gen(11)) * 1e-39  # subnormal group with zeros
+    x[128] = 3e-45
+    x[256:384] = torch.randn(128, generator=_gen(12))
+    if fmt == "int4":
+        packed, scales, deq = quantize_int4(x, 128, return_dequantized=True)
+        y = dequantize_int4(packed, scales, 512, 128)
+        assert torch.equal(deq, y)  # what the sender keeps as sent is what the receiver decodes
+    else:
+        codes, scales = quantize_weights(x, fmt, 128)
+        y = dequantize_weights(codes, scales, 512, fmt, 128)
+    assert bool(torch.isfinite(y).all())
+    qmax = {"int4": 7, "int8": 127, "fp8_e4m3": 448}[fmt]
+    bound = {"int4": 0.5, "int8": 0.5, "fp8_e4m3": 16.0}[fmt] / qmax
+    for g in range(4):
+        sl = slice(128 * g, 128 * (g + 1))
+        # + 1e-42: a scale below the smallest subnormal (1.4e-45) flushes to 0 and its group with it
+        assert float((y[sl] - x[sl]).abs().max()) <= bound * float(x[sl].abs().max()) * (1 + 1e-5) + 1e-42
 
 
 def test_int4_segments_do_not_share_scales():
