@@ -129,10 +129,6 @@ class CompressedReduceScatter:
             self._communicators[group] = TorchCommunicator(group)
         return self._communicators[group]
 
-    def wire_bytes(self) -> int:
-        """Bytes sent to other ranks so far, over all groups."""
-        return sum(c.wire_bytes for c in self._communicators.values())
-
     def _fingerprint(self, numels: Sequence[int], sparse: Sequence[bool], comm_dtype: torch.dtype) -> int:
         desc = json.dumps([
             self.cfg.density, self.cfg.quantization, self.cfg.group_size, self.cfg.min_numel,
