@@ -15,12 +15,14 @@ RATIO = {"none": (1.0, 1.0), "int8": (0.25, 0.26), "fp8_e4m3": (0.25, 0.26), "in
 MODULES = {"l1": 2, "ln": 2, "l2": 2}  # parameters per module, in engine.module.parameters() order
 
 
-@pytest.mark.parametrize("world,fmt,hpz", [(2, "none", 1), (2, "int8", 1), (2, "fp8_e4m3", 1), (2, "int4", 1),
-                                           (4, "int8", 1), (4, "int4", 2)],
-                         ids=["w2-none", "w2-int8", "w2-fp8", "w2-int4", "w4-int8", "w4-int4-hpz2"])
-def test_gathered_weights(world, fmt, hpz):
+@pytest.mark.parametrize("world,fmt,hpz,sequential", [(2, "none", 1, 0), (2, "int8", 1, 0), (2, "fp8_e4m3", 1, 0),
+                                                      (2, "int4", 1, 0), (4, "int8", 1, 0), (4, "int4", 2, 0),
+                                                      (2, "fp8_e4m3", 1, 1)],
+                         ids=["w2-none", "w2-int8", "w2-fp8", "w2-int4", "w4-int8", "w4-int4-hpz2", "w2-fp8-sequential"])
+def test_gathered_weights(world, fmt, hpz, sequential):
+    """Coalesced gathers (one per module), hpZ secondary groups, and one gather per parameter."""
     out = tempfile.mkdtemp()
-    check_ok(launch(world, "weights_worker.py", [fmt, out, str(hpz)], timeout_s=300))
+    check_ok(launch(world, "weights_worker.py", [fmt, out, str(hpz), str(sequential)], timeout_s=300))
     ranks = [torch.load(f"{out}/rank{r}.pt") for r in range(world)]
     for t in range(STEPS):
         rec = ranks[0][t]
@@ -28,7 +30,7 @@ def test_gathered_weights(world, fmt, hpz):
         for module, n in MODULES.items():
             seen = rec["seen"][module]
             ref = [next(exact) for _ in range(n)]
-            # a gather covers a module's parameters together, so a scale group may span them
+            # a coalesced gather covers a module's parameters together, so a scale group may span them
             absmax = max(float(w.abs().max()) for w in ref)
             err = max(float((s - w).abs().max()) for s, w in zip(seen, ref))
             assert err <= BOUND[fmt] * absmax * (1 + 1e-5), f"step {t} {module}: error {err}, absmax {absmax}"

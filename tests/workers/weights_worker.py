@@ -1,6 +1,6 @@
 """Worker: ZeRO-3 with the quantized parameter all-gather; record the weights forward actually saw.
 
-Usage: weights_worker.py FORMAT OUT_DIR [HPZ]. Parameters are not persistent and neither prefetched
+Usage: weights_worker.py FORMAT OUT_DIR [HPZ [SEQUENTIAL]] (SEQUENTIAL 1: one gather per parameter). Parameters are not persistent and neither prefetched
 nor reused, so every step gathers each weight in forward and again in backward. Per step it saves
 the exact full fp32 parameters before the step, the gathered weights each module saw in forward,
 whether the stored shards changed during forward/backward, whether they equal the fp32 master
@@ -27,11 +27,12 @@ def real_numel(p, rank):
     return max(0, min(p.ds_numel - rank * size, size))
 
 
-def main(fmt, out_dir, hpz=1):
+def main(fmt, out_dir, hpz=1, sequential=0):
     rank = init()
     cfg = copy.deepcopy(BASE)
     cfg["zero_optimization"].update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=0,
-                                    stage3_max_reuse_distance=0, zero_hpz_partition_size=hpz)
+                                    stage3_max_reuse_distance=0, zero_hpz_partition_size=hpz,
+                                    stage3_allgather_sequential=bool(sequential))
     cfg["dgc"] = {"enabled": True, "density": 1.0, "quantization": "int4", "weights": {"quantization": fmt}}
     torch.manual_seed(0)
     model = Net()
