@@ -19,6 +19,7 @@ from deepspeed.runtime.zero import partition_parameters
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
+from .checkpoint import wrap_engine_checkpointing
 from .config import DGCConfig, DGCConfigError, check_engine_compatible, parse_dgc_config
 from .memory import ErrorFeedback
 from .reducer import CompressedReduceScatter
@@ -151,6 +152,7 @@ def install(engine, opt, cfg: DGCConfig) -> DGCState:
     opt.step = _wrap_step(opt, state)
     setattr(opt, _STATE_ATTR, state)
     setattr(engine, _STATE_ATTR, state)
+    wrap_engine_checkpointing(engine, state)
     return state
 
 

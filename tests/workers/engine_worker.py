@@ -8,6 +8,9 @@ Usage: engine_worker.py MODE OUT_DIR [STEPS]. MODE is one of
                            DGC on; rank 1's input holds Inf at step 2: skipped steps, params, residuals
   bad_config               initialize with invalid "dgc" settings; record each error message
   mismatch                 rank 1 uses another density than rank 0; record the error of the first step
+  resume_full, resume_first, resume_second
+                           DGC on, 10 steps uninterrupted; or the first 5 then save_checkpoint to
+                           OUT_DIR/ckpt; or load_checkpoint from there (at any world size) and run 5 more
 """
 
 import copy
@@ -155,12 +158,39 @@ def mismatch(rank):
         return f"{type(err).__name__}: {err}"
 
 
+def resume(mode, rank, out_dir):
+    cfg = copy.deepcopy(BASE)
+    cfg["dgc"] = SPARSE
+    engine = make_engine(cfg)
+    ckpt = f"{out_dir}/ckpt"
+    steps = range(10) if mode == "resume_full" else range(5) if mode == "resume_first" else range(5, 10)
+    if mode == "resume_second":
+        engine.load_checkpoint(ckpt)
+    all_batches = batches(rank, 10, 1, torch.float32)
+    record = dict(losses=[], residual_keys=[])
+    for step in steps:
+        (x, y), = all_batches[step]
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        record["losses"].append(float(loss))
+    if mode == "resume_first":
+        engine.save_checkpoint(ckpt)
+    state = engine._dgc_state
+    record["residuals"] = {k: v.clone() for k, v in state.memory.committed.items()}
+    record["params"] = full_params(engine)
+    record["stats_steps"] = deepspeed_dgc.get_stats(engine).steps
+    return record
+
+
 def main(mode, out_dir, steps=4):
     rank = init()
     if mode == "bad_config":
         result = bad_configs()
     elif mode == "mismatch":
         result = mismatch(rank)
+    elif mode.startswith("resume"):
+        result = resume(mode, rank, out_dir)
     else:
         result = train(mode, rank, steps, out_dir)
     torch.save(result, f"{out_dir}/rank{rank}.pt")

@@ -1,0 +1,94 @@
+"""Checkpoint side-car: the extension's per-rank state next to DeepSpeed's per-rank files.
+
+``engine.save_checkpoint(dir, tag)`` also writes ``dir/tag/dgc_state_dp_rank_{r:05d}.pt`` on every
+rank: committed residuals (keyed by ``ds_id``), the threshold-sampling generators and the
+telemetry totals. ``engine.load_checkpoint`` reads it back, so a resumed run continues exactly
+as an uninterrupted one. DeepSpeed's own files are untouched (``zero_to_fp32`` keeps working);
+the side-car loads with ``torch.load(weights_only=True)``.
+"""
+
+import os
+from typing import Optional
+
+import torch
+from deepspeed.utils import logger
+
+FORMAT = 1
+STATS_FIELDS = ("steps", "skipped_steps", "wire_bytes_total", "dense_fp32_bytes_total", "kept_total", "numel_total",
+                "param_wire_bytes_total", "param_dense_fp32_bytes_total", "param_uncovered_bytes_total")
+
+
+def sidecar_path(ckpt_dir: str, tag: str, dp_rank: int) -> str:
+    """Path of this rank's side-car file in checkpoint ``ckpt_dir/tag``."""
+    return os.path.join(ckpt_dir, str(tag), f"dgc_state_dp_rank_{dp_rank:05d}.pt")
+
+
+def save_state(state, ckpt_dir: str, tag: str, world_size: int) -> str:
+    """Write this rank's side-car; returns its path. Residuals are fp32 tensors, unscaled."""
+    path = sidecar_path(ckpt_dir, tag, state.dp_rank)
+    payload = {
+        "format": FORMAT,
+        "world_size": world_size,
+        "dp_rank": state.dp_rank,
+        "config": state.cfg.model_dump(mode="json"),
+        "residuals": {int(k): v.detach().cpu() for k, v in state.memory.committed.items()},
+        "generators": {dev: g.get_state() for dev, g in state.reducer._generators.items()},
+        "stats": {f: getattr(state.stats, f) for f in STATS_FIELDS},
+    }
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    torch.save(payload, path)
+    return path
+
+
+def load_state(state, ckpt_dir: str, tag: str, world_size: int, device: torch.device) -> str:
+    """Restore this rank's side-car into ``state`` if it fits; returns what was done, for the log.
+
+    A checkpoint without a side-car (saved without DGC) or saved at another data-parallel world
+    size leaves the residuals empty (they restart at zero) and says so; nothing is half-loaded.
+    """
+    path = sidecar_path(ckpt_dir, tag, state.dp_rank)
+    if not os.path.isfile(path):
+        state.memory.committed, state.memory.staged = {}, {}
+        return f"no deepspeed_dgc state at {path} (checkpoint saved without DGC?): error-feedback residuals start at zero"
+    payload = torch.load(path, map_location="cpu", weights_only=True)
+    saved_world: Optional[int] = payload.get("world_size")
+    if payload.get("format") != FORMAT or saved_world != world_size:
+        state.memory.committed, state.memory.staged = {}, {}
+        return (f"deepspeed_dgc state in {path} was saved at data-parallel world size {saved_world}, this run has "
+                f"{world_size}: residuals are per-rank sums of local gradients and cannot be re-sharded, so they are "
+                "dropped and restart at zero")
+    state.memory.committed = {int(k): v.to(device) for k, v in payload["residuals"].items()}
+    state.memory.staged = {}
+    for dev, gen_state in payload["generators"].items():
+        state.reducer._generator(torch.device(dev)).set_state(gen_state)
+    for f, v in payload["stats"].items():
+        setattr(state.stats, f, v)
+    return f"restored deepspeed_dgc state from {path}: {len(state.memory.committed)} residuals, step {state.stats.steps}"
+
+
+def wrap_engine_checkpointing(engine, state) -> None:
+    """Make ``engine.save_checkpoint`` / ``load_checkpoint`` (instance methods) carry the side-car."""
+    save, load = engine.save_checkpoint, engine.load_checkpoint
+
+    def save_checkpoint(save_dir, tag=None, *args, **kwargs):
+        tag_used = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+        out = save(save_dir, tag, *args, **kwargs)
+        save_state(state, save_dir, tag_used, engine.dp_world_size)
+        return out
+
+    def load_checkpoint(load_dir, tag=None, *args, **kwargs):
+        load_path, client_state = load(load_dir, tag, *args, **kwargs)
+        if load_path is None:
+            return load_path, client_state
+        if tag is None:
+            with open(os.path.join(load_dir, "latest")) as f:
+                tag = f.read().strip()
+        device = engine.device
+        msg = load_state(state, load_dir, str(tag), engine.dp_world_size, device)
+        (logger.info if msg.startswith("restored") else logger.warning)(f"[deepspeed_dgc] rank {state.global_rank}: {msg}")
+        return load_path, client_state
+
+    save_checkpoint.__doc__ = save.__doc__
+    load_checkpoint.__doc__ = load.__doc__
+    engine.save_checkpoint = save_checkpoint
+    engine.load_checkpoint = load_checkpoint
