@@ -156,6 +156,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--eval-batches", type=int, default=8, help="validation batches per evaluation")
     parser.add_argument("--summary-json", type=Path, help="rank 0 writes the run summary here")
     parser.add_argument("--lr", type=float, help="override the ds_config optimizer (and scheduler) learning rate")
+    parser.add_argument("--save-dir", type=Path, help="save a DeepSpeed checkpoint here (with the DGC side-car)")
+    parser.add_argument("--save-interval", type=int, default=0,
+                        help="steps between checkpoints in --save-dir (0: only after the last step)")
+    parser.add_argument("--resume-from", type=Path, help="checkpoint directory to resume from (its 'latest' tag)")
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--n-embd", type=int, default=128)
     parser.add_argument("--n-head", type=int, default=4)
@@ -164,8 +168,10 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if not args.deepspeed_config:
         parser.error("--deepspeed_config is required")
-    if args.max_steps < 1 or args.eval_interval < 1 or args.eval_batches < 1:
-        parser.error("--max-steps, --eval-interval and --eval-batches must be >= 1")
+    if args.max_steps < 1 or args.eval_interval < 1 or args.eval_batches < 1 or args.save_interval < 0:
+        parser.error("--max-steps, --eval-interval and --eval-batches must be >= 1, --save-interval >= 0")
+    if args.resume_from and not (args.resume_from / "latest").is_file():
+        parser.error(f"--resume-from {args.resume_from}: no DeepSpeed checkpoint there (no 'latest' file)")
     return args
 
 
@@ -210,10 +216,19 @@ def main() -> None:
 
     recent_train = deque(maxlen=TRAIN_LOSS_WINDOW)
     val_losses = []
+    first_step = 1
+    if args.resume_from:
+        load_path, client_state = engine.load_checkpoint(str(args.resume_from))
+        if load_path is None:
+            raise RuntimeError(f"could not load a checkpoint from {args.resume_from}")
+        train_gen.set_state(client_state["train_gen_state"])  # this rank's data order continues
+        recent_train.extend(client_state["recent_train"])
+        val_losses = client_state["val_losses"]
+        first_step = client_state["step"] + 1
     train_loss = val_loss = float("nan")
-    progress = tqdm(total=args.max_steps, disable=not is_main, dynamic_ncols=True)
+    progress = tqdm(total=args.max_steps, initial=first_step - 1, disable=not is_main, dynamic_ncols=True)
     start = time.perf_counter()
-    for step in range(1, args.max_steps + 1):
+    for step in range(first_step, args.max_steps + 1):
         micro_losses = []
         for _ in range(grad_accum):
             x, y = get_batch(train_data, batch_size, args.block_size, train_gen)
@@ -223,19 +238,23 @@ def main() -> None:
             micro_losses.append(loss.item())
         train_loss = all_reduce_mean(sum(micro_losses) / grad_accum, world)
         recent_train.append(train_loss)
-        if step % args.eval_interval == 0 and step < args.max_steps:
+        if step % args.eval_interval == 0 or step == args.max_steps:
             val_loss = evaluate(engine, val_batches, device)
             val_losses.append([step, val_loss])
             progress.write(f"step {step} | train {train_loss:.4f} | val {val_loss:.4f}")
         progress.set_postfix(train=f"{train_loss:.4f}", val="-" if math.isnan(val_loss) else f"{val_loss:.4f}")
         progress.update()
-    wall_s = time.perf_counter() - start  # training loop incl. periodic evals, excl. the final eval
+        if args.save_dir and (step == args.max_steps or (args.save_interval and step % args.save_interval == 0)):
+            engine.save_checkpoint(str(args.save_dir),
+                                   client_state={
+                                       "step": step,
+                                       "train_gen_state": train_gen.get_state(),
+                                       "recent_train": list(recent_train),
+                                       "val_losses": val_losses,
+                                   })
+    wall_s = time.perf_counter() - start  # training loop incl. evaluations (and checkpoints, if any)
     progress.close()
-
-    final_val_loss = evaluate(engine, val_batches, device)
-    val_losses.append([args.max_steps, final_val_loss])
-    if is_main:
-        print(f"step {args.max_steps} | train {train_loss:.4f} | val {final_val_loss:.4f}", flush=True)
+    final_val_loss = val_losses[-1][1]  # evaluated after the last step
 
     stats = deepspeed_dgc.get_stats(engine)
     if stats is None:

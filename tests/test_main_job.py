@@ -14,7 +14,7 @@ SUMMARY_KEYS = {
 }
 
 
-def run_main_job(config, steps, eval_interval):
+def run_main_job(config, steps, eval_interval, *extra):
     """Run examples/train_char_gpt.py with a tiny model on 2 ranks through the deepspeed launcher."""
     out = os.path.join(tempfile.mkdtemp(), "summary.json")
     port = free_port()
@@ -22,7 +22,7 @@ def run_main_job(config, steps, eval_interval):
         sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port),
         "examples/train_char_gpt.py", "--deepspeed_config", config, "--max-steps", str(steps), "--eval-interval",
         str(eval_interval), "--eval-batches", "4", "--n-layer", "1", "--n-embd", "64", "--block-size", "32",
-        "--summary-json", out
+        "--summary-json", out, *extra
     ]
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     try:
@@ -57,3 +57,13 @@ def test_int8_weights_and_int4_gradients_match_stock_loss():
     assert 0.25 <= ours["param_wire_bytes_total"] / ours["param_dense_fp32_bytes_total"] <= 0.26
     assert ours["param_uncovered_bytes_total"] == 0
     assert stock["param_wire_bytes_total"] is None
+
+
+def test_resume_continues_like_an_uninterrupted_run(tmp_path):
+    """--save-dir / --resume-from: 10 steps, then a new launch resumes to 20; same losses as 20 at once."""
+    full = run_main_job("configs/zero3_dgc_int4_d01.json", 20, 10)
+    run_main_job("configs/zero3_dgc_int4_d01.json", 10, 10, "--save-dir", str(tmp_path))
+    resumed = run_main_job("configs/zero3_dgc_int4_d01.json", 20, 10, "--resume-from", str(tmp_path))
+    assert resumed["val_losses"] == full["val_losses"]
+    assert resumed["final_val_loss"] == full["final_val_loss"]
+    assert resumed["final_train_loss"] == full["final_train_loss"]
