@@ -14,8 +14,6 @@ import torch
 from deepspeed.utils import logger
 
 FORMAT = 1
-STATS_FIELDS = ("steps", "skipped_steps", "wire_bytes_total", "dense_fp32_bytes_total", "kept_total", "numel_total",
-                "param_wire_bytes_total", "param_dense_fp32_bytes_total", "param_uncovered_bytes_total")
 
 
 def sidecar_path(ckpt_dir: str, tag: str, dp_rank: int) -> str:
@@ -33,7 +31,7 @@ def save_state(state, ckpt_dir: str, tag: str, world_size: int) -> str:
         "config": state.cfg.model_dump(mode="json"),
         "residuals": {int(k): v.detach().cpu() for k, v in state.memory.committed.items()},
         "generators": {dev: g.get_state() for dev, g in state.reducer._generators.items()},
-        "stats": {f: getattr(state.stats, f) for f in STATS_FIELDS},
+        "stats": state.stats.totals(),
     }
     os.makedirs(os.path.dirname(path), exist_ok=True)
     torch.save(payload, path)

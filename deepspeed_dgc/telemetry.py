@@ -47,6 +47,11 @@ class StepStats:
         return self.kept / self.numel if self.numel else 1.0
 
 
+# Per-step counters of StepStats; DGCStats keeps a run total of each as ``<name>_total``.
+STEP_COUNTERS = ("wire_bytes", "dense_fp32_bytes", "kept", "numel", "param_wire_bytes", "param_dense_fp32_bytes",
+                 "param_uncovered_bytes")
+
+
 @dataclass
 class DGCStats:
     """Run totals of this rank plus the last completed step, readable by a training script.
@@ -96,19 +101,18 @@ class DGCStats:
         """Close the current step, add it to the totals and return it."""
         cur = self._current
         cur.param_uncovered_bytes = param_uncovered_bytes
-        self.param_wire_bytes_total += cur.param_wire_bytes
-        self.param_dense_fp32_bytes_total += cur.param_dense_fp32_bytes
-        self.param_uncovered_bytes_total += param_uncovered_bytes
         self.steps += 1
         cur.step, cur.skipped, cur.residual_norm = self.steps, skipped, residual_norm
         self.skipped_steps += int(skipped)
-        self.wire_bytes_total += cur.wire_bytes
-        self.dense_fp32_bytes_total += cur.dense_fp32_bytes
-        self.kept_total += cur.kept
-        self.numel_total += cur.numel
+        for name in STEP_COUNTERS:
+            setattr(self, name + "_total", getattr(self, name + "_total") + getattr(cur, name))
         self.last = cur
         self._current = StepStats()
         return cur
+
+    def totals(self) -> Dict[str, Any]:
+        """The run totals (``steps``, ``skipped_steps`` and every ``<counter>_total``), e.g. for a checkpoint."""
+        return {name: getattr(self, name) for name in ("steps", "skipped_steps") + tuple(c + "_total" for c in STEP_COUNTERS)}
 
     def to_dict(self) -> Dict[str, Any]:
         """Totals and the last step as a JSON-ready dict."""
