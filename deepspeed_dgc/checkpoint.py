@@ -21,6 +21,13 @@ def sidecar_path(ckpt_dir: str, tag: str, dp_rank: int) -> str:
     return os.path.join(ckpt_dir, str(tag), f"dgc_state_dp_rank_{dp_rank:05d}.pt")
 
 
+def residual_layout(state) -> str:
+    """What the residuals' shapes depend on besides the world size: the topology and node size."""
+    if state.cfg.topology == "flat":
+        return "flat"
+    return f"hierarchical, {state.reducer.ranks_per_node} ranks per node"
+
+
 def save_state(state, ckpt_dir: str, tag: str, world_size: int) -> str:
     """Write this rank's side-car; returns its path. Residuals are fp32 tensors, unscaled."""
     path = sidecar_path(ckpt_dir, tag, state.dp_rank)
@@ -29,6 +36,7 @@ def save_state(state, ckpt_dir: str, tag: str, world_size: int) -> str:
         "world_size": world_size,
         "dp_rank": state.dp_rank,
         "config": state.cfg.model_dump(mode="json"),
+        "residual_layout": residual_layout(state),
         "residuals": {int(k): v.detach().cpu() for k, v in state.memory.committed.items()},
         "generators": {dev: g.get_state() for dev, g in state.reducer._generators.items()},
         "stats": state.stats.totals(),
@@ -55,6 +63,11 @@ def load_state(state, ckpt_dir: str, tag: str, world_size: int, device: torch.de
         return (f"deepspeed_dgc state in {path} was saved at data-parallel world size {saved_world}, this run has "
                 f"{world_size}: residuals are per-rank sums of local gradients and cannot be re-sharded, so they are "
                 "dropped and restart at zero")
+    saved_layout = payload.get("residual_layout", "flat")
+    if saved_layout != residual_layout(state):
+        state.memory.committed, state.memory.staged = {}, {}
+        return (f"deepspeed_dgc state in {path} holds residuals of the {saved_layout} topology, this run uses "
+                f"{residual_layout(state)}: they do not fit, so they are dropped and restart at zero")
     state.memory.committed = {int(k): v.to(device) for k, v in payload["residuals"].items()}
     state.memory.staged = {}
     for dev, gen_state in payload["generators"].items():

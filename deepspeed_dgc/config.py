@@ -50,6 +50,17 @@ class DGCConfig(BaseModel):
       they are sent whole (still quantized, with error feedback) and need no indices.
     - ``stats_interval`` (int >= 1, default 100): optimizer steps between telemetry log lines.
     - ``weights`` (:class:`WeightsConfig`): quantized parameter all-gather.
+    - ``comm_backend`` (``"torch"`` or ``"mpi"``, default ``"torch"``): who moves the compressed
+      payloads: ``deepspeed.comm`` (NCCL/gloo) or mpi4py (the job must be started by ``mpirun``
+      or the deepspeed launcher's ``--launcher openmpi``). Both give bit-identical results.
+    - ``topology`` (``"flat"`` or ``"hierarchical"``, default ``"flat"``): ``"hierarchical"``
+      reduces densely inside a node (fast link) and compresses only between nodes (ZeRO++ qgZ's
+      two hops, arXiv 2306.10209 section 4.2), with error feedback on the node-level sums.
+    - ``ranks_per_node`` (int >= 1 or null, default null): ranks per node; null takes it from the
+      launcher (``LOCAL_SIZE``, ``OMPI_COMM_WORLD_LOCAL_SIZE``) or else from host names.
+      Ranks ``k*ranks_per_node ... (k+1)*ranks_per_node - 1`` form node k.
+    - ``timeout_s`` (float > 0, default 600): bound, in seconds, on every collective of the
+      extension; a rank whose peer died or hangs raises ``DGCTimeoutError`` instead of waiting.
 
     ``density: 1.0`` with ``quantization: "none"`` is the lossless mode: bit-identical to stock
     ZeRO-3 at 2 ranks.
@@ -66,6 +77,10 @@ class DGCConfig(BaseModel):
     min_numel: int = Field(2048, ge=0)
     stats_interval: int = Field(100, ge=1)
     weights: WeightsConfig = WeightsConfig()
+    comm_backend: Literal["torch", "mpi"] = "torch"
+    topology: Literal["flat", "hierarchical"] = "flat"
+    ranks_per_node: Optional[int] = Field(None, ge=1)
+    timeout_s: float = Field(600.0, gt=0.0, le=7 * 24 * 3600.0)
 
     @property
     def lossless(self) -> bool:

@@ -19,11 +19,14 @@ from deepspeed.runtime.zero import partition_parameters
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
+from .agreement import check_agreement
 from .checkpoint import wrap_engine_checkpointing
+from .comm import DGCBackendError, check_mpi_world
 from .config import DGCConfig, DGCConfigError, check_engine_compatible, parse_dgc_config
 from .memory import ErrorFeedback
 from .reducer import CompressedReduceScatter
 from .telemetry import DGCStats, log_step
+from .topology import resolve_ranks_per_node
 from .weights import install_allgather, zero_shard_padding
 
 SEAM = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
@@ -42,11 +45,11 @@ class DGCState:
     :func:`get_stats` instead.
     """
 
-    def __init__(self, cfg: DGCConfig, global_rank: int):
+    def __init__(self, cfg: DGCConfig, global_rank: int, ranks_per_node: Optional[int] = None):
         self.cfg = cfg
         self.global_rank = global_rank
         self.memory = ErrorFeedback()
-        self.reducer = CompressedReduceScatter(cfg, self.memory, seed=SEED_BASE + global_rank)
+        self.reducer = CompressedReduceScatter(cfg, self.memory, seed=SEED_BASE + global_rank, ranks_per_node=ranks_per_node)
         self.stats = DGCStats()
         self.params: List[torch.nn.Parameter] = []  # the engine's parameters (ZeRO-3 shards)
         self.dp_rank = 0
@@ -80,7 +83,7 @@ def _make_avg_scatter_grads(opt, state: DGCState):
                                                           communication_data_type,
                                                           loss_scale=float(opt.loss_scale))
         state.stats.record(result)
-        world = state.reducer.communicator(group).world_size
+        world = state.reducer.comms_for(group).world_size
         averaging_world_size = opt._gradient_averaging_world_size(params_to_reduce, world)
         if averaging_world_size != world:  # sequence/expert parallel averaging, as stock
             partitions = [g.mul(world / float(averaging_world_size)) for g in partitions]
@@ -120,6 +123,15 @@ def _persistent_gather_bytes(opt) -> int:
     return sum((opt.partition_count - 1) * p.ds_tensor.ds_numel * p.ds_tensor.element_size() for p in params)
 
 
+def _check_hpz_nodes(engine, cfg: DGCConfig, ranks_per_node: int, source: str) -> None:
+    """hpZ's secondary partition and the hierarchical topology must mean the same node."""
+    hpz = engine.zero_hpz_partition_size()
+    if cfg.topology == "hierarchical" and hpz > 1 and hpz != ranks_per_node:
+        raise DGCConfigError(f"'zero_optimization.zero_hpz_partition_size' = {hpz} but 'dgc.topology' = \"hierarchical\" "
+                             f"uses {ranks_per_node} ranks per node (from {source}): both must describe the same node; "
+                             f"set 'dgc.ranks_per_node' = {hpz} or the hpZ size to {ranks_per_node}")
+
+
 def install(engine, opt, cfg: DGCConfig) -> DGCState:
     """Patch a ZeRO-3 optimizer instance of ``engine`` with the compressed reduce-scatter.
 
@@ -131,8 +143,13 @@ def install(engine, opt, cfg: DGCConfig) -> DGCState:
     Returns:
         The :class:`DGCState` now attached to both engine and optimizer.
 
+    Collective over the world: resolves ranks per node, checks that every rank has the same
+    settings (:func:`~deepspeed_dgc.agreement.check_agreement`), and builds the communicators.
+
     Raises:
-        DGCConfigError: no optimizer was given (ZeRO-3 then only offloads parameters).
+        DGCConfigError: no optimizer was given (ZeRO-3 then only offloads parameters); settings
+            differ between ranks; hpZ and the hierarchical topology disagree on the node size.
+        DGCBackendError: ``comm_backend`` ``"mpi"`` without mpi4py or outside an MPI job.
         DGCSeamError: ``opt`` is not a ZeRO-3 optimizer with the expected method.
     """
     if isinstance(opt, DeepSpeedZeRoOffload):
@@ -140,7 +157,15 @@ def install(engine, opt, cfg: DGCConfig) -> DGCState:
                              "and reduces no gradients (pass an optimizer or an 'optimizer' section)")
     if not isinstance(opt, DeepSpeedZeroOptimizer_Stage3) or not hasattr(opt, SEAM):
         raise DGCSeamError(f"deepspeed_dgc can only patch a ZeRO-3 optimizer, got {type(opt).__name__}")
-    state = DGCState(cfg, engine.global_rank)
+    ranks_per_node, source = resolve_ranks_per_node(cfg)
+    check_agreement(cfg, ranks_per_node, cfg.timeout_s)  # before anything that needs equal settings
+    if cfg.comm_backend == "mpi":
+        problem = check_mpi_world()
+        if problem:
+            raise DGCBackendError(f"'dgc.comm_backend' = \"mpi\": {problem}")
+    _check_hpz_nodes(engine, cfg, ranks_per_node, source)
+    state = DGCState(cfg, engine.global_rank, ranks_per_node)
+    state.reducer.comms_for(opt.dp_process_group)  # collective: every rank builds its groups now
     state.params = list(engine.module.parameters())
     state.dp_rank = dist.get_rank(group=opt.dp_process_group)
     if cfg.weights.quantization != "none":
@@ -148,7 +173,7 @@ def install(engine, opt, cfg: DGCConfig) -> DGCState:
     state.monitor = getattr(engine, "monitor", None)
     state.engine_samples = lambda: getattr(engine, "global_samples", 0)
     setattr(opt, SEAM, _make_avg_scatter_grads(opt, state))
-    install_allgather(cfg.weights.quantization, cfg.weights.group_size, state.stats.record_param_gather)
+    install_allgather(cfg.weights.quantization, cfg.weights.group_size, state.stats.record_param_gather, cfg.timeout_s)
     opt.step = _wrap_step(opt, state)
     setattr(opt, _STATE_ATTR, state)
     setattr(engine, _STATE_ATTR, state)

@@ -9,7 +9,7 @@ W ranks, this rank r:
 3. quantizes the kept values per owner to INT4 with group-wise absmax scales and varint-codes
    their positions (:mod:`deepspeed_dgc.compressor`); tensors under ``min_numel`` (and all
    tensors at density 1) are sent whole, still quantized, with no indices;
-4. exchanges one byte payload per owner with an uneven all-to-all (:class:`TorchCommunicator`);
+4. exchanges one byte payload per owner with an uneven all-to-all (:mod:`deepspeed_dgc.comm`);
 5. sums what every sender sent for its own partition into a dense fp32 buffer;
 6. stages the new residual ``acc - sent`` (includes the quantization error), unscaled.
 
@@ -29,15 +29,15 @@ Wire format of one payload (sender -> owner), aligned to 4 bytes::
 import json
 import zlib
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .comm import TorchCommunicator
 from .compressor import (decode_indices, dequantize_int4, encode_indices, int4_packed_bytes,
                          quantize_int4, select_topk)
 from .config import DGCConfig
 from .memory import ErrorFeedback
+from .topology import ReduceComms, build_reduce_comms, resolve_ranks_per_node
 
 MAGIC = 0x44474331  # "DGC1"
 HEADER_INT32 = 5
@@ -58,12 +58,16 @@ class ReduceResult:
         kept: elements sent (this rank, all owners); tensors that are not sparsified count whole.
         numel: elements of all tensors of the call.
         finite: False when this rank's input held Inf/NaN (its output was poisoned with NaN).
+        intra_node_wire_bytes, inter_node_wire_bytes: ``wire_bytes`` split by whether the
+            destination rank is on this rank's node.
     """
     wire_bytes: int
     dense_fp32_bytes: float
     kept: int
     numel: int
     finite: bool
+    intra_node_wire_bytes: int = 0
+    inter_node_wire_bytes: int = 0
 
 
 def _owner_matrix(flats: Sequence[torch.Tensor], world: int, dtype: torch.dtype,
@@ -104,18 +108,22 @@ class CompressedReduceScatter:
     """Sparsified, INT4-quantized reduce-scatter with error feedback for one ZeRO-3 optimizer.
 
     Args:
-        cfg: the enabled ``"dgc"`` config.
+        cfg: the enabled ``"dgc"`` config (its ``topology``, ``comm_backend`` and ``timeout_s``
+            choose the communicators).
         memory: residual store (error feedback).
         seed: seed of the random generator used to sample for threshold estimation; give each
             rank its own (e.g. a constant plus the global rank) for reproducible runs.
+        ranks_per_node: ranks per node (None: :func:`~deepspeed_dgc.topology.resolve_ranks_per_node`
+            at first use, collective).
     """
 
-    def __init__(self, cfg: DGCConfig, memory: ErrorFeedback, seed: int = 0):
+    def __init__(self, cfg: DGCConfig, memory: ErrorFeedback, seed: int = 0, ranks_per_node: Optional[int] = None):
         self.cfg = cfg
         self.memory = memory
         self.seed = seed
+        self.ranks_per_node = ranks_per_node
         self._generators = {}
-        self._communicators = {}
+        self._comms = {}
 
     def _generator(self, device: torch.device) -> torch.Generator:
         key = str(device)
@@ -123,15 +131,18 @@ class CompressedReduceScatter:
             self._generators[key] = torch.Generator(device=device).manual_seed(self.seed)
         return self._generators[key]
 
-    def communicator(self, group) -> TorchCommunicator:
-        """The communicator of ``group``, created once per group."""
-        if group not in self._communicators:
-            self._communicators[group] = TorchCommunicator(group)
-        return self._communicators[group]
+    def comms_for(self, group) -> ReduceComms:
+        """The communicators of ``group``, created once per group (collective over the world the first time)."""
+        if group not in self._comms:
+            if self.ranks_per_node is None:
+                self.ranks_per_node = resolve_ranks_per_node(self.cfg)[0]
+            self._comms[group] = build_reduce_comms(self.cfg, group, self.ranks_per_node)
+        return self._comms[group]
 
     def _fingerprint(self, numels: Sequence[int], sparse: Sequence[bool], comm_dtype: torch.dtype) -> int:
         desc = json.dumps([
-            self.cfg.density, self.cfg.quantization, self.cfg.group_size, self.cfg.min_numel,
+            self.cfg.density, self.cfg.quantization, self.cfg.group_size, self.cfg.min_numel, self.cfg.topology,
+            self.ranks_per_node,
             str(comm_dtype),
             list(numels),
             list(sparse)
@@ -150,12 +161,20 @@ class CompressedReduceScatter:
                        loss_scale: float = 1.0) -> Tuple[List[torch.Tensor], ReduceResult]:
         """Mean over the group of each gradient, scattered by owner rank, compressed on the wire.
 
+        Flat topology: every rank compresses its whole local gradient (plus residual) and sends each
+        owner its slice. Hierarchical topology (N nodes of L ranks): first a dense reduce-scatter
+        inside the node in the communication dtype, after which local rank l holds the node's sum of
+        the slices of owners ``k*L + l`` (k = 0..N-1); then it compresses those N slices (plus its
+        residual, which therefore has about n/L elements) and exchanges them with the rank l of every
+        other node. With one node nothing is compressed.
+
         Args:
             grads: full local gradients, one per parameter, any shape (n_i elements), any float dtype.
                 Every rank passes tensors of the same sizes in the same order.
             keys: error-feedback key of each gradient (``param.ds_id``).
             group: process group of the partition (None: the world).
-            comm_dtype: dtype of values on the wire when ``quantization`` is ``"none"``.
+            comm_dtype: dtype of values on the wire when ``quantization`` is ``"none"`` (and of the
+                dense intra-node hop).
             loss_scale: current loss scale the gradients are multiplied by (residuals are stored
                 divided by it).
 
@@ -167,43 +186,150 @@ class CompressedReduceScatter:
             DGCProtocolError: a payload from another rank does not match this rank's
                 expectation (config or bucket differ between ranks); every rank that receives
                 such a payload raises.
+            DGCTimeoutError: an exchange did not finish within ``dgc.timeout_s``.
         """
-        comm = self.communicator(group)
-        world, rank = comm.world_size, comm.rank
+        comms = self.comms_for(group)
+        world, rank = comms.world_size, comms.rank
         device = grads[0].device
-        cfg = self.cfg
         numels = [g.numel() for g in grads]
         sparse = [self.is_sparse(n) for n in numels]
+        wire_before = [c.wire_bytes for c in comms.communicators()]
+        # Stock casts to the communication dtype and pre-divides by W; an fp32 division rounded to
+        # that dtype gives the same values.
+        accs = [g.reshape(-1).to(comm_dtype).float().div(world) for g in grads]
+        chunks = [-(-n // world) for n in numels]
+        real_m = _real_mask(numels, chunks, world, device)
+        fingerprint = self._fingerprint(numels, sparse, comm_dtype)
 
-        # acc = g/W + residual * loss_scale in fp32. Stock casts to the communication dtype and
-        # pre-divides by W; an fp32 division rounded to that dtype gives the same values.
-        accs = []
-        for g, key in zip(grads, keys):
-            acc = g.reshape(-1).to(comm_dtype).float().div(world)
-            residual = self.memory.get(key) if cfg.error_feedback else None
-            if residual is not None:
-                acc.add_(residual, alpha=loss_scale)
-            accs.append(acc)
+        if comms.hierarchical:
+            acc_m, _ = _owner_matrix(accs, world, torch.float32, device)  # (W, C)
+            out, finite, kept, intra_bytes = self._reduce_two_hops(acc_m, real_m, chunks, keys, numels, sparse, comms,
+                                                                   comm_dtype, loss_scale, fingerprint)
+            inter_bytes = comms.inter.wire_bytes - wire_before[1]
+        else:
+            out, finite, kept = self._reduce_flat(accs, real_m, chunks, keys, numels, sparse, comms, comm_dtype,
+                                                  loss_scale, fingerprint)
+            sent = comms.flat.last_sent_bytes
+            intra_bytes = sum(b for d, b in enumerate(sent) if comms.dest_nodes[d] == comms.dest_nodes[rank])
+            inter_bytes = sum(sent) - intra_bytes
+        if self.cfg.quantization == "none" and comm_dtype != torch.float32:
+            out = out.to(comm_dtype).float()  # stock's result is in the communication dtype
 
+        outputs, col = [], 0
+        for n, c in zip(numels, chunks):
+            outputs.append(out.narrow(0, col, max(0, min(c, n - rank * c))))
+            col += c
+        if not finite:
+            out.fill_(float("nan"))
+
+        result = ReduceResult(wire_bytes=intra_bytes + inter_bytes,
+                              dense_fp32_bytes=sum((world - 1) / world * n * 4 for n in numels),
+                              kept=kept,
+                              numel=sum(numels),
+                              finite=finite,
+                              intra_node_wire_bytes=intra_bytes,
+                              inter_node_wire_bytes=inter_bytes)
+        return outputs, result
+
+    def _add_residual(self, acc: torch.Tensor, key: int, loss_scale: float) -> None:
+        """``acc += residual * loss_scale`` in place (residuals are stored unscaled), if there is one."""
+        residual = self.memory.get(key) if self.cfg.error_feedback else None
+        if residual is not None:
+            acc.add_(residual.view_as(acc), alpha=loss_scale)
+
+    def _stage_residuals(self, acc_m: torch.Tensor, sent_m: torch.Tensor, keys, numels, chunks, loss_scale: float,
+                         trim: bool) -> None:
+        """Stage ``acc - sent`` (unscaled) per key: the tensor's columns of the matrix, flattened
+        (row-major), cut to its ``numel`` when ``trim`` (flat layout)."""
+        if not self.cfg.error_feedback or self.cfg.lossless:
+            return
+        res_m = (acc_m - sent_m).div_(loss_scale)
+        col = 0
+        for key, n, c in zip(keys, numels, chunks):
+            block = res_m[:, col:col + c].reshape(-1)
+            self.memory.stage(key, (block[:n] if trim else block).clone())
+            col += c
+
+    def _reduce_flat(self, accs, real_m, chunks, keys, numels, sparse, comms, comm_dtype, loss_scale, fingerprint):
+        """One compressed all-to-all over the group; residuals hold the whole local tensor."""
+        world, device = comms.world_size, real_m.device
+        for acc, key in zip(accs, keys):
+            self._add_residual(acc, key, loss_scale)
         finite = all(bool(torch.isfinite(a).all()) for a in accs)
-        if finite:
-            masks = [
-                select_topk(a, cfg.density, self._generator(device)) if s else torch.ones(a.numel(), dtype=torch.bool, device=device)
-                for a, s in zip(accs, sparse)
-            ]
-        else:  # send well-formed payloads with nothing selected; this rank's output becomes NaN below
-            accs = [torch.zeros_like(a) for a in accs]
-            masks = [torch.zeros(a.numel(), dtype=torch.bool, device=device) for a in accs]
-        acc_m, chunks = _owner_matrix(accs, world, torch.float32, device)
+        masks = [
+            select_topk(a, self.cfg.density, self._generator(device)) if s and finite else torch.ones(
+                a.numel(), dtype=torch.bool, device=device) for a, s in zip(accs, sparse)
+        ]
+        acc_m, _ = _owner_matrix(accs, world, torch.float32, device)
         mask_m, _ = _owner_matrix(masks, world, torch.bool, device)
-        implied_m = _real_mask(numels, chunks, world, device)  # positions sent without an index
+        out, sent_m = self._compress_exchange(acc_m, mask_m, real_m, chunks, sparse, comms.flat, comms.rank, comm_dtype,
+                                              fingerprint, finite)
+        if finite:
+            self._stage_residuals(acc_m, sent_m, keys, numels, chunks, loss_scale, trim=True)
+        return out, finite, int(mask_m.sum()) if finite else 0
+
+    def _reduce_two_hops(self, acc_m, real_m, chunks, keys, numels, sparse, comms, comm_dtype, loss_scale, fingerprint):
+        """Dense reduce-scatter inside the node, then the compressed exchange between nodes."""
+        L, N = comms.ranks_per_node, comms.n_nodes
+        C = acc_m.shape[1]
+        payloads = [_bytes(acc_m[j::L].to(comm_dtype)) for j in range(L)]  # rows of owners k*L + j
+        received = comms.intra.all_to_all(payloads)
+        intra_bytes = sum(comms.intra.last_sent_bytes)
+        node_sum = torch.zeros(N, C, dtype=torch.float32, device=acc_m.device)
+        for buf in received:  # in local-rank order, the same on every rank
+            node_sum.add_(buf.view(comm_dtype).view(N, C).float())
+        real_rows = real_m[comms.local_rank::L]  # (N, C): real elements of the owners k*L + l
+        if N == 1:
+            return node_sum[0], True, int(real_rows.sum()), intra_bytes
+        col = 0
+        for key, c in zip(keys, chunks):
+            self._add_residual(node_sum[:, col:col + c], key, loss_scale)
+            col += c
+        finite = bool(torch.isfinite(node_sum).all())
+        mask_m = real_rows.clone()
+        if finite:
+            col = 0
+            for c, s in zip(chunks, sparse):
+                if s:
+                    real = real_rows[:, col:col + c]
+                    block_mask = torch.zeros_like(real)
+                    block_mask[real] = select_topk(node_sum[:, col:col + c][real], self.cfg.density,
+                                                   self._generator(acc_m.device))
+                    mask_m[:, col:col + c] = block_mask
+                col += c
+        out, sent_m = self._compress_exchange(node_sum, mask_m, real_rows, chunks, sparse, comms.inter, comms.node,
+                                              comm_dtype, fingerprint, finite)
+        if finite:
+            self._stage_residuals(node_sum, sent_m, keys, numels, chunks, loss_scale, trim=False)
+        return out, finite, int(mask_m.sum()) if finite else 0, intra_bytes
+
+    def _compress_exchange(self, acc_m: torch.Tensor, mask_m: torch.Tensor, real_m: torch.Tensor, chunks, sparse,
+                           comm, my_row: int, comm_dtype: torch.dtype, fingerprint: int,
+                           finite: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Encode row o of the kept entries for rank o of ``comm``, exchange, and sum what arrived.
+
+        Args:
+            acc_m: fp32 ``(R, C)``, values to send, row o for rank o of ``comm`` (R ranks).
+            mask_m: bool ``(R, C)``, the kept entries.
+            real_m: bool ``(R, C)``, real elements (not padding).
+            chunks: columns of each tensor; sparse: whether each tensor is sparsified (positions of
+                the others are implied, not sent).
+            my_row: this rank's index in ``comm``.
+            finite: False sends empty payloads (this rank's output is then poisoned by the caller).
+
+        Returns:
+            ``(out, sent_m)``: the fp32 sum over senders of row ``my_row``, shape ``(C,)``; and what
+            was sent, dequantized, ``(R, C)`` (the residual is ``acc_m - sent_m``).
+        """
+        device = acc_m.device
+        if not finite:
+            mask_m = torch.zeros_like(mask_m)
+        implied_m = real_m.clone()  # positions sent without an index
         implied_m[:, _columns(chunks, sparse, device)] = False
         sent_m = torch.zeros_like(acc_m)
         seg_ends = torch.cumsum(torch.tensor(chunks, dtype=torch.long, device=device), 0)
-        fingerprint = self._fingerprint(numels, sparse, comm_dtype)
-
         payloads = []
-        for o in range(world):
+        for o in range(acc_m.shape[0]):
             pos = mask_m[o].nonzero().squeeze(1)
             kept = pos.numel()
             indexed = pos[~implied_m[o][pos]]
@@ -217,33 +343,9 @@ class CompressedReduceScatter:
             if pad:
                 payload = torch.cat([payload, payload.new_zeros(pad)])
             payloads.append(payload)
-
-        wire_before = comm.wire_bytes
         received = comm.all_to_all(payloads)
-        out = self._sum_received(received, implied_m[rank], seg_ends, comm_dtype, fingerprint)
-        if cfg.quantization == "none" and comm_dtype != torch.float32:
-            out = out.to(comm_dtype).float()  # stock's result is in the communication dtype
-
-        if cfg.error_feedback and not cfg.lossless and finite:
-            res_m = (acc_m - sent_m).div_(loss_scale)
-            col = 0
-            for key, n, c in zip(keys, numels, chunks):
-                self.memory.stage(key, res_m[:, col:col + c].reshape(-1)[:n].clone())
-                col += c
-
-        outputs, col = [], 0
-        for n, c in zip(numels, chunks):
-            outputs.append(out.narrow(0, col, max(0, min(c, n - rank * c))))
-            col += c
-        if not finite:
-            out.fill_(float("nan"))
-
-        result = ReduceResult(wire_bytes=comm.wire_bytes - wire_before,
-                              dense_fp32_bytes=sum((world - 1) / world * n * 4 for n in numels),
-                              kept=int(mask_m.sum()),
-                              numel=sum(numels),
-                              finite=finite)
-        return outputs, result
+        out = self._sum_received(received, implied_m[my_row], seg_ends, comm_dtype, fingerprint)
+        return out, sent_m
 
     def _encode_values(self, vals: torch.Tensor, pos: torch.Tensor, seg_ends: torch.Tensor,
                        comm_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

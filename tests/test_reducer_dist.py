@@ -20,7 +20,7 @@ def run(request):
     world = request.param
     out = tempfile.mkdtemp()
     check_ok(launch(world, "reduce_worker.py", [out], timeout_s=180))
-    return world, [torch.load(f"{out}/rank{r}.pt") for r in range(world)]
+    return world, [torch.load(f"{out}/rank{r}_torch.pt") for r in range(world)]
 
 
 def _gather(ranks, case, step, i, world):

@@ -10,7 +10,13 @@ TIMEOUT_S = 60
 
 
 def init(backend: str = "gloo") -> int:
-    """Join the process group started by tests/dist_launch.py with a collective timeout; return the rank."""
+    """Join the process group started by tests/dist_launch.py (or by mpirun, whose ``OMPI_COMM_WORLD_*``
+    variables then give the ranks, with MASTER_ADDR/PORT passed by the test) with a collective
+    timeout; return the rank."""
+    if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" in os.environ:
+        os.environ.update(RANK=os.environ["OMPI_COMM_WORLD_RANK"],
+                          WORLD_SIZE=os.environ["OMPI_COMM_WORLD_SIZE"],
+                          LOCAL_RANK=os.environ["OMPI_COMM_WORLD_LOCAL_RANK"])
     deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(seconds=TIMEOUT_S))
     return int(os.environ["RANK"])
 
@@ -21,4 +27,6 @@ def finish() -> None:
     which is not what these tests examine."""
     sys.stdout.flush()
     sys.stderr.flush()
+    if "mpi4py.MPI" in sys.modules:  # under mpirun, a rank that exits without MPI_Finalize fails the job
+        sys.modules["mpi4py.MPI"].Finalize()
     os._exit(0)

@@ -7,7 +7,9 @@ Usage: engine_worker.py MODE OUT_DIR [STEPS]. MODE is one of
   overflow_fp16, overflow_bf16
                            DGC on; rank 1's input holds Inf at step 2: skipped steps, params, residuals
   bad_config               initialize with invalid "dgc" settings; record each error message
-  mismatch                 rank 1 uses another density than rank 0; record the error of the first step
+  mismatch, mismatch_version
+                           rank 1 uses another density (or reports another deepspeed_dgc version)
+                           than rank 0; record the error of initialize or the first step
   resume_full, resume_first, resume_second
                            DGC on, 10 steps uninterrupted; or the first 5 then save_checkpoint to
                            OUT_DIR/ckpt; or load_checkpoint from there (at any world size) and run 5 more
@@ -145,12 +147,14 @@ def bad_configs():
     return messages
 
 
-def mismatch(rank):
+def mismatch(rank, what="density"):
     cfg = copy.deepcopy(BASE)
-    cfg["dgc"] = dict(SPARSE, density=0.1 if rank == 0 else 0.2)
-    engine = make_engine(cfg)
+    cfg["dgc"] = dict(SPARSE, density=0.1 if rank == 0 or what != "density" else 0.2)
+    if what == "version" and rank == 1:
+        deepspeed_dgc.__version__ = "0.0.0-other"
     (x, y), = batches(rank, 1, 1, torch.float32)[0]
     try:
+        engine = make_engine(cfg)
         engine.backward(engine(x, y))
         engine.step()
         return None
@@ -187,8 +191,8 @@ def main(mode, out_dir, steps=4):
     rank = init()
     if mode == "bad_config":
         result = bad_configs()
-    elif mode == "mismatch":
-        result = mismatch(rank)
+    elif mode in ("mismatch", "mismatch_version"):
+        result = mismatch(rank, "version" if mode == "mismatch_version" else "density")
     elif mode.startswith("resume"):
         result = resume(mode, rank, out_dir)
     else:

@@ -1,7 +1,9 @@
 """Worker: run the compressed reduce-scatter directly on random gradients and save everything.
 
-Usage: reduce_worker.py OUT_DIR. Writes OUT_DIR/rank<r>.pt: {case: {"cfg", "steps": [...]}} where
-each step holds this rank's inputs, outputs and committed residuals after the step.
+Usage: reduce_worker.py OUT_DIR [BACKENDS [TOPOLOGY [RANKS_PER_NODE]]], e.g. ``out torch,mpi flat`` or
+``out torch hierarchical 2``. Writes OUT_DIR/rank<r>_<backend>.pt: {case: {"cfg", "steps": [...]}} where
+each step holds this rank's inputs, outputs and committed residuals after the step. The inputs do
+not depend on the backend, so the files of two backends must be equal bit for bit.
 """
 
 import sys
@@ -25,11 +27,10 @@ CASES = {
 STEPS = 4
 
 
-def main(out_dir: str) -> None:
-    rank = init()
+def run_cases(rank: int, **settings) -> dict:
     results = {}
     for ci, (name, kw) in enumerate(CASES.items()):
-        cfg = DGCConfig(enabled=True, **kw)
+        cfg = DGCConfig(enabled=True, **settings, **kw)
         memory = ErrorFeedback()
         reducer = CompressedReduceScatter(cfg, memory, seed=rank)
         gen = torch.Generator().manual_seed(1000 * ci + 17 * rank + 1)
@@ -45,11 +46,24 @@ def main(out_dir: str) -> None:
                               outputs=[o.clone() for o in outs],
                               residuals={k: v.clone() for k, v in memory.committed.items()},
                               wire_bytes=res.wire_bytes,
+                              intra_node_wire_bytes=res.intra_node_wire_bytes,
+                              inter_node_wire_bytes=res.inter_node_wire_bytes,
                               kept=res.kept))
         results[name] = dict(cfg=kw, steps=steps)
-    torch.save(results, f"{out_dir}/rank{rank}.pt")
+    return results
+
+
+def main(out_dir: str, backends: str = "torch", topology: str = "flat", ranks_per_node: str = "") -> None:
+    rank = init()
+    for backend in backends.split(","):
+        results = run_cases(rank,
+                            comm_backend=backend,
+                            topology=topology,
+                            ranks_per_node=int(ranks_per_node) if ranks_per_node else None,
+                            timeout_s=60.0)
+        torch.save(results, f"{out_dir}/rank{rank}_{backend}.pt")
     finish()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])
