@@ -4,7 +4,6 @@ Ranks that compress differently would exchange payloads of sizes the others do n
 a mismatch must stop the job at initialize, on every rank, with a message naming the key.
 """
 
-import datetime
 import hashlib
 import json
 from typing import Any, Dict, List
@@ -12,6 +11,7 @@ from typing import Any, Dict, List
 import torch
 from deepspeed.accelerator import get_accelerator
 
+from .comm import wait_torch_work
 from .config import DGC_SECTION, DGCConfig, DGCConfigError
 
 
@@ -68,7 +68,7 @@ def check_agreement(cfg: DGCConfig, ranks_per_node: int, timeout_s: float) -> No
 
     Raises:
         DGCConfigError: on every rank, naming each differing key and the ranks that differ.
-        RuntimeError: a rank did not join within ``timeout_s`` seconds.
+        DGCTimeoutError: a rank did not join within ``timeout_s`` seconds.
     """
     settings = effective_settings(cfg, ranks_per_node)
     world = torch.distributed.get_world_size()
@@ -76,7 +76,7 @@ def check_agreement(cfg: DGCConfig, ranks_per_node: int, timeout_s: float) -> No
     mine = torch.tensor([settings_digest(settings)], dtype=torch.int64, device=device)
     digests = torch.empty(world, dtype=torch.int64, device=device)
     work = torch.distributed.all_gather_into_tensor(digests, mine, async_op=True)
-    work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+    wait_torch_work(work, "the config agreement check", torch.distributed.get_rank(), timeout_s)
     if bool((digests == digests[0]).all()):
         return
     everyone = [None] * world

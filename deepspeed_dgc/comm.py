@@ -7,8 +7,8 @@ exactly the same bytes in the same order, so results do not depend on the backen
 - :class:`MPICommunicator` over mpi4py (``Ialltoallv`` on a sub-communicator built once).
 
 Payloads are uint8, so dtypes gloo rejects (float8) travel as byte views. Every exchange is
-bounded by ``timeout_s``: when a peer has died or hangs, :class:`DGCTimeoutError` is raised
-instead of waiting forever.
+bounded by ``timeout_s``: when a peer hangs, :class:`DGCTimeoutError` is raised instead of waiting
+forever; when the backend sees it die first (a reset connection), :class:`DGCCommError`.
 """
 
 import ctypes
@@ -22,7 +22,11 @@ from deepspeed import comm as dist
 SIZE_BYTES = 8  # one int64 size per peer in the size exchange
 
 
-class DGCTimeoutError(RuntimeError):
+class DGCCommError(RuntimeError):
+    """A collective of the extension failed: a peer closed its connection (it died) or timed out."""
+
+
+class DGCTimeoutError(DGCCommError):
     """A collective of the extension did not finish within ``dgc.timeout_s`` (a peer died or hangs)."""
 
 
@@ -79,6 +83,7 @@ class _Communicator:
         Raises:
             ValueError: wrong number of payloads or a payload that is not 1-D uint8.
             DGCTimeoutError: the exchange did not finish within ``timeout_s`` seconds.
+            DGCCommError: the backend failed earlier (a peer died).
         """
         send_sizes = self._check(payloads)
         recv_sizes = self._exchange_sizes(send_sizes, payloads[0].device)
@@ -100,10 +105,7 @@ class TorchCommunicator(_Communicator):
         self.group = group
 
     def _wait(self, work, what: str) -> None:
-        try:
-            work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
-        except RuntimeError as err:
-            raise DGCTimeoutError(_timeout_message(what, self.rank, self.timeout_s) + f" ({err})") from None
+        wait_torch_work(work, what, self.rank, self.timeout_s)
 
     def _exchange_sizes(self, send_sizes: List[int], device) -> List[int]:
         send = torch.tensor(send_sizes, dtype=torch.int64, device=device)
@@ -121,6 +123,22 @@ class TorchCommunicator(_Communicator):
                                       async_op=True)
         self._wait(work, "the compressed all-to-all")
         return recv
+
+
+def wait_torch_work(work, what: str, rank: int, timeout_s: float) -> None:
+    """``work.wait`` bounded by ``timeout_s``, with errors that say what happened.
+
+    Raises:
+        DGCTimeoutError: nothing arrived within ``timeout_s`` seconds (a peer hangs or died silently).
+        DGCCommError: the backend failed sooner, e.g. a peer's connection was reset (it died).
+    """
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as err:
+        if "timed out" in str(err).lower():
+            raise DGCTimeoutError(_timeout_message(what, rank, timeout_s) + f" ({err})") from None
+        raise DGCCommError(f"deepspeed_dgc: {what} on rank {rank} failed: another rank has probably died "
+                           f"(see its log) ({err})") from None
 
 
 def import_mpi():

@@ -60,6 +60,8 @@ class ReduceResult:
         finite: False when this rank's input held Inf/NaN (its output was poisoned with NaN).
         intra_node_wire_bytes, inter_node_wire_bytes: ``wire_bytes`` split by whether the
             destination rank is on this rank's node.
+        inter_node_dense_fp32_bytes: the part of ``dense_fp32_bytes`` stock (flat) would send to
+            ranks on other nodes, ``(ranks off this node)/W * numel * 4``.
     """
     wire_bytes: int
     dense_fp32_bytes: float
@@ -68,6 +70,7 @@ class ReduceResult:
     finite: bool
     intra_node_wire_bytes: int = 0
     inter_node_wire_bytes: int = 0
+    inter_node_dense_fp32_bytes: float = 0.0
 
 
 def _owner_matrix(flats: Sequence[torch.Tensor], world: int, dtype: torch.dtype,
@@ -222,13 +225,15 @@ class CompressedReduceScatter:
         if not finite:
             out.fill_(float("nan"))
 
+        off_node = sum(1 for node in comms.dest_nodes if node != comms.dest_nodes[rank])
         result = ReduceResult(wire_bytes=intra_bytes + inter_bytes,
                               dense_fp32_bytes=sum((world - 1) / world * n * 4 for n in numels),
                               kept=kept,
                               numel=sum(numels),
                               finite=finite,
                               intra_node_wire_bytes=intra_bytes,
-                              inter_node_wire_bytes=inter_bytes)
+                              inter_node_wire_bytes=inter_bytes,
+                              inter_node_dense_fp32_bytes=sum(off_node / world * n * 4 for n in numels))
         return outputs, result
 
     def _add_residual(self, acc: torch.Tensor, key: int, loss_scale: float) -> None:

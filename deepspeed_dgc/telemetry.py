@@ -17,6 +17,7 @@ class StepStats:
         wire_bytes: bytes sent to other ranks by the compressed reduce-scatter.
         intra_node_wire_bytes, inter_node_wire_bytes: ``wire_bytes`` split by whether the
             destination is on this rank's node (the fast link) or on another node.
+        inter_node_dense_fp32_bytes: what stock fp32 reduce-scatter would send to other nodes.
         dense_fp32_bytes: bytes stock fp32 reduce-scatter would have sent for the same tensors.
         kept: elements sent (tensors that are not sparsified count whole).
         numel: elements of all reduced tensors.
@@ -31,6 +32,7 @@ class StepStats:
     wire_bytes: int = 0
     intra_node_wire_bytes: int = 0
     inter_node_wire_bytes: int = 0
+    inter_node_dense_fp32_bytes: float = 0.0
     dense_fp32_bytes: float = 0.0
     kept: int = 0
     numel: int = 0
@@ -52,7 +54,8 @@ class StepStats:
 
 
 # Per-step counters of StepStats; DGCStats keeps a run total of each as ``<name>_total``.
-STEP_COUNTERS = ("wire_bytes", "intra_node_wire_bytes", "inter_node_wire_bytes", "dense_fp32_bytes", "kept", "numel", "param_wire_bytes", "param_dense_fp32_bytes",
+STEP_COUNTERS = ("wire_bytes", "intra_node_wire_bytes", "inter_node_wire_bytes", "inter_node_dense_fp32_bytes",
+                 "dense_fp32_bytes", "kept", "numel", "param_wire_bytes", "param_dense_fp32_bytes",
                  "param_uncovered_bytes")
 
 
@@ -71,6 +74,7 @@ class DGCStats:
     wire_bytes_total: int = 0
     intra_node_wire_bytes_total: int = 0
     inter_node_wire_bytes_total: int = 0
+    inter_node_dense_fp32_bytes_total: float = 0.0
     dense_fp32_bytes_total: float = 0.0
     kept_total: int = 0
     numel_total: int = 0
@@ -96,6 +100,7 @@ class DGCStats:
         cur.wire_bytes += r.wire_bytes
         cur.intra_node_wire_bytes += r.intra_node_wire_bytes
         cur.inter_node_wire_bytes += r.inter_node_wire_bytes
+        cur.inter_node_dense_fp32_bytes += r.inter_node_dense_fp32_bytes
         cur.dense_fp32_bytes += r.dense_fp32_bytes
         cur.kept += r.kept
         cur.numel += r.numel
@@ -134,6 +139,7 @@ class DGCStats:
             "grad_wire_bytes_total": self.wire_bytes_total,
             "grad_intra_node_wire_bytes_total": self.intra_node_wire_bytes_total,
             "grad_inter_node_wire_bytes_total": self.inter_node_wire_bytes_total,
+            "grad_inter_node_dense_fp32_bytes_total": round(self.inter_node_dense_fp32_bytes_total),
             "grad_dense_fp32_bytes_total": round(self.dense_fp32_bytes_total),
             "param_wire_bytes_total": self.param_wire_bytes_total,
             "param_dense_fp32_bytes_total": round(self.param_dense_fp32_bytes_total),

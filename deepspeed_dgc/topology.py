@@ -107,7 +107,8 @@ def build_reduce_comms(cfg: DGCConfig, group, ranks_per_node: int) -> ReduceComm
                              "parallelism): use \"flat\"")
     if full_world % L:
         raise DGCConfigError(f"'dgc.topology' = \"hierarchical\": the world size {full_world} is not a multiple of "
-                             f"{L} ranks per node (set 'dgc.ranks_per_node' to a divisor of the world size)")
+                             f"{L} ranks per node ('dgc.ranks_per_node' or the launcher's LOCAL_SIZE); set "
+                             "'dgc.ranks_per_node' to a divisor of the world size")
     N = full_world // L
     node, local = rank // L, rank % L
     node_ranks = [[k * L + j for j in range(L)] for k in range(N)]

@@ -21,14 +21,13 @@ Payload of one rank's shard of n elements (size fixed by n, so all ranks agree):
     uint8[...]                codes (n bytes; INT4: ceil(n/2)), zero padding to 4 bytes
 """
 
-import datetime
 from typing import Callable, Iterable, Optional
 
 import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.zero import partition_parameters
 
-from .comm import DGCTimeoutError
+from .comm import wait_torch_work
 from .compressor import dequantize_weights, quantize_weights, weight_code_bytes, weight_num_groups
 
 FP32_BYTES = 4
@@ -51,11 +50,7 @@ class _DequantizeOnWait:
     def wait(self) -> None:
         if self.work is None:
             return
-        try:
-            self.work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
-        except RuntimeError as err:
-            raise DGCTimeoutError(f"deepspeed_dgc: the quantized parameter all-gather did not complete within "
-                                  f"dgc.timeout_s = {self.timeout_s:g} s; another rank has probably died or hangs ({err})") from None
+        wait_torch_work(self.work, "the quantized parameter all-gather", dist.get_rank(), self.timeout_s)
         n, p = self.numel, payload_bytes(self.numel, self.fmt, self.group_size)
         n_scale = FP32_BYTES * weight_num_groups(n, self.group_size)
         code_len = weight_code_bytes(n, self.fmt)
@@ -78,7 +73,7 @@ class QuantizedAllGather:
             rank sends to the others, ``(W-1) * payload``, and what an fp32 gather would send,
             ``(W-1) * n * 4``.
         stock: the function replaced (used for ``"none"`` and non-float tensors).
-        timeout_s: bound on each quantized gather, seconds (:class:`DGCTimeoutError`).
+        timeout_s: bound on each quantized gather, seconds (:func:`~deepspeed_dgc.comm.wait_torch_work`).
     """
 
     def __init__(self, fmt: str, group_size: int, record: Callable[[int, float], None], stock: Callable,

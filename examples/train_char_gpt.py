@@ -12,6 +12,7 @@ and optionally writes the same JSON to ``--summary-json``.
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from collections import deque
@@ -160,6 +161,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--save-interval", type=int, default=0,
                         help="steps between checkpoints in --save-dir (0: only after the last step)")
     parser.add_argument("--resume-from", type=Path, help="checkpoint directory to resume from (its 'latest' tag)")
+    parser.add_argument("--dgc-set", action="append", default=[], metavar="KEY=JSON",
+                        help="override one key of the config's \"dgc\" section, e.g. --dgc-set comm_backend='\"mpi\"' "
+                        "or --dgc-set ranks_per_node=2 (repeatable; the value is JSON)")
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--n-embd", type=int, default=128)
     parser.add_argument("--n-head", type=int, default=4)
@@ -175,9 +179,19 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def load_ds_config(path: str, lr: float | None) -> dict:
+def load_ds_config(path: str, lr: float | None, dgc_overrides=()) -> dict:
     """Read the DeepSpeed JSON config; ``lr`` (if given) replaces the optimizer lr and the
-    scheduler's peak lr (``warmup_max_lr``)."""
+    scheduler's peak lr (``warmup_max_lr``); each ``KEY=JSON`` of ``dgc_overrides`` sets
+    ``config["dgc"][KEY]`` (validated by deepspeed_dgc at initialize like any other key)."""
+    overrides = {}
+    for item in dgc_overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--dgc-set expects KEY=JSON, got {item!r}")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            raise SystemExit(f"--dgc-set {key}: {value!r} is not JSON (strings need quotes: {key}='\"{value}\"')") from None
     with open(path) as f:
         config = json.load(f)
     if lr is not None:
@@ -185,18 +199,42 @@ def load_ds_config(path: str, lr: float | None) -> dict:
         scheduler_params = config.get("scheduler", {}).get("params", {})
         if "warmup_max_lr" in scheduler_params:
             scheduler_params["warmup_max_lr"] = lr
+    if overrides:
+        config.setdefault("dgc", {}).update(overrides)
     return config
 
 
+def abort_mpi_job_on_uncaught_exception() -> None:
+    """Under mpirun, make an uncaught exception on one rank end the whole job.
+
+    Otherwise the failing rank waits in ``MPI_Finalize`` at exit while the others wait for it in
+    a collective: a hang instead of an error. This is what ``python -m mpi4py script.py`` does.
+    """
+    if "OMPI_COMM_WORLD_SIZE" not in os.environ and "PMI_SIZE" not in os.environ:
+        return
+    default_hook = sys.excepthook
+
+    def hook(exc_type, exc, tb):
+        default_hook(exc_type, exc, tb)
+        sys.stderr.flush()
+        from mpi4py import MPI
+        MPI.COMM_WORLD.Abort(1)
+
+    sys.excepthook = hook
+
+
 def main() -> None:
+    abort_mpi_job_on_uncaught_exception()
     args = parse_args()
-    ds_config = load_ds_config(args.deepspeed_config, args.lr)
+    ds_config = load_ds_config(args.deepspeed_config, args.lr, args.dgc_set)
     if args.summary_json:  # fail now, not after training, if the summary cannot be written there
         args.summary_json.parent.mkdir(parents=True, exist_ok=True)
 
     deepspeed.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     is_main = rank == 0
+    print(f"rank {rank} of {world} (local rank {os.environ.get('LOCAL_RANK', '?')}, "
+          f"master {os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')})", flush=True)
 
     train_data, val_data, vocab_size = load_data()
     torch.manual_seed(args.seed)  # identical initialisation on every rank
@@ -241,7 +279,8 @@ def main() -> None:
         if step % args.eval_interval == 0 or step == args.max_steps:
             val_loss = evaluate(engine, val_batches, device)
             val_losses.append([step, val_loss])
-            progress.write(f"step {step} | train {train_loss:.4f} | val {val_loss:.4f}")
+            if is_main:  # tqdm.write prints even when the bar is disabled
+                progress.write(f"step {step} | train {train_loss:.4f} | val {val_loss:.4f}")
         progress.set_postfix(train=f"{train_loss:.4f}", val="-" if math.isnan(val_loss) else f"{val_loss:.4f}")
         progress.update()
         if args.save_dir and (step == args.max_steps or (args.save_interval and step % args.save_interval == 0)):

@@ -1,11 +1,12 @@
 """Start N real worker processes of a test script, as the deepspeed launcher would, with time limits."""
 
 import glob
-import shutil
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from typing import List, Sequence
 
@@ -19,6 +20,7 @@ class RankResult:
     returncode: int
     stdout: str
     stderr: str
+    ended_at: float = 0.0  # time.time() when its output ended (it exited)
 
 
 def free_port() -> int:
@@ -34,7 +36,7 @@ def remove_shm_buffers(port: int) -> None:
     ``/dev/shm/deepspeed_allreduce_buffer_*`` files (about 69 MB per rank), so every launch with
     a new port leaks memory until the machine runs out.
     """
-    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_127.0.0.1_{port}_*"):
+    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
         try:
             os.unlink(path)
         except FileNotFoundError:
@@ -69,10 +71,11 @@ def launch(world: int, worker: str, args: Sequence[str] = (), timeout_s: float =
                              stderr=subprocess.PIPE,
                              text=True))
     results = []
+    deadline = time.time() + timeout_s
     try:
         for rank, p in enumerate(procs):
-            out, err = p.communicate(timeout=timeout_s)
-            results.append(RankResult(rank, p.returncode, out, err))
+            out, err = p.communicate(timeout=max(1.0, deadline - time.time()))
+            results.append(RankResult(rank, p.returncode, out, err, time.time()))
     except subprocess.TimeoutExpired:
         for p in procs:
             p.kill()

@@ -79,12 +79,21 @@ def test_bad_config_fails_on_every_rank_naming_the_key():
         "nontrainable": "zero_optimization.zero_quantized_nontrainable_weights",
         "weights_format": "dgc.weights.quantization",
         "no_optimizer": "optimizer",
+        "backend_value": "dgc.comm_backend",
+        "topology_value": "dgc.topology",
+        "timeout_zero": "dgc.timeout_s",
+        "hpz_node_mismatch": "zero_optimization.zero_hpz_partition_size",
+        "nodes_do_not_divide": "dgc.ranks_per_node",
     }
     for r, messages in enumerate(ranks):
         for case, key in expected.items():
             msg = messages[case]
             assert msg is not None, f"rank {r}: {case} was accepted"
             assert msg.startswith("DGCConfigError") and key in msg, f"rank {r} {case}: {msg}"
+    for r, messages in enumerate(ranks):  # mpi4py works here, but the processes were not started by mpirun
+        msg = messages["mpi_without_mpirun"]
+        assert msg is not None and msg.startswith("DGCBackendError") and "dgc.comm_backend" in msg, msg
+        assert "MPI world of 1, torch world is 2" in msg and "mpirun" in msg, msg
     assert "allowed keys: enabled, density" in ranks[0]["misspelled"]
     assert "'int4' or 'none'" in ranks[0]["quantization_value"]
 
@@ -100,10 +109,12 @@ def test_ranks_that_disagree_fail_on_every_rank(mode, key, values):
         assert f"{key} is {values[0]} on rank 0 but {values[1]} on rank(s) [1]" in msg, msg
 
 
-def test_lossless_three_ranks_matches_stock_within_rounding():
-    """At 3 ranks the summation order differs from gloo's, so equality is within float32 rounding."""
-    stock, ours = run("stock", world=3), run("lossless", world=3)
-    for r in range(3):
+@pytest.mark.parametrize("world, mode", [(3, "lossless"), (4, "lossless_hier2")], ids=["w3-flat", "w4-hierarchical-2x2"])
+def test_lossless_matches_stock_within_rounding(world, mode):
+    """At 3 ranks, or 4 ranks as 2 nodes of 2 (a sum inside each node, then across nodes), the
+    summation order differs from gloo's, so equality is within float32 rounding."""
+    stock, ours = run("stock", world=world), run(mode, world=world)
+    for r in range(world):
         for a, b in zip(ours[r]["losses"], stock[r]["losses"]):
             assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
         for step, (a, b) in enumerate(zip(ours[r]["grads"], stock[r]["grads"])):
@@ -112,3 +123,6 @@ def test_lossless_three_ranks_matches_stock_within_rounding():
         for x, y in zip(ours[r]["params"][-1], stock[r]["params"][-1]):
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
         assert not torch.equal(stock[r]["params"][0][0], stock[r]["params"][-1][0])
+        if mode.endswith("_hier2"):  # the two hops really ran
+            assert ours[r]["stats"]["grad_intra_node_wire_bytes_total"] > 0
+            assert ours[r]["stats"]["grad_inter_node_wire_bytes_total"] > 0

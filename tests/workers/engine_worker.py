@@ -7,6 +7,8 @@ Usage: engine_worker.py MODE OUT_DIR [STEPS]. MODE is one of
   overflow_fp16, overflow_bf16
                            DGC on; rank 1's input holds Inf at step 2: skipped steps, params, residuals
   bad_config               initialize with invalid "dgc" settings; record each error message
+  die, hang                rank 1 is killed, or hangs, inside its reduce-scatter of step 3 (timeout_s 8);
+                           rank 0 saves the error it got and the time to OUT_DIR/rank0_error.pt
   mismatch, mismatch_version
                            rank 1 uses another density (or reports another deepspeed_dgc version)
                            than rank 0; record the error of initialize or the first step
@@ -16,7 +18,10 @@ Usage: engine_worker.py MODE OUT_DIR [STEPS]. MODE is one of
 """
 
 import copy
+import os
+import signal
 import sys
+import time
 
 import torch
 import deepspeed
@@ -77,6 +82,8 @@ def train(mode, rank, steps, out_dir):
         cfg["gradient_accumulation_steps"] = gas
         if mode.startswith("lossless"):
             cfg["dgc"] = LOSSLESS
+            if mode.endswith("_hier2"):  # 4 ranks as 2 nodes of 2
+                cfg["dgc"] = dict(LOSSLESS, topology="hierarchical", ranks_per_node=2)
         if mode.endswith("_bf16comm"):
             cfg["communication_data_type"] = "bf16"
     else:
@@ -130,6 +137,13 @@ BAD = {
                      "zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": True}},
     "weights_format": {"dgc": {"enabled": True, "weights": {"quantization": "int2"}}},
     "no_optimizer": {"dgc": {"enabled": True}, "optimizer": None},
+    "backend_value": {"dgc": {"enabled": True, "comm_backend": "nccl"}},
+    "topology_value": {"dgc": {"enabled": True, "topology": "ring"}},
+    "timeout_zero": {"dgc": {"enabled": True, "timeout_s": 0}},
+    "hpz_node_mismatch": {"dgc": {"enabled": True, "topology": "hierarchical", "ranks_per_node": 1},
+                          "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}},
+    "nodes_do_not_divide": {"dgc": {"enabled": True, "topology": "hierarchical", "ranks_per_node": 3}},
+    "mpi_without_mpirun": {"dgc": {"enabled": True, "comm_backend": "mpi"}},
 }
 
 
@@ -187,8 +201,44 @@ def resume(mode, rank, out_dir):
     return record
 
 
+FAIL_TIMEOUT_S = 8.0
+
+
+def fail_mid_run(mode, rank, out_dir):
+    """Rank 1 dies (SIGKILL) or hangs inside its reduce-scatter of step 3; rank 0 records the error it
+    gets and when, then re-raises it (its exit status is what the test checks)."""
+    cfg = copy.deepcopy(BASE)
+    cfg["dgc"] = dict(SPARSE, timeout_s=FAIL_TIMEOUT_S)
+    engine = make_engine(cfg)
+    reducer = engine._dgc_state.reducer
+    if rank == 1:
+        reduce_scatter = reducer.reduce_scatter
+
+        def failing_reduce_scatter(*args, **kwargs):
+            if engine.global_steps == 3:
+                with open(f"{out_dir}/failed_at", "w") as f:
+                    f.write(repr(time.time()))
+                if mode == "die":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(FAIL_TIMEOUT_S + 20)  # hang, then leave without a word
+                os._exit(3)
+            return reduce_scatter(*args, **kwargs)
+
+        reducer.reduce_scatter = failing_reduce_scatter
+    try:
+        for (x, y), in batches(rank, 6, 1, torch.float32):
+            engine.backward(engine(x, y))
+            engine.step()
+    except Exception as err:
+        torch.save(dict(error=f"{type(err).__name__}: {err}", at=time.time()), f"{out_dir}/rank{rank}_error.pt")
+        raise
+    return "finished"
+
+
 def main(mode, out_dir, steps=4):
     rank = init()
+    if mode in ("die", "hang"):
+        fail_mid_run(mode, rank, out_dir)  # raises on rank 0; rank 1 never returns
     if mode == "bad_config":
         result = bad_configs()
     elif mode in ("mismatch", "mismatch_version"):
