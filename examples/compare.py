@@ -28,6 +28,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--num-gpus", type=int, default=2, help="ranks per run (CPU processes without a GPU)")
     parser.add_argument("--out-dir", type=Path, default=Path("runs"))
+    parser.add_argument("--dgc-set", action="append", default=[], metavar="KEY=JSON",
+                        help="passed to every run (see train_char_gpt.py), e.g. --dgc-set ranks_per_node=2 to make "
+                        "4 ranks on one machine act as 2 nodes of 2")
     return parser.parse_args()
 
 
@@ -42,7 +45,7 @@ def run_config(config: str, args: argparse.Namespace) -> dict:
         sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.num_gpus), TRAIN_SCRIPT,
         "--deepspeed_config", config, "--max-steps", str(args.max_steps), "--seed", str(args.seed),
         "--summary-json", str(summary_path)
-    ]
+    ] + [arg for item in args.dgc_set for arg in ("--dgc-set", item)]
     print(f"==> {' '.join(cmd)}", flush=True)
     result = subprocess.run(cmd)
     if result.returncode != 0 or not summary_path.exists():
@@ -57,19 +60,29 @@ def param_mb(summary: dict) -> str:
     return f"{summary['param_wire_bytes_total'] / 1e6:.1f} ({summary['param_dense_fp32_bytes_total'] / 1e6:.1f})"
 
 
+def inter_node_mb(summary: dict) -> str:
+    """Gradient MB rank 0 sent to other nodes and what stock fp32 would have sent there ("n/a" for stock runs)."""
+    stats = summary.get("dgc_stats") or {}
+    if "grad_inter_node_wire_bytes_total" not in stats:
+        return "n/a"
+    return (f"{stats['grad_inter_node_wire_bytes_total'] / 1e6:.2f} "
+            f"({stats['grad_inter_node_dense_fp32_bytes_total'] / 1e6:.1f})")
+
+
 def markdown_table(summaries: list[dict]) -> str:
     """One row per run summary; the first summary is the baseline for the val-loss gap."""
     base_val = summaries[0]["final_val_loss"]
     rows = [
         "| config | final val loss | val gap vs baseline | final train loss | grad compression vs fp32 | grad wire MB "
-        "| param wire MB (fp32 MB) | wall s | skipped steps |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| grad MB to other nodes (fp32 MB) | param wire MB (fp32 MB) | wall s | skipped steps |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s in summaries:
         gap_pct = 100.0 * (s["final_val_loss"] - base_val) / base_val
         rows.append(f"| {Path(s['config']).stem} | {s['final_val_loss']:.4f} | {gap_pct:+.2f}% "
                     f"| {s['final_train_loss']:.4f} | {s['compression_ratio']:.1f}x "
-                    f"| {s['wire_bytes_total'] / 1e6:.1f} | {param_mb(s)} | {s['wall_s']:.1f} | {s['skipped_steps']} |")
+                    f"| {s['wire_bytes_total'] / 1e6:.1f} | {inter_node_mb(s)} | {param_mb(s)} | {s['wall_s']:.1f} "
+                    f"| {s['skipped_steps']} |")
     return "\n".join(rows) + "\n"
 
 
