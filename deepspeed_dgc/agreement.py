@@ -19,7 +19,8 @@ def effective_settings(cfg: DGCConfig, ranks_per_node: int) -> Dict[str, Any]:
     """Flat ``{key: value}`` of what must be equal on every rank.
 
     Keys: every ``dgc.*`` config key (nested ``dgc.weights.*`` too), the resolved
-    ``ranks_per_node`` and the versions of deepspeed, torch and deepspeed_dgc.
+    ``ranks_per_node`` (hierarchical topology only) and the versions of deepspeed, torch and
+    deepspeed_dgc.
     """
     import deepspeed
 
@@ -35,7 +36,8 @@ def effective_settings(cfg: DGCConfig, ranks_per_node: int) -> Dict[str, Any]:
             flat[prefix] = value
 
     walk(DGC_SECTION, cfg.model_dump())
-    flat["ranks per node (resolved)"] = ranks_per_node
+    if cfg.topology == "hierarchical":  # flat only uses it to label bytes; nodes may then differ in size
+        flat["ranks per node (resolved)"] = ranks_per_node
     flat["deepspeed version"] = deepspeed.__version__
     flat["torch version"] = torch.__version__
     flat["deepspeed_dgc version"] = __version__

@@ -145,7 +145,7 @@ class CompressedReduceScatter:
     def _fingerprint(self, numels: Sequence[int], sparse: Sequence[bool], comm_dtype: torch.dtype) -> int:
         desc = json.dumps([
             self.cfg.density, self.cfg.quantization, self.cfg.group_size, self.cfg.min_numel, self.cfg.topology,
-            self.ranks_per_node,
+            self.ranks_per_node if self.cfg.topology == "hierarchical" else None,
             str(comm_dtype),
             list(numels),
             list(sparse)

@@ -71,6 +71,12 @@ def test_config_defaults_and_lossless():
     ({"group_size": 4.0}, "'dgc.group_size'"),
     ({"weights": {"quantization": "int2"}}, "'dgc.weights.quantization'"),
     ({"weights": {"group_sise": 64}}, "unknown key 'dgc.weights.group_sise' \\(allowed keys: quantization, group_size\\)"),
+    ({"comm_backend": "nccl"}, "'dgc.comm_backend': Input should be 'torch' or 'mpi'"),
+    ({"topology": "ring"}, "'dgc.topology': Input should be 'flat' or 'hierarchical'"),
+    ({"ranks_per_node": 0}, "'dgc.ranks_per_node'"),
+    ({"ranks_per_node": 2.0}, "'dgc.ranks_per_node'"),
+    ({"timeout_s": 0}, "'dgc.timeout_s'"),
+    ({"timeout_s": -5.0}, "'dgc.timeout_s'"),
 ])
 def test_config_errors_name_the_key(section, needle):
     with pytest.raises(DGCConfigError, match=needle.replace(".", r"\.")):
@@ -87,3 +93,17 @@ def test_config_is_frozen():
     cfg = DGCConfig(enabled=True)
     with pytest.raises(Exception):
         cfg.density = 0.5
+
+
+def test_agreement_digest_and_mismatch_message():
+    from deepspeed_dgc.agreement import describe_mismatch, effective_settings, settings_digest
+    a = effective_settings(DGCConfig(enabled=True, topology="hierarchical"), 2)
+    b = effective_settings(DGCConfig(enabled=True, topology="hierarchical", weights={"quantization": "int8"}), 4)
+    flat = effective_settings(DGCConfig(enabled=True), 4)
+    assert a["dgc.weights.quantization"] == "none" and "deepspeed version" in a
+    assert "ranks per node (resolved)" not in flat  # flat only labels bytes with it
+    assert settings_digest(a) == settings_digest(dict(a)) != settings_digest(b)
+    msg = describe_mismatch([a, a, b])
+    assert "'dgc.weights.quantization' is 'none' on rank 0 but 'int8' on rank(s) [2]" in msg
+    assert "'ranks per node (resolved)' is 2 on rank 0 but 4 on rank(s) [2]" in msg
+    assert "dgc.density" not in msg
