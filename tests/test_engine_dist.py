@@ -94,6 +94,8 @@ def test_bad_config_fails_on_every_rank_naming_the_key():
         msg = messages["mpi_without_mpirun"]
         assert msg is not None and msg.startswith("DGCBackendError") and "dgc.comm_backend" in msg, msg
         assert "MPI world of 1, torch world is 2" in msg and "mpirun" in msg, msg
+        msg = messages["mpi4py_missing"]
+        assert msg is not None and msg.startswith("DGCBackendError") and "mpi4py cannot be imported" in msg, msg
     assert "allowed keys: enabled, density" in ranks[0]["misspelled"]
     assert "'int4' or 'none'" in ranks[0]["quantization_value"]
 

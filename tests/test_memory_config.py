@@ -107,3 +107,14 @@ def test_agreement_digest_and_mismatch_message():
     assert "'dgc.weights.quantization' is 'none' on rank 0 but 'int8' on rank(s) [2]" in msg
     assert "'ranks per node (resolved)' is 2 on rank 0 but 4 on rank(s) [2]" in msg
     assert "dgc.density" not in msg
+
+
+def test_ranks_per_node_from_config_then_launcher(monkeypatch):
+    from deepspeed_dgc.topology import LOCAL_SIZE_VARS, resolve_ranks_per_node
+    for var in LOCAL_SIZE_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "8")
+    assert resolve_ranks_per_node(DGCConfig(enabled=True)) == (8, "OMPI_COMM_WORLD_LOCAL_SIZE")
+    monkeypatch.setenv("LOCAL_SIZE", "4")
+    assert resolve_ranks_per_node(DGCConfig(enabled=True)) == (4, "LOCAL_SIZE")
+    assert resolve_ranks_per_node(DGCConfig(enabled=True, ranks_per_node=2)) == (2, "dgc.ranks_per_node")

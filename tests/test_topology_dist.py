@@ -2,7 +2,7 @@
 
 - flat, 2 and 3 ranks: the mpi4py backend gives the same bytes, outputs and residuals as the
   torch (gloo) backend, bit for bit;
-- hierarchical, 4 ranks as 2 nodes of 2 (both backends, also bit-identical): each output equals
+- hierarchical, 4 ranks as 2 nodes of 2 (LOCAL_SIZE=2; both backends, also bit-identical): each output equals
   the sum over nodes of what was sent, error feedback conserves every gradient, dense INT4 is
   within the INT4 bound of the float64 reference, lossless mode is exactly the two-level fp32 sum
   (and within fp32 rounding of stock's flat sum), and the bytes split into intra- and inter-node.
@@ -22,11 +22,11 @@ from workers.reduce_worker import CASES, SIZES, STEPS
 L = 2  # ranks per node in the hierarchical run
 
 
-def _run_mpirun(world, *worker_args):
+def _run_mpirun(world, *worker_args, **env):
     out = tempfile.mkdtemp()
     res = launch_mpirun(world, [sys.executable, "tests/workers/reduce_worker.py", out, *worker_args],
                         timeout_s=240,
-                        env_to_ranks=dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())))
+                        env_to_ranks=dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), **env))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return out
 
@@ -53,7 +53,9 @@ def test_mpi_backend_bit_identical_to_torch_flat(world):
 
 @pytest.fixture(scope="module")
 def hier():
-    out = _run_mpirun(4, "torch,mpi", "hierarchical", str(L))
+    # no dgc.ranks_per_node: the node size comes from the launcher variable LOCAL_SIZE (here 2
+    # instead of mpirun's OMPI_COMM_WORLD_LOCAL_SIZE of 4), as the deepspeed launcher would set it
+    out = _run_mpirun(4, "torch,mpi", "hierarchical", LOCAL_SIZE=str(L))
     return out, [torch.load(f"{out}/rank{r}_torch.pt") for r in range(4)]
 
 

@@ -144,6 +144,7 @@ BAD = {
                           "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}},
     "nodes_do_not_divide": {"dgc": {"enabled": True, "topology": "hierarchical", "ranks_per_node": 3}},
     "mpi_without_mpirun": {"dgc": {"enabled": True, "comm_backend": "mpi"}},
+    "mpi4py_missing": {"dgc": {"enabled": True, "comm_backend": "mpi"}},
 }
 
 
@@ -153,11 +154,19 @@ def bad_configs():
         cfg = copy.deepcopy(BASE)
         cfg.update(override)
         cfg = {k: v for k, v in cfg.items() if v is not None}
+        hidden = {m: sys.modules.pop(m, None) for m in ("mpi4py", "mpi4py.MPI")} if name == "mpi4py_missing" else {}
+        if hidden:
+            sys.modules["mpi4py"] = None  # import mpi4py now raises ImportError, as if not installed
         try:
             make_engine(cfg)
             messages[name] = None
         except Exception as err:  # record whatever was raised; the test checks the text
             messages[name] = f"{type(err).__name__}: {err}"
+        finally:
+            for m, module in hidden.items():
+                sys.modules.pop(m, None)
+                if module is not None:
+                    sys.modules[m] = module
     return messages
 
 
