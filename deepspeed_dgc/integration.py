@@ -173,7 +173,8 @@ def install(engine, opt, cfg: DGCConfig) -> DGCState:
     state.monitor = getattr(engine, "monitor", None)
     state.engine_samples = lambda: getattr(engine, "global_samples", 0)
     setattr(opt, SEAM, _make_avg_scatter_grads(opt, state))
-    install_allgather(cfg.weights.quantization, cfg.weights.group_size, state.stats.record_param_gather, cfg.timeout_s)
+    install_allgather(cfg.weights.quantization, cfg.weights.group_size, state.stats.record_param_gather, cfg.timeout_s,
+                      ranks_per_node)
     opt.step = _wrap_step(opt, state)
     setattr(opt, _STATE_ATTR, state)
     setattr(engine, _STATE_ATTR, state)

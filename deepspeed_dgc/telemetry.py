@@ -25,6 +25,8 @@ class StepStats:
         residual_norm: L2 norm of all residuals after the step (only on logged steps, else None).
         param_wire_bytes: bytes sent to other ranks by parameter all-gathers through our seam.
         param_dense_fp32_bytes: what fp32 gathers of the same shards would send, ``(W-1) * n * 4``.
+        param_inter_node_wire_bytes, param_inter_node_dense_fp32_bytes: the part of each sent to
+            ranks on other nodes.
         param_uncovered_bytes: bytes of the post-step gather of persistent parameters, which no
             seam covers (stock dtype, estimated as ``(W-1) * shard numel * element size``).
     """
@@ -38,6 +40,8 @@ class StepStats:
     numel: int = 0
     param_wire_bytes: int = 0
     param_dense_fp32_bytes: float = 0.0
+    param_inter_node_wire_bytes: float = 0.0
+    param_inter_node_dense_fp32_bytes: float = 0.0
     param_uncovered_bytes: int = 0
     skipped: bool = False
     residual_norm: Optional[float] = None
@@ -56,7 +60,7 @@ class StepStats:
 # Per-step counters of StepStats; DGCStats keeps a run total of each as ``<name>_total``.
 STEP_COUNTERS = ("wire_bytes", "intra_node_wire_bytes", "inter_node_wire_bytes", "inter_node_dense_fp32_bytes",
                  "dense_fp32_bytes", "kept", "numel", "param_wire_bytes", "param_dense_fp32_bytes",
-                 "param_uncovered_bytes")
+                 "param_inter_node_wire_bytes", "param_inter_node_dense_fp32_bytes", "param_uncovered_bytes")
 
 
 @dataclass
@@ -80,6 +84,8 @@ class DGCStats:
     numel_total: int = 0
     param_wire_bytes_total: int = 0
     param_dense_fp32_bytes_total: float = 0.0
+    param_inter_node_wire_bytes_total: float = 0.0
+    param_inter_node_dense_fp32_bytes_total: float = 0.0
     param_uncovered_bytes_total: int = 0
     last: Optional[StepStats] = None
     _current: StepStats = field(default_factory=StepStats, repr=False)
@@ -105,10 +111,14 @@ class DGCStats:
         cur.kept += r.kept
         cur.numel += r.numel
 
-    def record_param_gather(self, wire_bytes: int, dense_fp32_bytes: float) -> None:
-        """Add one parameter all-gather to the current step."""
-        self._current.param_wire_bytes += wire_bytes
-        self._current.param_dense_fp32_bytes += dense_fp32_bytes
+    def record_param_gather(self, wire_bytes: int, dense_fp32_bytes: float, off_node_fraction: float = 0.0) -> None:
+        """Add one parameter all-gather to the current step; ``off_node_fraction`` of both byte counts
+        went to ranks on other nodes."""
+        cur = self._current
+        cur.param_wire_bytes += wire_bytes
+        cur.param_dense_fp32_bytes += dense_fp32_bytes
+        cur.param_inter_node_wire_bytes += wire_bytes * off_node_fraction
+        cur.param_inter_node_dense_fp32_bytes += dense_fp32_bytes * off_node_fraction
 
     def end_step(self, skipped: bool, residual_norm: Optional[float], param_uncovered_bytes: int = 0) -> StepStats:
         """Close the current step, add it to the totals and return it."""
@@ -143,6 +153,8 @@ class DGCStats:
             "grad_dense_fp32_bytes_total": round(self.dense_fp32_bytes_total),
             "param_wire_bytes_total": self.param_wire_bytes_total,
             "param_dense_fp32_bytes_total": round(self.param_dense_fp32_bytes_total),
+            "param_inter_node_wire_bytes_total": round(self.param_inter_node_wire_bytes_total),
+            "param_inter_node_dense_fp32_bytes_total": round(self.param_inter_node_dense_fp32_bytes_total),
             "param_uncovered_bytes_total": self.param_uncovered_bytes_total,
             "last": None if self.last is None else dict(asdict(self.last),
                                                          compression_ratio=self.last.compression_ratio,

@@ -27,7 +27,7 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.zero import partition_parameters
 
-from .comm import wait_torch_work
+from .comm import group_global_ranks, wait_torch_work
 from .compressor import dequantize_weights, quantize_weights, weight_code_bytes, weight_num_groups
 
 FP32_BYTES = 4
@@ -69,17 +69,26 @@ class QuantizedAllGather:
     Args:
         fmt: ``"none"`` (stock gather, bytes only counted), ``"int8"``, ``"fp8_e4m3"`` or ``"int4"``.
         group_size: weights per fp32 scale.
-        record: called as ``record(wire_bytes, dense_fp32_bytes)`` per gather, with the bytes this
-            rank sends to the others, ``(W-1) * payload``, and what an fp32 gather would send,
-            ``(W-1) * n * 4``.
+        record: called as ``record(wire_bytes, dense_fp32_bytes, off_node_fraction)`` per gather, with
+            the bytes this rank sends to the others, ``(W-1) * payload``, what an fp32 gather would
+            send, ``(W-1) * n * 4``, and the fraction of the W-1 receivers on another node.
         stock: the function replaced (used for ``"none"`` and non-float tensors).
         timeout_s: bound on each quantized gather, seconds (:func:`~deepspeed_dgc.comm.wait_torch_work`).
+        ranks_per_node: node size used to count ``off_node_peers`` (global rank // ranks_per_node).
     """
 
-    def __init__(self, fmt: str, group_size: int, record: Callable[[int, float], None], stock: Callable,
-                 timeout_s: float = 600.0):
+    def __init__(self, fmt: str, group_size: int, record: Callable[[int, float, float], None], stock: Callable,
+                 timeout_s: float = 600.0, ranks_per_node: int = 1 << 30):
         self.fmt, self.group_size, self.record, self.stock = fmt, group_size, record, stock
-        self.timeout_s = timeout_s
+        self.timeout_s, self.ranks_per_node = timeout_s, ranks_per_node
+        self._off_node = {}
+
+    def off_node_peers(self, group) -> int:
+        """Ranks of ``group`` on another node than this rank (cached per group)."""
+        if group not in self._off_node:
+            me = dist.get_rank() // self.ranks_per_node
+            self._off_node[group] = sum(1 for g in group_global_ranks(group) if g // self.ranks_per_node != me)
+        return self._off_node[group]
 
     def __call__(self, input_tensor: torch.Tensor, output_tensor: torch.Tensor, group=None):
         """Gather every rank's shard ``input_tensor`` (1-D, n elements) into ``output_tensor`` (W*n).
@@ -89,8 +98,9 @@ class QuantizedAllGather:
         """
         world = dist.get_world_size(group=group)
         n = input_tensor.numel()
+        off_node = self.off_node_peers(group) / (world - 1) if world > 1 else 0.0
         if self.fmt == "none" or not output_tensor.is_floating_point():
-            self.record((world - 1) * n * input_tensor.element_size(), (world - 1) * n * FP32_BYTES)
+            self.record((world - 1) * n * input_tensor.element_size(), (world - 1) * n * FP32_BYTES, off_node)
             return self.stock(input_tensor, output_tensor, group)
         if output_tensor.numel() != world * n:
             raise ValueError(f"quantized all-gather: output of {output_tensor.numel()} elements for {world} shards of {n}")
@@ -101,7 +111,7 @@ class QuantizedAllGather:
         payload[scales.numel() * FP32_BYTES:scales.numel() * FP32_BYTES + codes.numel()] = codes
         recv = torch.empty(world * p, dtype=torch.uint8, device=input_tensor.device)
         work = dist.all_gather_into_tensor(recv, payload, group=group, async_op=True)
-        self.record((world - 1) * p, (world - 1) * n * FP32_BYTES)
+        self.record((world - 1) * p, (world - 1) * n * FP32_BYTES, off_node)
         return _DequantizeOnWait(work, recv, output_tensor, n, self.fmt, self.group_size, self.timeout_s)
 
 
@@ -129,12 +139,12 @@ def zero_shard_padding(params: Iterable[torch.nn.Parameter], rank: int) -> None:
 _stock_allgather_fn: Optional[Callable] = None
 
 
-def install_allgather(fmt: str, group_size: int, record: Callable[[int, float], None],
-                      timeout_s: float = 600.0) -> QuantizedAllGather:
+def install_allgather(fmt: str, group_size: int, record: Callable[[int, float, float], None],
+                      timeout_s: float = 600.0, ranks_per_node: int = 1 << 30) -> QuantizedAllGather:
     """Replace ``partition_parameters._dist_allgather_fn`` (process-wide; the latest engine's settings win)."""
     global _stock_allgather_fn
     if _stock_allgather_fn is None:
         _stock_allgather_fn = partition_parameters._dist_allgather_fn
-    fn = QuantizedAllGather(fmt, group_size, record, _stock_allgather_fn, timeout_s)
+    fn = QuantizedAllGather(fmt, group_size, record, _stock_allgather_fn, timeout_s, ranks_per_node)
     partition_parameters._dist_allgather_fn = fn
     return fn

@@ -15,14 +15,17 @@ RATIO = {"none": (1.0, 1.0), "int8": (0.25, 0.26), "fp8_e4m3": (0.25, 0.26), "in
 MODULES = {"l1": 2, "ln": 2, "l2": 2}  # parameters per module, in engine.module.parameters() order
 
 
-@pytest.mark.parametrize("world,fmt,hpz,sequential", [(2, "none", 1, 0), (2, "int8", 1, 0), (2, "fp8_e4m3", 1, 0),
-                                                      (2, "int4", 1, 0), (4, "int8", 1, 0), (4, "int4", 2, 0),
-                                                      (2, "fp8_e4m3", 1, 1)],
-                         ids=["w2-none", "w2-int8", "w2-fp8", "w2-int4", "w4-int8", "w4-int4-hpz2", "w2-fp8-sequential"])
-def test_gathered_weights(world, fmt, hpz, sequential):
-    """Coalesced gathers (one per module), hpZ secondary groups, and one gather per parameter."""
+@pytest.mark.parametrize("world,fmt,hpz,sequential,nodes", [(2, "none", 1, 0, 0), (2, "int8", 1, 0, 0),
+                                                            (2, "fp8_e4m3", 1, 0, 0), (2, "int4", 1, 0, 0),
+                                                            (4, "int8", 1, 0, 2), (4, "int4", 2, 0, 2),
+                                                            (2, "fp8_e4m3", 1, 1, 0)],
+                         ids=["w2-none", "w2-int8", "w2-fp8", "w2-int4", "w4-int8-2x2", "w4-int4-hpz2-2x2",
+                              "w2-fp8-sequential"])
+def test_gathered_weights(world, fmt, hpz, sequential, nodes):
+    """Coalesced gathers (one per module), hpZ secondary groups, and one gather per parameter; at 4
+    ranks as 2 nodes of 2 the gradients take the hierarchical topology too."""
     out = tempfile.mkdtemp()
-    check_ok(launch(world, "weights_worker.py", [fmt, out, str(hpz), str(sequential)], timeout_s=300))
+    check_ok(launch(world, "weights_worker.py", [fmt, out, str(hpz), str(sequential), str(nodes)], timeout_s=300))
     ranks = [torch.load(f"{out}/rank{r}.pt") for r in range(world)]
     for t in range(STEPS):
         rec = ranks[0][t]
@@ -46,3 +49,15 @@ def test_gathered_weights(world, fmt, hpz, sequential):
             assert lo <= ratio <= hi, f"rank {r} step {t}: all-gather bytes ratio {ratio}"
     losses = [rec["loss"] for rec in ranks[0]]
     assert all(l == l for l in losses)  # finite
+    if nodes:  # bytes crossing nodes: 2 of the 3 peers of a 4-rank gather are on the other node
+        for r in range(world):
+            for t in range(1, STEPS):  # (step 0's forward uses hpZ's secondary shards made at init)
+                rec = ranks[r][t]
+                share = rec["param_inter_dense"] / rec["param_dense"]
+                # without hpZ every gather spans both nodes: 2/3 of the bytes cross; with hpZ the
+                # backward gather (n/2 from 1 peer) stays in the node and only forward's crosses:
+                # (2 * n/4) / (3 * n/4 + n/2) = 0.4
+                assert share == pytest.approx(0.4 if hpz == 2 else 2 / 3, abs=0.03), (r, t, share)
+                wire_share = rec["param_inter_wire"] / rec["param_wire"]
+                assert wire_share == pytest.approx(share, abs=0.03)
+                assert rec["grad_inter_wire"] > 0

@@ -1,6 +1,8 @@
 """Worker: ZeRO-3 with the quantized parameter all-gather; record the weights forward actually saw.
 
-Usage: weights_worker.py FORMAT OUT_DIR [HPZ [SEQUENTIAL]] (SEQUENTIAL 1: one gather per parameter). Parameters are not persistent and neither prefetched
+Usage: weights_worker.py FORMAT OUT_DIR [HPZ [SEQUENTIAL [NODE_SIZE]]] (SEQUENTIAL 1: one gather per
+parameter; NODE_SIZE > 0: hierarchical gradient topology with that many ranks per node, which also
+labels parameter bytes as intra- or inter-node). Parameters are not persistent and neither prefetched
 nor reused, so every step gathers each weight in forward and again in backward. Per step it saves
 the exact full fp32 parameters before the step, the gathered weights each module saw in forward,
 whether the stored shards changed during forward/backward, whether they equal the fp32 master
@@ -27,13 +29,15 @@ def real_numel(p, rank):
     return max(0, min(p.ds_numel - rank * size, size))
 
 
-def main(fmt, out_dir, hpz=1, sequential=0):
+def main(fmt, out_dir, hpz=1, sequential=0, node_size=0):
     rank = init()
     cfg = copy.deepcopy(BASE)
     cfg["zero_optimization"].update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=0,
                                     stage3_max_reuse_distance=0, zero_hpz_partition_size=hpz,
                                     stage3_allgather_sequential=bool(sequential))
     cfg["dgc"] = {"enabled": True, "density": 1.0, "quantization": "int4", "weights": {"quantization": fmt}}
+    if node_size:
+        cfg["dgc"].update(topology="hierarchical", ranks_per_node=node_size)
     torch.manual_seed(0)
     model = Net()
     seen = {}
@@ -60,6 +64,9 @@ def main(fmt, out_dir, hpz=1, sequential=0):
         stats = deepspeed_dgc.get_stats(engine).last
         record.append(dict(exact=exact, seen=dict(seen), shards_unchanged=shards_unchanged, master_equal=master_equal,
                            param_wire=stats.param_wire_bytes, param_dense=stats.param_dense_fp32_bytes,
+                           param_inter_wire=stats.param_inter_node_wire_bytes,
+                           param_inter_dense=stats.param_inter_node_dense_fp32_bytes,
+                           grad_inter_wire=stats.inter_node_wire_bytes,
                            loss=float(loss)))
     torch.save(record, f"{out_dir}/rank{rank}.pt")
     finish()
