@@ -6,7 +6,7 @@ a mismatch must stop the job at initialize, on every rank, with a message naming
 
 import hashlib
 import json
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 from deepspeed.accelerator import get_accelerator
@@ -15,11 +15,11 @@ from .comm import wait_torch_work
 from .config import DGC_SECTION, DGCConfig, DGCConfigError
 
 
-def effective_settings(cfg: DGCConfig, ranks_per_node: int) -> Dict[str, Any]:
+def effective_settings(cfg: DGCConfig, ranks_per_node: Optional[int]) -> Dict[str, Any]:
     """Flat ``{key: value}`` of what must be equal on every rank.
 
     Keys: every ``dgc.*`` config key (nested ``dgc.weights.*`` too), the resolved
-    ``ranks_per_node`` (hierarchical topology only) and the versions of deepspeed, torch and
+    ``ranks_per_node`` (hierarchical topology, when given) and the versions of deepspeed, torch and
     deepspeed_dgc.
     """
     import deepspeed
@@ -36,7 +36,7 @@ def effective_settings(cfg: DGCConfig, ranks_per_node: int) -> Dict[str, Any]:
             flat[prefix] = value
 
     walk(DGC_SECTION, cfg.model_dump())
-    if cfg.topology == "hierarchical":  # flat only uses it to label bytes; nodes may then differ in size
+    if cfg.topology == "hierarchical" and ranks_per_node is not None:  # flat only labels bytes with it
         flat["ranks per node (resolved)"] = ranks_per_node
     flat["deepspeed version"] = deepspeed.__version__
     flat["torch version"] = torch.__version__
@@ -62,7 +62,7 @@ def describe_mismatch(everyone: List[Dict[str, Any]]) -> str:
     return "; ".join(parts)
 
 
-def check_agreement(cfg: DGCConfig, ranks_per_node: int, timeout_s: float) -> None:
+def check_agreement(cfg: DGCConfig, ranks_per_node: Optional[int], timeout_s: float) -> None:
     """Compare the hash of :func:`effective_settings` across the torch world; fail on every rank if any differs.
 
     Collective over the world (an all-gather of one int64, plus an object all-gather of the

@@ -59,8 +59,8 @@ class DGCConfig(BaseModel):
     - ``ranks_per_node`` (int >= 1 or null, default null): ranks per node; null takes it from the
       launcher (``LOCAL_SIZE``, ``OMPI_COMM_WORLD_LOCAL_SIZE``) or else from host names.
       Ranks ``k*ranks_per_node ... (k+1)*ranks_per_node - 1`` form node k.
-    - ``timeout_s`` (float > 0, default 600): bound, in seconds, on every collective of the
-      extension; a rank whose peer died or hangs raises ``DGCTimeoutError`` instead of waiting.
+    - ``timeout_s`` (float in [0.001, 604800], default 600): bound, in seconds, on every collective
+      of the extension; a rank whose peer died or hangs raises ``DGCTimeoutError`` instead of waiting.
 
     ``density: 1.0`` with ``quantization: "none"`` is the lossless mode: bit-identical to stock
     ZeRO-3 at 2 ranks.
@@ -70,7 +70,7 @@ class DGCConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     enabled: bool = False
-    density: float = Field(0.01, gt=0.0, le=1.0)
+    density: float = Field(0.01, gt=0.0, le=1.0, allow_inf_nan=False)
     quantization: Literal["int4", "none"] = "int4"
     group_size: int = Field(128, ge=2, le=1 << 20, multiple_of=2)
     error_feedback: bool = True
@@ -80,7 +80,8 @@ class DGCConfig(BaseModel):
     comm_backend: Literal["torch", "mpi"] = "torch"
     topology: Literal["flat", "hierarchical"] = "flat"
     ranks_per_node: Optional[int] = Field(None, ge=1)
-    timeout_s: float = Field(600.0, gt=0.0, le=7 * 24 * 3600.0)
+    # at least 1 ms: gloo counts in whole milliseconds and takes 0 as "wait forever"
+    timeout_s: float = Field(600.0, ge=0.001, le=7 * 24 * 3600.0, allow_inf_nan=False)
 
     @property
     def lossless(self) -> bool:

@@ -143,8 +143,9 @@ def install(engine, opt, cfg: DGCConfig) -> DGCState:
     Returns:
         The :class:`DGCState` now attached to both engine and optimizer.
 
-    Collective over the world: resolves ranks per node, checks that every rank has the same
-    settings (:func:`~deepspeed_dgc.agreement.check_agreement`), and builds the communicators.
+    Collective over the world: resolves ranks per node (with the hierarchical topology, checks that
+    every rank found the same, :func:`~deepspeed_dgc.agreement.check_agreement`; the other settings
+    were compared before the optimizer was built) and builds the communicators.
 
     Raises:
         DGCConfigError: no optimizer was given (ZeRO-3 then only offloads parameters); settings
@@ -158,7 +159,8 @@ def install(engine, opt, cfg: DGCConfig) -> DGCState:
     if not isinstance(opt, DeepSpeedZeroOptimizer_Stage3) or not hasattr(opt, SEAM):
         raise DGCSeamError(f"deepspeed_dgc can only patch a ZeRO-3 optimizer, got {type(opt).__name__}")
     ranks_per_node, source = resolve_ranks_per_node(cfg)
-    check_agreement(cfg, ranks_per_node, cfg.timeout_s)  # before anything that needs equal settings
+    if cfg.topology == "hierarchical":  # the launcher's node size must agree too (the rest already did)
+        check_agreement(cfg, ranks_per_node, cfg.timeout_s)
     if cfg.comm_backend == "mpi":
         problem = check_mpi_world()
         if problem:
@@ -192,6 +194,11 @@ def _wrap_configure_zero_optimizer(orig):
     @functools.wraps(orig)
     def _configure_zero_optimizer(self, optimizer):
         cfg = _engine_dgc_config(self)
+        if self.zero_optimization_stage() == 3:
+            # every ZeRO-3 rank takes part, DGC on or off: a rank whose "dgc" section differs (even
+            # one that has it disabled or absent) fails here, on every rank, naming the key
+            effective = cfg or DGCConfig()
+            check_agreement(effective, None, effective.timeout_s)
         if cfg is None or not cfg.enabled:
             return orig(self, optimizer)
         check_engine_compatible(cfg, self)

@@ -10,11 +10,13 @@ and optionally writes the same JSON to ``--summary-json``.
 """
 
 import argparse
+import datetime
 import json
 import math
 import os
 import sys
 import time
+import traceback
 from collections import deque
 from pathlib import Path
 
@@ -208,15 +210,16 @@ def abort_mpi_job_on_uncaught_exception() -> None:
     """Under mpirun, make an uncaught exception on one rank end the whole job.
 
     Otherwise the failing rank waits in ``MPI_Finalize`` at exit while the others wait for it in
-    a collective: a hang instead of an error. This is what ``python -m mpi4py script.py`` does.
+    a collective: a hang instead of an error. The traceback goes straight to ``sys.__stderr__``:
+    torch's ``init_process_group`` wraps ``sys.excepthook`` and buffers what the wrapped hook
+    prints until it returns, which ``Abort`` never does (so ``python -m mpi4py`` loses the message).
     """
     if "OMPI_COMM_WORLD_SIZE" not in os.environ and "PMI_SIZE" not in os.environ:
         return
-    default_hook = sys.excepthook
 
     def hook(exc_type, exc, tb):
-        default_hook(exc_type, exc, tb)
-        sys.stderr.flush()
+        traceback.print_exception(exc_type, exc, tb, file=sys.__stderr__)
+        sys.__stderr__.flush()
         from mpi4py import MPI
         MPI.COMM_WORLD.Abort(1)
 
@@ -230,7 +233,14 @@ def main() -> None:
     if args.summary_json:  # fail now, not after training, if the summary cannot be written there
         args.summary_json.parent.mkdir(parents=True, exist_ok=True)
 
-    deepspeed.init_distributed()
+    # DeepSpeed's own collectives get the same bound as the extension's, so that a hung peer ends
+    # the job after dgc.timeout_s wherever the others wait (DeepSpeed's default is 30 minutes)
+    dgc_section = ds_config.get("dgc") or {}
+    timeout_s = dgc_section.get("timeout_s") if dgc_section.get("enabled") else None
+    if timeout_s is not None:
+        deepspeed.init_distributed(timeout=datetime.timedelta(seconds=float(timeout_s)))
+    else:
+        deepspeed.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     is_main = rank == 0
     print(f"rank {rank} of {world} (local rank {os.environ.get('LOCAL_RANK', '?')}, "

@@ -15,3 +15,25 @@ os.environ["TORCH_EXTENSIONS_DIR"] = EXT_DIR
 for dirpath, _, files in os.walk(EXT_DIR):
     if "lock" in files:
         os.unlink(os.path.join(dirpath, "lock"))
+
+
+import glob  # noqa: E402
+
+import pytest  # noqa: E402
+
+SHM_LEFTOVERS = ("/dev/shm/sm_segment.*", "/dev/shm/deepspeed_allreduce_buffer_*")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def remove_shared_memory_leftovers():
+    """Delete the shared-memory files this session's processes leave behind: Open MPI's
+    ``sm_segment.*`` of singleton or aborted MPI jobs, DeepSpeed's all-reduce buffers (16-69 MB each).
+    Files that existed before the session are left alone."""
+    before = {p for pattern in SHM_LEFTOVERS for p in glob.glob(pattern)}
+    yield
+    for pattern in SHM_LEFTOVERS:
+        for path in set(glob.glob(pattern)) - before:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass

@@ -101,10 +101,11 @@ def test_bad_config_fails_on_every_rank_naming_the_key():
 
 
 @pytest.mark.parametrize("mode, key, values", [("mismatch", "'dgc.density'", ("0.1", "0.2")),
-                                               ("mismatch_version", "'deepspeed_dgc version'", ("'0.1.0'", "'0.0.0-other'"))])
+                                               ("mismatch_version", "'deepspeed_dgc version'", ("'0.1.0'", "'0.0.0-other'")),
+                                               ("mismatch_disabled", "'dgc.enabled'", ("True", "False"))])
 def test_ranks_that_disagree_fail_on_every_rank(mode, key, values):
-    """Rank 1 runs another density, or another package version: both ranks raise at initialize,
-    naming the key and both values, instead of mixing formats."""
+    """Rank 1 runs another density, another package version, or DGC disabled: both ranks raise at
+    initialize, naming the key and both values, instead of mixing formats or hanging."""
     ranks = run(mode)
     for r, msg in enumerate(ranks):
         assert msg is not None and msg.startswith("DGCConfigError") and "differ between ranks" in msg, f"rank {r}: {msg}"

@@ -9,9 +9,9 @@ Usage: engine_worker.py MODE OUT_DIR [STEPS]. MODE is one of
   bad_config               initialize with invalid "dgc" settings; record each error message
   die, hang                rank 1 is killed, or hangs, inside its reduce-scatter of step 3 (timeout_s 8);
                            rank 0 saves the error it got and the time to OUT_DIR/rank0_error.pt
-  mismatch, mismatch_version
-                           rank 1 uses another density (or reports another deepspeed_dgc version)
-                           than rank 0; record the error of initialize or the first step
+  mismatch, mismatch_version, mismatch_disabled
+                           rank 1 uses another density (or reports another deepspeed_dgc version, or
+                           has DGC disabled); record the error of initialize or the first step
   resume_full, resume_first, resume_second
                            DGC on, 10 steps uninterrupted; or the first 5 then save_checkpoint to
                            OUT_DIR/ckpt; or load_checkpoint from there (at any world size) and run 5 more
@@ -173,6 +173,8 @@ def bad_configs():
 def mismatch(rank, what="density"):
     cfg = copy.deepcopy(BASE)
     cfg["dgc"] = dict(SPARSE, density=0.1 if rank == 0 or what != "density" else 0.2)
+    if what == "disabled" and rank == 1:
+        cfg["dgc"]["enabled"] = False
     if what == "version" and rank == 1:
         deepspeed_dgc.__version__ = "0.0.0-other"
     (x, y), = batches(rank, 1, 1, torch.float32)[0]
@@ -250,8 +252,8 @@ def main(mode, out_dir, steps=4):
         fail_mid_run(mode, rank, out_dir)  # raises on rank 0; rank 1 never returns
     if mode == "bad_config":
         result = bad_configs()
-    elif mode in ("mismatch", "mismatch_version"):
-        result = mismatch(rank, "version" if mode == "mismatch_version" else "density")
+    elif mode.startswith("mismatch"):
+        result = mismatch(rank, mode.partition("_")[2] or "density")
     elif mode.startswith("resume"):
         result = resume(mode, rank, out_dir)
     else:
