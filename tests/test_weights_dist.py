@@ -47,6 +47,8 @@ def test_gathered_weights(world, fmt, hpz, sequential, nodes):
             lo, hi = RATIO[fmt]
             ratio = ranks[r][t]["param_wire"] / ranks[r][t]["param_dense"]
             assert lo <= ratio <= hi, f"rank {r} step {t}: all-gather bytes ratio {ratio}"
+    for r in range(world):  # GatheredParameters is an exact path: never quantized
+        assert ranks[r][-1]["gathered_exact"], "GatheredParameters did not give the exact fp32 weights"
     losses = [rec["loss"] for rec in ranks[0]]
     assert all(l == l for l in losses)  # finite
     if nodes:  # bytes crossing nodes: 2 of the 3 peers of a 4-rank gather are on the other node

@@ -68,6 +68,11 @@ def main(fmt, out_dir, hpz=1, sequential=0, node_size=0):
                            param_inter_dense=stats.param_inter_node_dense_fp32_bytes,
                            grad_inter_wire=stats.inter_node_wire_bytes,
                            loss=float(loss)))
+    # an exact path must stay exact (checked after the last step: with hpZ, leaving GatheredParameters
+    # makes secondary shards that the next forward would use, changing the traffic measured above)
+    final = [safe_get_full_fp32_param(p).reshape(-1).clone() for p in params]
+    with deepspeed.zero.GatheredParameters(params):
+        record[-1]["gathered_exact"] = all(torch.equal(p.data.reshape(-1), e) for p, e in zip(params, final))
     torch.save(record, f"{out_dir}/rank{rank}.pt")
     finish()
 
