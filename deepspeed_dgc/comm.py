@@ -229,7 +229,7 @@ class MPICommunicator(_Communicator):
         MPI = self._mpi
         send_buf = self._buffer(send)
         recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=send.device)
-        recv_buf = self._buffer(recv) if recv.device.type != "cpu" else recv
+        recv_buf = self._buffer(recv)
         send_displs = [sum(send_sizes[:d]) for d in range(self.world_size)]
         recv_displs = [sum(recv_sizes[:d]) for d in range(self.world_size)]
         request = self.comm.Ialltoallv([_mpi_buffer(send_buf), (send_sizes, send_displs), MPI.BYTE],

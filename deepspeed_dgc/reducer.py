@@ -73,19 +73,18 @@ class ReduceResult:
     inter_node_dense_fp32_bytes: float = 0.0
 
 
-def _owner_matrix(flats: Sequence[torch.Tensor], world: int, dtype: torch.dtype,
-                  device) -> Tuple[torch.Tensor, List[int]]:
+def _owner_matrix(flats: Sequence[torch.Tensor], chunks: Sequence[int], world: int, dtype: torch.dtype,
+                  device) -> torch.Tensor:
     """Lay tensors out by owner rank, as stock ``reduce_scatter_coalesced`` does.
 
     Returns:
-        ``(M, chunks)``: M of shape ``(world, sum(c_i))`` where row o is the concatenation of
-        ``flat_i[o*c_i : (o+1)*c_i]`` zero-padded to ``c_i = ceil(n_i/world)``; and the ``c_i``.
+        M of shape ``(world, sum(c_i))`` where row o is the concatenation of
+        ``flat_i[o*c_i : (o+1)*c_i]`` zero-padded to ``c_i = chunks[i] = ceil(n_i/world)``.
     """
-    chunks = [-(-f.numel() // world) for f in flats]
     if not flats:
-        return torch.empty(world, 0, dtype=dtype, device=device), chunks
+        return torch.empty(world, 0, dtype=dtype, device=device)
     cols = [torch.nn.functional.pad(f.to(dtype), (0, world * c - f.numel())).view(world, c) for f, c in zip(flats, chunks)]
-    return torch.cat(cols, dim=1), chunks
+    return torch.cat(cols, dim=1)
 
 
 def _real_mask(numels: Sequence[int], chunks: Sequence[int], world: int, device) -> torch.Tensor:
@@ -196,7 +195,6 @@ class CompressedReduceScatter:
         device = grads[0].device
         numels = [g.numel() for g in grads]
         sparse = [self.is_sparse(n) for n in numels]
-        wire_before = [c.wire_bytes for c in comms.communicators()]
         # Stock casts to the communication dtype and pre-divides by W; an fp32 division rounded to
         # that dtype gives the same values.
         accs = [g.reshape(-1).to(comm_dtype).float().div(world) for g in grads]
@@ -205,10 +203,12 @@ class CompressedReduceScatter:
         fingerprint = self._fingerprint(numels, sparse, comm_dtype)
 
         if comms.hierarchical:
-            acc_m, _ = _owner_matrix(accs, world, torch.float32, device)  # (W, C)
-            out, finite, kept, intra_bytes = self._reduce_two_hops(acc_m, real_m, chunks, keys, numels, sparse, comms,
-                                                                   comm_dtype, loss_scale, fingerprint)
-            inter_bytes = comms.inter.wire_bytes - wire_before[1]
+            acc_m = _owner_matrix(accs, chunks, world, torch.float32, device)  # (W, C)
+            intra_before, inter_before = comms.intra.wire_bytes, comms.inter.wire_bytes
+            out, finite, kept = self._reduce_two_hops(acc_m, real_m, chunks, keys, numels, sparse, comms, comm_dtype,
+                                                      loss_scale, fingerprint)
+            intra_bytes = comms.intra.wire_bytes - intra_before
+            inter_bytes = comms.inter.wire_bytes - inter_before
         else:
             out, finite, kept = self._reduce_flat(accs, real_m, chunks, keys, numels, sparse, comms, comm_dtype,
                                                   loss_scale, fingerprint)
@@ -265,8 +265,8 @@ class CompressedReduceScatter:
             select_topk(a, self.cfg.density, self._generator(device)) if s and finite else torch.ones(
                 a.numel(), dtype=torch.bool, device=device) for a, s in zip(accs, sparse)
         ]
-        acc_m, _ = _owner_matrix(accs, world, torch.float32, device)
-        mask_m, _ = _owner_matrix(masks, world, torch.bool, device)
+        acc_m = _owner_matrix(accs, chunks, world, torch.float32, device)
+        mask_m = _owner_matrix(masks, chunks, world, torch.bool, device)
         out, sent_m = self._compress_exchange(acc_m, mask_m, real_m, chunks, sparse, comms.flat, comms.rank, comm_dtype,
                                               fingerprint, finite)
         if finite:
@@ -279,13 +279,12 @@ class CompressedReduceScatter:
         C = acc_m.shape[1]
         payloads = [_bytes(acc_m[j::L].to(comm_dtype)) for j in range(L)]  # rows of owners k*L + j
         received = comms.intra.all_to_all(payloads)
-        intra_bytes = sum(comms.intra.last_sent_bytes)
         node_sum = torch.zeros(N, C, dtype=torch.float32, device=acc_m.device)
         for buf in received:  # in local-rank order, the same on every rank
             node_sum.add_(buf.view(comm_dtype).view(N, C).float())
         real_rows = real_m[comms.local_rank::L]  # (N, C): real elements of the owners k*L + l
         if N == 1:
-            return node_sum[0], True, int(real_rows.sum()), intra_bytes
+            return node_sum[0], True, int(real_rows.sum())
         col = 0
         for key, c in zip(keys, chunks):
             self._add_residual(node_sum[:, col:col + c], key, loss_scale)
@@ -306,7 +305,7 @@ class CompressedReduceScatter:
                                               comm_dtype, fingerprint, finite)
         if finite:
             self._stage_residuals(node_sum, sent_m, keys, numels, chunks, loss_scale, trim=False)
-        return out, finite, int(mask_m.sum()) if finite else 0, intra_bytes
+        return out, finite, int(mask_m.sum()) if finite else 0
 
     def _compress_exchange(self, acc_m: torch.Tensor, mask_m: torch.Tensor, real_m: torch.Tensor, chunks, sparse,
                            comm, my_row: int, comm_dtype: torch.dtype, fingerprint: int,

@@ -1,6 +1,6 @@
 """Telemetry: bytes on the wire, compression ratio, density and residual norm per step."""
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, Optional
 
 from deepspeed.utils import logger
@@ -62,6 +62,9 @@ STEP_COUNTERS = ("wire_bytes", "intra_node_wire_bytes", "inter_node_wire_bytes",
                  "dense_fp32_bytes", "kept", "numel", "param_wire_bytes", "param_dense_fp32_bytes",
                  "param_inter_node_wire_bytes", "param_inter_node_dense_fp32_bytes", "param_uncovered_bytes")
 
+# The counters a ReduceResult carries (every field but the ``finite`` flag); each is a StepStats counter.
+REDUCE_COUNTERS = tuple(f.name for f in fields(ReduceResult) if f.name != "finite")
+
 
 @dataclass
 class DGCStats:
@@ -103,13 +106,8 @@ class DGCStats:
     def record(self, r: ReduceResult) -> None:
         """Add one reduce-scatter call to the current step."""
         cur = self._current
-        cur.wire_bytes += r.wire_bytes
-        cur.intra_node_wire_bytes += r.intra_node_wire_bytes
-        cur.inter_node_wire_bytes += r.inter_node_wire_bytes
-        cur.inter_node_dense_fp32_bytes += r.inter_node_dense_fp32_bytes
-        cur.dense_fp32_bytes += r.dense_fp32_bytes
-        cur.kept += r.kept
-        cur.numel += r.numel
+        for name in REDUCE_COUNTERS:
+            setattr(cur, name, getattr(cur, name) + getattr(r, name))
 
     def record_param_gather(self, wire_bytes: int, dense_fp32_bytes: float, off_node_fraction: float = 0.0) -> None:
         """Add one parameter all-gather to the current step; ``off_node_fraction`` of both byte counts

@@ -20,6 +20,11 @@ from .config import DGCConfig, DGCConfigError
 LOCAL_SIZE_VARS = ("LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "PMI_LOCAL_SIZE")
 
 
+def node_of(global_rank: int, ranks_per_node: int) -> int:
+    """The node of a global rank: ranks ``k*L ... (k+1)*L - 1`` form node k (L ranks per node)."""
+    return global_rank // ranks_per_node
+
+
 def resolve_ranks_per_node(cfg: DGCConfig) -> Tuple[int, str]:
     """Ranks per node and where that number came from.
 
@@ -79,9 +84,6 @@ class ReduceComms:
     def node(self) -> int:
         return self.rank // self.ranks_per_node
 
-    def communicators(self) -> List[_Communicator]:
-        return [c for c in (self.flat, self.intra, self.inter) if c is not None]
-
 
 def build_reduce_comms(cfg: DGCConfig, group, ranks_per_node: int) -> ReduceComms:
     """Create the communicators of ``group`` for ``cfg.topology`` and ``cfg.comm_backend``.
@@ -97,7 +99,7 @@ def build_reduce_comms(cfg: DGCConfig, group, ranks_per_node: int) -> ReduceComm
     rank = dist.get_rank(group=group)
     global_ranks = group_global_ranks(group)
     L = ranks_per_node
-    dest_nodes = [g // L for g in global_ranks]
+    dest_nodes = [node_of(g, L) for g in global_ranks]
     if cfg.topology == "flat":
         return ReduceComms(world_size, rank, L, dest_nodes, flat=make_communicator(cfg.comm_backend, group, cfg.timeout_s))
     full_world = dist.get_world_size()

@@ -29,6 +29,7 @@ from deepspeed.runtime.zero import partition_parameters
 
 from .comm import group_global_ranks, wait_torch_work
 from .compressor import dequantize_weights, quantize_weights, weight_code_bytes, weight_num_groups
+from .topology import node_of
 
 FP32_BYTES = 4
 
@@ -74,7 +75,7 @@ class QuantizedAllGather:
             send, ``(W-1) * n * 4``, and the fraction of the W-1 receivers on another node.
         stock: the function replaced (used for ``"none"`` and non-float tensors).
         timeout_s: bound on each quantized gather, seconds (:func:`~deepspeed_dgc.comm.wait_torch_work`).
-        ranks_per_node: node size used to count ``off_node_peers`` (global rank // ranks_per_node).
+        ranks_per_node: node size used to count ``off_node_peers`` (:func:`~deepspeed_dgc.topology.node_of`).
     """
 
     def __init__(self, fmt: str, group_size: int, record: Callable[[int, float, float], None], stock: Callable,
@@ -86,8 +87,8 @@ class QuantizedAllGather:
     def off_node_peers(self, group) -> int:
         """Ranks of ``group`` on another node than this rank (cached per group)."""
         if group not in self._off_node:
-            me = dist.get_rank() // self.ranks_per_node
-            self._off_node[group] = sum(1 for g in group_global_ranks(group) if g // self.ranks_per_node != me)
+            me = node_of(dist.get_rank(), self.ranks_per_node)
+            self._off_node[group] = sum(1 for g in group_global_ranks(group) if node_of(g, self.ranks_per_node) != me)
         return self._off_node[group]
 
     def __call__(self, input_tensor: torch.Tensor, output_tensor: torch.Tensor, group=None):

@@ -235,10 +235,9 @@ def main() -> None:
 
     # DeepSpeed's own collectives get the same bound as the extension's, so that a hung peer ends
     # the job after dgc.timeout_s wherever the others wait (DeepSpeed's default is 30 minutes)
-    dgc_section = ds_config.get("dgc") or {}
-    timeout_s = dgc_section.get("timeout_s") if dgc_section.get("enabled") else None
-    if timeout_s is not None:
-        deepspeed.init_distributed(timeout=datetime.timedelta(seconds=float(timeout_s)))
+    dgc = deepspeed_dgc.parse_dgc_config(ds_config)
+    if dgc is not None and dgc.enabled:
+        deepspeed.init_distributed(timeout=datetime.timedelta(seconds=dgc.timeout_s))
     else:
         deepspeed.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
