@@ -103,6 +103,21 @@ def mpirun_path() -> str:
 
 
 MPI_ROOT_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+TORCH_DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT", "CROSS_RANK",
+                   "CROSS_SIZE")
+
+
+def mpi_job_env(**extra: str) -> dict:
+    """This environment for a launcher that starts ranks through Open MPI: no torch variable
+    (RANK, WORLD_SIZE, MASTER_ADDR, ...), root allowed, this repository on PYTHONPATH, one OpenMP
+    thread per rank, ``mpirun`` on PATH; plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k not in TORCH_DIST_VARS}
+    env.update(MPI_ROOT_ENV,
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               OMP_NUM_THREADS="1",
+               PATH=os.path.dirname(mpirun_path()) + os.pathsep + os.environ.get("PATH", ""),
+               **extra)
+    return env
 
 
 def launch_mpirun(world: int, argv: Sequence[str], timeout_s: float = 180.0, env_to_ranks=None,
@@ -115,12 +130,9 @@ def launch_mpirun(world: int, argv: Sequence[str], timeout_s: float = 180.0, env
     Raises:
         TimeoutError: mpirun was still running after ``timeout_s`` seconds (a hang).
     """
-    rank_env = dict(PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
-                    **(env_to_ranks or {}))
-    env = {k: v for k, v in os.environ.items() if k not in TORCH_DIST_VARS}
-    env.update(MPI_ROOT_ENV, **rank_env)
+    env = mpi_job_env(**(env_to_ranks or {}))
     cmd = [mpirun_path(), "-np", str(world), "--oversubscribe", *mpirun_args]
-    for k in rank_env:
+    for k in ("PYTHONPATH", "OMP_NUM_THREADS", *(env_to_ranks or {})):
         cmd += ["-x", k]
     cmd += list(argv)
     try:
@@ -130,7 +142,3 @@ def launch_mpirun(world: int, argv: Sequence[str], timeout_s: float = 180.0, env
     finally:
         if env_to_ranks and "MASTER_PORT" in env_to_ranks:
             remove_shm_buffers(int(env_to_ranks["MASTER_PORT"]))
-
-
-TORCH_DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT", "CROSS_RANK",
-                   "CROSS_SIZE")

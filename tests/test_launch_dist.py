@@ -18,10 +18,9 @@ import tempfile
 
 import pytest
 
-from dist_launch import (MPI_ROOT_ENV, ROOT, TORCH_DIST_VARS, free_port, launch_mpirun, mpirun_path,
-                         remove_shm_buffers)
+from dist_launch import ROOT, free_port, launch_mpirun, mpi_job_env, remove_shm_buffers
+from test_main_job import TINY_MODEL
 
-MODEL = ["--eval-batches", "4", "--n-layer", "1", "--n-embd", "64", "--block-size", "32"]
 STEPS = ["--max-steps", "24", "--eval-interval", "8"]
 DISCOVERY_PORT = 29500  # DeepSpeed's MPI discovery always uses distributed_port (default 29500)
 
@@ -34,15 +33,8 @@ CASES = {  # (launcher, ranks): "dgc" overrides
 }
 
 
-def _env():
-    env = {k: v for k, v in os.environ.items() if k not in TORCH_DIST_VARS}
-    env.update(MPI_ROOT_ENV, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    env["PATH"] = os.path.dirname(mpirun_path()) + os.pathsep + env.get("PATH", "")
-    return env
-
-
 def run_launcher(launcher, world, overrides, summary):
-    script = ["examples/train_char_gpt.py", "--deepspeed_config", "configs/zero3_dgc_int4_d01.json", *STEPS, *MODEL,
+    script = ["examples/train_char_gpt.py", "--deepspeed_config", "configs/zero3_dgc_int4_d01.json", *STEPS, *TINY_MODEL,
               "--summary-json", summary]
     for key, value in overrides.items():
         script += ["--dgc-set", f"{key}={json.dumps(value)}"]
@@ -59,7 +51,7 @@ def run_launcher(launcher, world, overrides, summary):
         cmd = runner + ["--hostfile", hostfile, "--launcher", "openmpi", "--force_multi", "--no_ssh_check",
                         "--master_addr", "127.0.0.1", "--launcher_args", "--oversubscribe --map-by slot", *script]
     try:
-        return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=400)
+        return subprocess.run(cmd, cwd=ROOT, env=mpi_job_env(), capture_output=True, text=True, timeout=400)
     finally:
         remove_shm_buffers(port)
         remove_shm_buffers(DISCOVERY_PORT)

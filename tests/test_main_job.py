@@ -13,6 +13,8 @@ SUMMARY_KEYS = {
     "compression_ratio", "skipped_steps", "world_size", "dgc"
 }
 
+TINY_MODEL = ["--eval-batches", "4", "--n-layer", "1", "--n-embd", "64", "--block-size", "32"]
+
 
 def run_main_job(config, steps, eval_interval, *extra):
     """Run examples/train_char_gpt.py with a tiny model on 2 ranks through the deepspeed launcher."""
@@ -21,8 +23,7 @@ def run_main_job(config, steps, eval_interval, *extra):
     cmd = [
         sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port),
         "examples/train_char_gpt.py", "--deepspeed_config", config, "--max-steps", str(steps), "--eval-interval",
-        str(eval_interval), "--eval-batches", "4", "--n-layer", "1", "--n-embd", "64", "--block-size", "32",
-        "--summary-json", out, *extra
+        str(eval_interval), *TINY_MODEL, "--summary-json", out, *extra
     ]
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     try:
