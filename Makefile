@@ -6,15 +6,16 @@ PY := $(VENV)/bin/python
 STEPS ?= 300
 SEED ?= 1234
 
-.PHONY: install test demo clean
+.PHONY: install test demo bench-kernels report clean
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: setup.py requirements-test.txt
+# DS_BUILD_DGC=1: prebuild the fused CPU op (and the CUDA op where torch has CUDA) at install.
+$(VENV)/.installed: setup.py requirements-test.txt $(wildcard csrc/dgc/*) $(wildcard op_builder/*.py)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements-test.txt
-	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	DS_BUILD_DGC=1 $(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $@
 
 test: install
@@ -23,5 +24,11 @@ test: install
 demo: install
 	$(PY) examples/compare.py --max-steps $(STEPS) --seed $(SEED)
 
+bench-kernels: install
+	$(PY) benchmarks/bench_kernels.py --json runs/bench_kernels.json
+
+report: install
+	$(PY) -m deepspeed_dgc report
+
 clean:
-	rm -rf runs build *.egg-info .pytest_cache
+	rm -rf runs build *.egg-info .pytest_cache deepspeed_dgc/_prebuilt/*.so

@@ -1,6 +1,30 @@
-"""deepspeed_dgc: dynamic gradient compression for DeepSpeed ZeRO-3."""
+"""deepspeed_dgc: dynamic gradient compression for DeepSpeed ZeRO-3.
+
+``DS_BUILD_DGC=1 pip install .`` (or ``-e .``) also prebuilds the fused ops with portable flags:
+the CPU op always, the CUDA op when torch has CUDA and the CUDA toolkit is found
+(``TORCH_CUDA_ARCH_LIST``, default ``8.0;9.0``). Without it the ops are JIT-built on first use.
+"""
+
+import os
+import sys
 
 from setuptools import find_packages, setup
+
+ext_modules, cmdclass = [], {}
+if os.environ.get("DS_BUILD_DGC", "0") == "1":
+    import torch
+    from torch.utils.cpp_extension import CUDA_HOME, BuildExtension
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from op_builder.dgc import PORTABLE_ENV, DGCCPUBuilder, DGCCUDABuilder
+
+    os.environ[PORTABLE_ENV] = "1"  # no -march=native in a module that may run on another machine
+    ext_modules.append(DGCCPUBuilder().builder())
+    if torch.version.cuda and CUDA_HOME:
+        ext_modules.append(DGCCUDABuilder().builder())
+    else:
+        print(f"DS_BUILD_DGC: skipping the CUDA op (torch CUDA {torch.version.cuda}, CUDA_HOME {CUDA_HOME})")
+    cmdclass["build_ext"] = BuildExtension
 
 setup(
     name="deepspeed_dgc",
@@ -17,4 +41,6 @@ setup(
         "numpy",
         "pydantic>=2",
     ],
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
 )

@@ -32,14 +32,61 @@ def target_count(numel: int, density: float) -> int:
     return min(numel, max(1, math.ceil(density * numel)))
 
 
+def sample_indices(numel: int, k: int, generator: Optional[torch.Generator] = None, device=None) -> Optional[torch.Tensor]:
+    """Random positions on which DGC estimates the top-k threshold (Lin et al. 2018, appendix).
+
+    Args:
+        numel: elements m to select from.
+        k: target count (:func:`target_count`).
+        generator: random generator on ``device``; None uses torch's default.
+        device: where the indices live.
+
+    Returns:
+        int64 tensor of ``max(1024, m // 100)`` positions in ``[0, m)`` drawn with replacement, or
+        None when every element is its own sample (``m <= 1024``) or no selection is needed (``k >= m``).
+    """
+    if k >= numel or numel <= MIN_SAMPLE:
+        return None
+    n_sample = max(MIN_SAMPLE, int(numel * SAMPLE_FRACTION))
+    return torch.randint(0, numel, (n_sample, ), device=device, generator=generator)
+
+
+def topk_threshold(mag: torch.Tensor, k: int, sample: Optional[torch.Tensor]) -> torch.Tensor:
+    """DGC's top-k threshold: estimated on a sample, then corrected towards k.
+
+    The threshold is the ``ceil(s * k / m)``-th largest of the ``s`` sampled magnitudes. If it keeps
+    fewer than 0.8 k elements it is multiplied by 0.8 (fp32), at most 10 times; if it then keeps more
+    than 1.3 k, it becomes the k-th largest of the kept magnitudes (an exact top-k up to ties).
+    Lin et al., ICLR 2018, "Deep Gradient Compression", section 3 and the sampling of its appendix.
+    The fused ops compute the same value (``csrc/dgc/dgc_cpu.cpp``).
+
+    Args:
+        mag: 1-D fp32 tensor of m >= 1 finite magnitudes.
+        k: target count, ``1 <= k < m``.
+        sample: int64 positions into ``mag`` (:func:`sample_indices`), or None for all of ``mag``.
+
+    Returns:
+        0-d fp32 tensor: keep the elements with ``mag >= threshold``.
+    """
+    m = mag.numel()
+    s = mag if sample is None else mag[sample]
+    k_sample = max(1, math.ceil(s.numel() * k / m))
+    threshold = torch.topk(s, k_sample, sorted=False).values.min()
+    count = int((mag >= threshold).sum())
+    rounds = 0
+    while count < LOWER_SLACK * k and rounds < MAX_LOWER_ROUNDS:
+        threshold = threshold * LOWER_FACTOR
+        count = int((mag >= threshold).sum())
+        rounds += 1
+    if count > UPPER_SLACK * k:
+        threshold = torch.topk(mag[mag >= threshold], k, sorted=False).values.min()
+    return threshold
+
+
 def select_topk(x: torch.Tensor, density: float, generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """Select about ``density * numel`` elements of largest magnitude, as DGC does.
 
-    The threshold is estimated on a random sample of ``|x|`` (1% of the elements, at least
-    1024), then corrected: if the threshold keeps more than 1.3 k elements, an exact top-k
-    is taken among the kept; if it keeps fewer than 0.8 k, it is lowered by a factor 0.8,
-    at most 10 times (Lin et al., ICLR 2018, "Deep Gradient Compression", section 3 and
-    the sampling in its appendix).
+    :func:`sample_indices` then :func:`topk_threshold` on ``|x|``.
 
     Args:
         x: 1-D floating tensor of n >= 1 elements, finite.
@@ -47,37 +94,16 @@ def select_topk(x: torch.Tensor, density: float, generator: Optional[torch.Gener
         generator: random generator for the sample (on ``x.device``); None uses torch's default.
 
     Returns:
-        Bool mask, shape ``(n,)``, True where the element is kept. Its count is k when the
-        exact step ran, and otherwise within [0.8 k, 1.3 k] unless 10 lowering rounds did not
-        reach 0.8 k (e.g. most elements are exactly zero).
+        Bool mask, shape ``(n,)``, True where the element is kept. Its count is at least k (more only
+        on ties) when the exact step ran, and otherwise within [0.8 k, 1.3 k] unless 10 lowering
+        rounds did not reach 0.8 k (e.g. most elements are exactly zero).
     """
     n = x.numel()
     k = target_count(n, density)
     if k >= n:
         return torch.ones(n, dtype=torch.bool, device=x.device)
     mag = x.abs()
-    if n <= MIN_SAMPLE:
-        sample = mag
-    else:
-        n_sample = max(MIN_SAMPLE, int(n * SAMPLE_FRACTION))
-        idx = torch.randint(0, n, (n_sample, ), device=x.device, generator=generator)
-        sample = mag[idx]
-    k_sample = max(1, math.ceil(sample.numel() * k / n))
-    threshold = torch.topk(sample, k_sample, sorted=False).values.min()
-    mask = mag >= threshold
-    count = int(mask.sum())
-    rounds = 0
-    while count < LOWER_SLACK * k and rounds < MAX_LOWER_ROUNDS:
-        threshold = threshold * LOWER_FACTOR
-        mask = mag >= threshold
-        count = int(mask.sum())
-        rounds += 1
-    if count > UPPER_SLACK * k:
-        kept_idx = mask.nonzero().squeeze(1)
-        top = torch.topk(mag[kept_idx], k, sorted=False).indices
-        mask = torch.zeros(n, dtype=torch.bool, device=x.device)
-        mask[kept_idx[top]] = True
-    return mask
+    return mag >= topk_threshold(mag, k, sample_indices(n, k, generator, x.device))
 
 
 def int4_packed_bytes(numel: int) -> int:

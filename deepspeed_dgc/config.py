@@ -7,7 +7,7 @@ the section is parsed and validated here, in DeepSpeed's own pydantic style
 
 from typing import Any, Literal, Mapping, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 DGC_SECTION = "dgc"
 
@@ -61,6 +61,11 @@ class DGCConfig(BaseModel):
       Ranks ``k*ranks_per_node ... (k+1)*ranks_per_node - 1`` form node k.
     - ``timeout_s`` (float in [0.001, 604800], default 600): bound, in seconds, on every collective
       of the extension; a rank whose peer died or hangs raises ``DGCTimeoutError`` instead of waiting.
+    - ``kernels`` (``"auto"``, ``"fused"`` or ``"reference"``, default ``"auto"``): who compresses.
+      ``"auto"`` uses the fused op (C++/OpenMP on CPU, CUDA on GPU; prebuilt, or JIT-built on first
+      use) where it loads and else the PyTorch reference, with a one-time warning saying why;
+      ``"fused"`` fails at initialize when the op cannot load. Both give the same bytes and residuals.
+      The fused ops code INT4 payloads only (``quantization: "none"`` always runs the reference).
 
     ``density: 1.0`` with ``quantization: "none"`` is the lossless mode: bit-identical to stock
     ZeRO-3 at 2 ranks.
@@ -82,6 +87,14 @@ class DGCConfig(BaseModel):
     ranks_per_node: Optional[int] = Field(None, ge=1)
     # at least 1 ms: gloo counts in whole milliseconds and takes 0 as "wait forever"
     timeout_s: float = Field(600.0, ge=0.001, le=7 * 24 * 3600.0, allow_inf_nan=False)
+    kernels: Literal["auto", "fused", "reference"] = "auto"
+
+    @model_validator(mode="after")
+    def _fused_needs_int4(self):
+        if self.kernels == "fused" and self.quantization != "int4":
+            raise ValueError("'dgc.kernels' = \"fused\" needs 'dgc.quantization' = \"int4\" (the fused ops code INT4 "
+                             "payloads only); use \"auto\" or \"reference\" with quantization \"none\"")
+        return self
 
     @property
     def lossless(self) -> bool:

@@ -9,11 +9,13 @@ commits or rolls back error feedback (see ../shared/deepspeed-0.19.8-seams.md, s
 """
 
 import functools
+import logging
 from typing import List, Optional
 
 import torch
 import deepspeed
 from deepspeed import comm as dist
+from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero import partition_parameters
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
@@ -32,6 +34,7 @@ from .weights import install_allgather, zero_shard_padding
 SEAM = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
 SEED_BASE = 0x5EED
 _STATE_ATTR = "_dgc_state"
+logger = logging.getLogger("deepspeed_dgc")
 
 
 class DGCSeamError(ImportError):
@@ -151,6 +154,7 @@ def install(engine, opt, cfg: DGCConfig) -> DGCState:
         DGCConfigError: no optimizer was given (ZeRO-3 then only offloads parameters); settings
             differ between ranks; hpZ and the hierarchical topology disagree on the node size.
         DGCBackendError: ``comm_backend`` ``"mpi"`` without mpi4py or outside an MPI job.
+        DGCKernelError: ``kernels`` ``"fused"`` and the fused op cannot load here.
         DGCSeamError: ``opt`` is not a ZeRO-3 optimizer with the expected method.
     """
     if isinstance(opt, DeepSpeedZeRoOffload):
@@ -167,6 +171,10 @@ def install(engine, opt, cfg: DGCConfig) -> DGCState:
             raise DGCBackendError(f"'dgc.comm_backend' = \"mpi\": {problem}")
     _check_hpz_nodes(engine, cfg, ranks_per_node, source)
     state = DGCState(cfg, engine.global_rank, ranks_per_node)
+    ops = state.reducer.ops_for(get_accelerator().device_name())  # "fused" that cannot load fails here
+    state.stats.kernels = ops.name
+    if engine.global_rank == 0:
+        logger.info("deepspeed_dgc: compression by the %s path (dgc.kernels = %s)", ops.name, cfg.kernels)
     state.reducer.comms_for(opt.dp_process_group)  # collective: every rank builds its groups now
     state.params = list(engine.module.parameters())
     state.dp_rank = dist.get_rank(group=opt.dp_process_group)

@@ -18,12 +18,8 @@ Output contract (tested against stock DeepSpeed): one tensor per input, this ran
 ``gradient_accumulation_dtype``. In lossless mode (density 1, no quantization) it is
 bit-identical to stock at 2 ranks.
 
-Wire format of one payload (sender -> owner), aligned to 4 bytes::
-
-    int32[5]  header: MAGIC, fingerprint (config and bucket shape), kept count, index bytes, scale groups
-    fp32[G]   INT4 scales (groups restart at each tensor; absent without quantization)
-    values    kept values in column order: packed INT4 (two per byte) or raw communication dtype
-    uint8[]   varint gaps of the kept positions of sparsified tensors (the others are implied)
+Steps 1-3 and 6 are one :class:`~deepspeed_dgc.kernels.CompressJob`, done by the fused op or
+the PyTorch reference (``dgc.kernels``); the wire format is documented in :mod:`deepspeed_dgc.kernels`.
 """
 
 import json
@@ -33,14 +29,11 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .compressor import (decode_indices, dequantize_int4, encode_indices, int4_packed_bytes,
-                         quantize_int4, select_topk)
+from .compressor import int4_packed_bytes
 from .config import DGCConfig
+from .kernels import HEADER_INT32, MAGIC, CompressJob, draw_samples, get_ops
 from .memory import ErrorFeedback
 from .topology import ReduceComms, build_reduce_comms, resolve_ranks_per_node
-
-MAGIC = 0x44474331  # "DGC1"
-HEADER_INT32 = 5
 
 
 class DGCProtocolError(RuntimeError):
@@ -73,28 +66,6 @@ class ReduceResult:
     inter_node_dense_fp32_bytes: float = 0.0
 
 
-def _owner_matrix(flats: Sequence[torch.Tensor], chunks: Sequence[int], world: int, dtype: torch.dtype,
-                  device) -> torch.Tensor:
-    """Lay tensors out by owner rank, as stock ``reduce_scatter_coalesced`` does.
-
-    Returns:
-        M of shape ``(world, sum(c_i))`` where row o is the concatenation of
-        ``flat_i[o*c_i : (o+1)*c_i]`` zero-padded to ``c_i = chunks[i] = ceil(n_i/world)``.
-    """
-    if not flats:
-        return torch.empty(world, 0, dtype=dtype, device=device)
-    cols = [torch.nn.functional.pad(f.to(dtype), (0, world * c - f.numel())).view(world, c) for f, c in zip(flats, chunks)]
-    return torch.cat(cols, dim=1)
-
-
-def _real_mask(numels: Sequence[int], chunks: Sequence[int], world: int, device) -> torch.Tensor:
-    """Bool ``(world, sum(c_i))``: True where the owner matrix holds a real element, not padding."""
-    if not numels:
-        return torch.empty(world, 0, dtype=torch.bool, device=device)
-    cols = [(torch.arange(world * c, device=device) < n).view(world, c) for n, c in zip(numels, chunks)]
-    return torch.cat(cols, dim=1)
-
-
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1).view(torch.uint8)
 
@@ -117,15 +88,29 @@ class CompressedReduceScatter:
             rank its own (e.g. a constant plus the global rank) for reproducible runs.
         ranks_per_node: ranks per node (None: :func:`~deepspeed_dgc.topology.resolve_ranks_per_node`
             at first use, collective).
+        ops: the compression implementation (None: :func:`~deepspeed_dgc.kernels.get_ops` for
+            ``cfg.kernels`` and the gradients' device, at first use).
     """
 
-    def __init__(self, cfg: DGCConfig, memory: ErrorFeedback, seed: int = 0, ranks_per_node: Optional[int] = None):
+    def __init__(self,
+                 cfg: DGCConfig,
+                 memory: ErrorFeedback,
+                 seed: int = 0,
+                 ranks_per_node: Optional[int] = None,
+                 ops=None):
         self.cfg = cfg
         self.memory = memory
         self.seed = seed
         self.ranks_per_node = ranks_per_node
+        self.ops = ops
         self._generators = {}
         self._comms = {}
+
+    def ops_for(self, device_type: str):
+        """The compression implementation (fused or reference), chosen once."""
+        if self.ops is None:
+            self.ops = get_ops(self.cfg.kernels, device_type, self.cfg.quantization == "int4")
+        return self.ops
 
     def _generator(self, device: torch.device) -> torch.Generator:
         key = str(device)
@@ -195,23 +180,21 @@ class CompressedReduceScatter:
         device = grads[0].device
         numels = [g.numel() for g in grads]
         sparse = [self.is_sparse(n) for n in numels]
-        # Stock casts to the communication dtype and pre-divides by W; an fp32 division rounded to
-        # that dtype gives the same values.
-        accs = [g.reshape(-1).to(comm_dtype).float().div(world) for g in grads]
         chunks = [-(-n // world) for n in numels]
-        real_m = _real_mask(numels, chunks, world, device)
         fingerprint = self._fingerprint(numels, sparse, comm_dtype)
+        # Stock casts to the communication dtype and pre-divides by W (the division is in the job).
+        srcs = [g.reshape(-1).to(comm_dtype) for g in grads]
 
         if comms.hierarchical:
-            acc_m = _owner_matrix(accs, chunks, world, torch.float32, device)  # (W, C)
             intra_before, inter_before = comms.intra.wire_bytes, comms.inter.wire_bytes
-            out, finite, kept = self._reduce_two_hops(acc_m, real_m, chunks, keys, numels, sparse, comms, comm_dtype,
-                                                      loss_scale, fingerprint)
+            out, finite, kept = self._reduce_two_hops(srcs, chunks, keys, numels, sparse, comms, comm_dtype, loss_scale,
+                                                      fingerprint)
             intra_bytes = comms.intra.wire_bytes - intra_before
             inter_bytes = comms.inter.wire_bytes - inter_before
         else:
-            out, finite, kept = self._reduce_flat(accs, real_m, chunks, keys, numels, sparse, comms, comm_dtype,
-                                                  loss_scale, fingerprint)
+            job = self._job(srcs, [0] * len(srcs), chunks, numels, chunks, sparse, list(range(world)), keys, numels,
+                            float(world), loss_scale, comm_dtype, fingerprint, device)
+            out, finite, kept = self._compress_exchange(job, keys, comms.flat, rank)
             sent = comms.flat.last_sent_bytes
             intra_bytes = sum(b for d, b in enumerate(sent) if comms.dest_nodes[d] == comms.dest_nodes[rank])
             inter_bytes = sum(sent) - intra_bytes
@@ -236,147 +219,81 @@ class CompressedReduceScatter:
                               inter_node_dense_fp32_bytes=sum(off_node / world * n * 4 for n in numels))
         return outputs, result
 
-    def _add_residual(self, acc: torch.Tensor, key: int, loss_scale: float) -> None:
-        """``acc += residual * loss_scale`` in place (residuals are stored unscaled), if there is one."""
-        residual = self.memory.get(key) if self.cfg.error_feedback else None
-        if residual is not None:
-            acc.add_(residual.view_as(acc), alpha=loss_scale)
+    def _job(self, srcs, offsets, strides, numels, chunks, sparse, row_owner, keys, residual_numels, divisor,
+             loss_scale, comm_dtype, fingerprint, device) -> CompressJob:
+        """The :class:`~deepspeed_dgc.kernels.CompressJob` of one exchange, with this rank's residuals
+        and threshold samples (drawn from this rank's generator in tensor order)."""
+        ef = self.cfg.error_feedback and not self.cfg.lossless
+        job = CompressJob(srcs=srcs,
+                          offsets=offsets,
+                          row_strides=strides,
+                          numels=numels,
+                          chunks=chunks,
+                          sparse=sparse,
+                          row_owner=row_owner,
+                          residuals=[self.memory.get(k) if ef else None for k in keys],
+                          residual_numels=residual_numels,
+                          divisor=divisor,
+                          loss_scale=loss_scale,
+                          density=self.cfg.density,
+                          samples=[],
+                          group_size=self.cfg.group_size,
+                          quantize=self.cfg.quantization == "int4",
+                          value_dtype=comm_dtype,
+                          fingerprint=fingerprint,
+                          want_residual=ef)
+        job.samples = draw_samples([sum(job.real_counts(i)) for i in range(len(numels))], sparse, self.cfg.density,
+                                   self._generator(device), device)
+        return job
 
-    def _stage_residuals(self, acc_m: torch.Tensor, sent_m: torch.Tensor, keys, numels, chunks, loss_scale: float,
-                         trim: bool) -> None:
-        """Stage ``acc - sent`` (unscaled) per key: the tensor's columns of the matrix, flattened
-        (row-major), cut to its ``numel`` when ``trim`` (flat layout)."""
-        if not self.cfg.error_feedback or self.cfg.lossless:
-            return
-        res_m = (acc_m - sent_m).div_(loss_scale)
-        col = 0
-        for key, n, c in zip(keys, numels, chunks):
-            block = res_m[:, col:col + c].reshape(-1)
-            self.memory.stage(key, (block[:n] if trim else block).clone())
-            col += c
-
-    def _reduce_flat(self, accs, real_m, chunks, keys, numels, sparse, comms, comm_dtype, loss_scale, fingerprint):
-        """One compressed all-to-all over the group; residuals hold the whole local tensor."""
-        world, device = comms.world_size, real_m.device
-        for acc, key in zip(accs, keys):
-            self._add_residual(acc, key, loss_scale)
-        finite = all(bool(torch.isfinite(a).all()) for a in accs)
-        masks = [
-            select_topk(a, self.cfg.density, self._generator(device)) if s and finite else torch.ones(
-                a.numel(), dtype=torch.bool, device=device) for a, s in zip(accs, sparse)
-        ]
-        acc_m = _owner_matrix(accs, chunks, world, torch.float32, device)
-        mask_m = _owner_matrix(masks, chunks, world, torch.bool, device)
-        out, sent_m = self._compress_exchange(acc_m, mask_m, real_m, chunks, sparse, comms.flat, comms.rank, comm_dtype,
-                                              fingerprint, finite)
-        if finite:
-            self._stage_residuals(acc_m, sent_m, keys, numels, chunks, loss_scale, trim=True)
-        return out, finite, int(mask_m.sum()) if finite else 0
-
-    def _reduce_two_hops(self, acc_m, real_m, chunks, keys, numels, sparse, comms, comm_dtype, loss_scale, fingerprint):
+    def _reduce_two_hops(self, srcs, chunks, keys, numels, sparse, comms, comm_dtype, loss_scale, fingerprint):
         """Dense reduce-scatter inside the node, then the compressed exchange between nodes."""
         L, N = comms.ranks_per_node, comms.n_nodes
-        C = acc_m.shape[1]
+        world = comms.world_size
+        device = srcs[0].device
+        C = sum(chunks)
+        # owner matrix of g/W: row o = owner o's slices of every tensor, zero-padded
+        cols = [
+            torch.nn.functional.pad(s.float().div(world), (0, world * c - s.numel())).view(world, c)
+            for s, c in zip(srcs, chunks)
+        ]
+        acc_m = torch.cat(cols, dim=1)
         payloads = [_bytes(acc_m[j::L].to(comm_dtype)) for j in range(L)]  # rows of owners k*L + j
         received = comms.intra.all_to_all(payloads)
-        node_sum = torch.zeros(N, C, dtype=torch.float32, device=acc_m.device)
+        node_sum = torch.zeros(N, C, dtype=torch.float32, device=device)
         for buf in received:  # in local-rank order, the same on every rank
             node_sum.add_(buf.view(comm_dtype).view(N, C).float())
-        real_rows = real_m[comms.local_rank::L]  # (N, C): real elements of the owners k*L + l
+        owners = [k * L + comms.local_rank for k in range(N)]
         if N == 1:
-            return node_sum[0], True, int(real_rows.sum())
-        col = 0
-        for key, c in zip(keys, chunks):
-            self._add_residual(node_sum[:, col:col + c], key, loss_scale)
-            col += c
-        finite = bool(torch.isfinite(node_sum).all())
-        mask_m = real_rows.clone()
-        if finite:
-            col = 0
-            for c, s in zip(chunks, sparse):
-                if s:
-                    real = real_rows[:, col:col + c]
-                    block_mask = torch.zeros_like(real)
-                    block_mask[real] = select_topk(node_sum[:, col:col + c][real], self.cfg.density,
-                                                   self._generator(acc_m.device))
-                    mask_m[:, col:col + c] = block_mask
-                col += c
-        out, sent_m = self._compress_exchange(node_sum, mask_m, real_rows, chunks, sparse, comms.inter, comms.node,
-                                              comm_dtype, fingerprint, finite)
-        if finite:
-            self._stage_residuals(node_sum, sent_m, keys, numels, chunks, loss_scale, trim=False)
-        return out, finite, int(mask_m.sum()) if finite else 0
+            return node_sum[0], True, sum(max(0, min(c, n - owners[0] * c)) for n, c in zip(numels, chunks))
+        starts = [sum(chunks[:i]) for i in range(len(chunks))]
+        job = self._job([node_sum.view(-1)] * len(srcs), starts, [C] * len(srcs), numels, chunks, sparse, owners, keys,
+                        [N * c for c in chunks], 1.0, loss_scale, comm_dtype, fingerprint, device)
+        return self._compress_exchange(job, keys, comms.inter, comms.node)
 
-    def _compress_exchange(self, acc_m: torch.Tensor, mask_m: torch.Tensor, real_m: torch.Tensor, chunks, sparse,
-                           comm, my_row: int, comm_dtype: torch.dtype, fingerprint: int,
-                           finite: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Encode row o of the kept entries for rank o of ``comm``, exchange, and sum what arrived.
-
-        Args:
-            acc_m: fp32 ``(R, C)``, values to send, row o for rank o of ``comm`` (R ranks).
-            mask_m: bool ``(R, C)``, the kept entries.
-            real_m: bool ``(R, C)``, real elements (not padding).
-            chunks: columns of each tensor; sparse: whether each tensor is sparsified (positions of
-                the others are implied, not sent).
-            my_row: this rank's index in ``comm``.
-            finite: False sends empty payloads (this rank's output is then poisoned by the caller).
+    def _compress_exchange(self, job: CompressJob, keys, comm, my_row: int) -> Tuple[torch.Tensor, bool, int]:
+        """Compress row o of the job for rank o of ``comm``, exchange, sum what arrived, stage residuals.
 
         Returns:
-            ``(out, sent_m)``: the fp32 sum over senders of row ``my_row``, shape ``(C,)``; and what
-            was sent, dequantized, ``(R, C)`` (the residual is ``acc_m - sent_m``).
+            ``(out, finite, kept)``: the fp32 sum over senders of row ``my_row``, shape ``(C,)``; whether
+            this rank's input was finite (it sends nothing otherwise); values it sent.
         """
-        device = acc_m.device
-        if not finite:
-            mask_m = torch.zeros_like(mask_m)
-        implied_m = real_m.clone()  # positions sent without an index
-        implied_m[:, _columns(chunks, sparse, device)] = False
-        sent_m = torch.zeros_like(acc_m)
-        seg_ends = torch.cumsum(torch.tensor(chunks, dtype=torch.long, device=device), 0)
-        payloads = []
-        for o in range(acc_m.shape[0]):
-            pos = mask_m[o].nonzero().squeeze(1)
-            kept = pos.numel()
-            indexed = pos[~implied_m[o][pos]]
-            index_bytes = encode_indices(indexed, torch.tensor([indexed.numel()], device=device))
-            values, scales, sent_m[o][pos] = self._encode_values(acc_m[o][pos], pos, seg_ends, comm_dtype)
-            header = torch.tensor([MAGIC, fingerprint, kept, index_bytes.numel(), scales.numel()],
-                                  dtype=torch.int32,
-                                  device=device)
-            payload = torch.cat([_bytes(header), _bytes(scales), _bytes(values), index_bytes])
-            pad = -payload.numel() % 4
-            if pad:
-                payload = torch.cat([payload, payload.new_zeros(pad)])
-            payloads.append(payload)
-        received = comm.all_to_all(payloads)
-        out = self._sum_received(received, implied_m[my_row], seg_ends, comm_dtype, fingerprint)
-        return out, sent_m
+        result = self.ops_for(job.srcs[0].device.type).compress(job)
+        received = comm.all_to_all(result.payloads)
+        seg_real = [max(0, min(c, n - job.row_owner[my_row] * c)) for n, c in zip(job.numels, job.chunks)]
+        out = self._sum_received(received, job, seg_real)
+        if result.residuals is not None:
+            for key, residual in zip(keys, result.residuals):
+                self.memory.stage(key, residual)
+        return out, result.finite, result.kept
 
-    def _encode_values(self, vals: torch.Tensor, pos: torch.Tensor, seg_ends: torch.Tensor,
-                       comm_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Kept values (fp32, sorted by column) to ``(values on the wire, fp32 scales, fp32 decoded)``."""
-        if self.cfg.quantization == "int4":
-            return quantize_int4(vals, self.cfg.group_size, _segment_counts(pos, seg_ends), return_dequantized=True)
-        raw = vals.to(comm_dtype)
-        return raw, torch.empty(0, dtype=torch.float32, device=vals.device), raw.float()
-
-    def _decode_values(self, values: torch.Tensor, scales: torch.Tensor, pos: torch.Tensor, seg_ends: torch.Tensor,
-                       comm_dtype: torch.dtype) -> torch.Tensor:
-        """Inverse of :meth:`_encode_values`: fp32 values, shape ``(pos.numel(),)``."""
-        if self.cfg.quantization == "int4":
-            return dequantize_int4(values, scales, pos.numel(), self.cfg.group_size, _segment_counts(pos, seg_ends))
-        return values.float()
-
-    def _sum_received(self, received: Sequence[torch.Tensor], implied_row: torch.Tensor, seg_ends: torch.Tensor,
-                      comm_dtype: torch.dtype, fingerprint: int) -> torch.Tensor:
-        """Decode every sender's payload for this rank's partition and sum them in sender order.
+    def _sum_received(self, received: Sequence[torch.Tensor], job: CompressJob, seg_real: Sequence[int]) -> torch.Tensor:
+        """Decode every sender's payload for this rank's row and sum them in sender order.
 
         Args:
-            received: uint8 payload from each rank of the group.
-            implied_row: bool ``(sum c_i,)``, True where a kept element needs no index (real
-                elements of tensors that are not sparsified).
-            seg_ends: int64 ``(T,)``, cumulative column ends of the tensors in the row.
-            comm_dtype: dtype of raw values.
-            fingerprint: this rank's fingerprint of config and bucket, which every payload must carry.
+            received: uint8 payload from each rank of the communicator.
+            job: this rank's job (layout, fingerprint, value format).
+            seg_real: real elements of each tensor in this rank's row.
 
         Returns:
             fp32 sums over this rank's row, padded layout, shape ``(sum c_i,)``.
@@ -384,22 +301,27 @@ class CompressedReduceScatter:
         Raises:
             DGCProtocolError: a payload is malformed or was made under another config or bucket.
         """
-        device = implied_row.device
+        device = job.srcs[0].device
+        comm_dtype = job.value_dtype
         itemsize = torch.empty(0, dtype=comm_dtype).element_size()
-        out = torch.zeros(implied_row.numel(), dtype=torch.float32, device=device)
-        implied = implied_row.nonzero().squeeze(1)
+        out = torch.zeros(sum(job.chunks), dtype=torch.float32, device=device)
+        n_implied = sum(r for r, s in zip(seg_real, job.sparse) if not s)
+        ops = self.ops_for(device.type)
         for src, buf in enumerate(received):
             header, off = _take(buf, 0, 4 * HEADER_INT32, torch.int32)
             magic, fp, kept, n_index, n_groups = header.tolist()
-            if magic != MAGIC or fp != fingerprint:
+            if magic != MAGIC or fp != job.fingerprint:
                 raise DGCProtocolError(
-                    f"rank {src} sent a payload this rank cannot read (magic {magic:#x}, fingerprint {fp} vs {fingerprint}): "
-                    "the 'dgc' config, the communication dtype or the bucket's tensor sizes differ between ranks")
-            n_indexed = kept - implied.numel()
+                    f"rank {src} sent a payload this rank cannot read (magic {magic:#x}, fingerprint {fp} vs "
+                    f"{job.fingerprint}): the 'dgc' config, the communication dtype or the bucket's tensor sizes "
+                    "differ between ranks")
+            if min(kept, n_index, n_groups) < 0:
+                raise DGCProtocolError(f"rank {src} sent negative sizes in its header {header.tolist()}")
+            n_indexed = kept - n_implied
             if n_indexed < 0 and kept != 0:
-                raise DGCProtocolError(f"rank {src} kept {kept} elements, fewer than the {implied.numel()} sent whole")
+                raise DGCProtocolError(f"rank {src} kept {kept} elements, fewer than the {n_implied} sent whole")
             scales, off = _take(buf, off, 4 * n_groups, torch.float32)
-            if self.cfg.quantization == "int4":
+            if job.quantize:
                 values, off = _take(buf, off, int4_packed_bytes(kept), torch.uint8)
             else:
                 values, off = _take(buf, off, itemsize * kept, comm_dtype)
@@ -409,28 +331,8 @@ class CompressedReduceScatter:
             if kept == 0:
                 continue  # a rank whose input was not finite sends nothing
             try:
-                indexed = decode_indices(index_bytes, torch.tensor([n_indexed], device=device))
-                if n_indexed and int(indexed[-1]) >= out.numel():
-                    raise ValueError(f"index {int(indexed[-1])} past the partition of {out.numel()} elements")
-                pos = torch.sort(torch.cat([implied, indexed])).values if n_indexed else implied
-                vals = self._decode_values(values, scales, pos, seg_ends, comm_dtype)
+                ops.decode_add(out, values, scales, index_bytes, kept, n_indexed, seg_real, job.chunks, job.sparse,
+                               job.group_size, job.quantize, comm_dtype)
             except ValueError as err:
                 raise DGCProtocolError(f"rank {src}: {err}") from None
-            out.index_add_(0, pos, vals)
         return out
-
-
-def _columns(chunks: Sequence[int], select: Sequence[bool], device) -> torch.Tensor:
-    """Column indices of the owner matrix that belong to tensors with ``select`` true."""
-    cols, col = [], 0
-    for c, s in zip(chunks, select):
-        if s:
-            cols.append(torch.arange(col, col + c, device=device))
-        col += c
-    return torch.cat(cols) if cols else torch.empty(0, dtype=torch.long, device=device)
-
-
-def _segment_counts(pos: torch.Tensor, seg_ends: torch.Tensor) -> torch.Tensor:
-    """Kept positions per tensor: ``pos`` (sorted columns of a row) counted by ``seg_ends`` ranges."""
-    below_end = torch.searchsorted(pos, seg_ends)
-    return torch.diff(below_end, prepend=below_end.new_zeros(1))

@@ -90,6 +90,7 @@ class DGCStats:
     param_inter_node_wire_bytes_total: float = 0.0
     param_inter_node_dense_fp32_bytes_total: float = 0.0
     param_uncovered_bytes_total: int = 0
+    kernels: str = ""  # which compression path ran: "fused-cpu", "fused-cuda" or "reference"
     last: Optional[StepStats] = None
     _current: StepStats = field(default_factory=StepStats, repr=False)
 

@@ -330,6 +330,7 @@ def main() -> None:
             "compression_ratio": ratio,
             "skipped_steps": engine.skipped_steps,
             "dgc_stats": None if stats is None else stats.to_dict(),
+            "dgc_kernels": None if stats is None else stats.kernels,
             # gradient and parameter traffic apart (None where stock DeepSpeed ran without the seam)
             "grad_wire_bytes_total": wire,
             "grad_dense_fp32_bytes_total": dense_fp32,

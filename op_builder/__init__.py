@@ -1,5 +1,7 @@
-"""Out-of-tree DeepSpeed op builders for the fused DGC kernels.
+"""Out-of-tree DeepSpeed op builders for deepspeed_dgc's fused kernels.
 
-No fused op exists yet: every compression step runs the PyTorch reference path in
-``deepspeed_dgc.compressor``. The CPU and CUDA builders land with the fused kernels.
+``DGCCPUBuilder`` (OpenMP C++) and ``DGCCUDABuilder`` (CUDA) subclass DeepSpeed's own
+builders; see :mod:`op_builder.dgc`.
 """
+
+from .dgc import ALL_DGC_BUILDERS, DGCCPUBuilder, DGCCUDABuilder, builder_for_device  # noqa: F401

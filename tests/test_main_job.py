@@ -68,3 +68,14 @@ def test_resume_continues_like_an_uninterrupted_run(tmp_path):
     assert resumed["val_losses"] == full["val_losses"]
     assert resumed["final_val_loss"] == full["final_val_loss"]
     assert resumed["final_train_loss"] == full["final_train_loss"]
+
+
+def test_fused_and_reference_kernels_give_the_same_run():
+    """The main job with the fused CPU op (default "auto") and with the PyTorch reference: the same
+    losses bit for bit (both make the same bytes and residuals), and the summary says which ran."""
+    fused = run_main_job("configs/zero3_dgc_int4_d01.json", 20, 10)
+    ref = run_main_job("configs/zero3_dgc_int4_d01.json", 20, 10, "--dgc-set", 'kernels="reference"')
+    assert (fused["dgc_kernels"], ref["dgc_kernels"]) == ("fused-cpu", "reference")
+    assert fused["val_losses"] == ref["val_losses"]
+    assert fused["final_train_loss"] == ref["final_train_loss"]
+    assert fused["wire_bytes_total"] == ref["wire_bytes_total"]

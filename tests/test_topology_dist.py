@@ -1,7 +1,8 @@
 """MPI backend and hierarchical topology of the compressed reduce-scatter, in real processes under mpirun.
 
 - flat, 2 and 3 ranks: the mpi4py backend gives the same bytes, outputs and residuals as the
-  torch (gloo) backend, bit for bit;
+  torch (gloo) backend, bit for bit; so does the PyTorch reference compressor against the fused op
+  (``dgc.kernels``), flat at 3 ranks and hierarchical;
 - hierarchical, 4 ranks as 2 nodes of 2 (LOCAL_SIZE=2; both backends, also bit-identical): each output equals
   the sum over nodes of what was sent, error feedback conserves every gradient, dense INT4 is
   within the INT4 bound of the float64 reference, lossless mode is exactly the two-level fp32 sum
@@ -31,10 +32,10 @@ def _run_mpirun(world, *worker_args, **env):
     return out
 
 
-def _assert_backends_equal(out, world):
+def _assert_backends_equal(out, world, run_a="torch", run_b="mpi"):
     for rank in range(world):
-        a = torch.load(f"{out}/rank{rank}_torch.pt")
-        b = torch.load(f"{out}/rank{rank}_mpi.pt")
+        a = torch.load(f"{out}/rank{rank}_{run_a}.pt")
+        b = torch.load(f"{out}/rank{rank}_{run_b}.pt")
         assert a.keys() == b.keys() == CASES.keys()
         for case in CASES:
             for sa, sb in zip(a[case]["steps"], b[case]["steps"], strict=True):
@@ -47,20 +48,38 @@ def _assert_backends_equal(out, world):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_mpi_backend_bit_identical_to_torch_flat(world):
-    out = _run_mpirun(world, "torch,mpi", "flat")
+    out = _run_mpirun(world, "torch,mpi,torch:reference" if world == 3 else "torch,mpi", "flat")
     _assert_backends_equal(out, world)
+    if world == 3:
+        _assert_backends_equal(out, world, "torch", "torch:reference")  # fused op == reference
+        _assert_ops(out, world)
 
 
 @pytest.fixture(scope="module")
 def hier():
     # no dgc.ranks_per_node: the node size comes from the launcher variable LOCAL_SIZE (here 2
     # instead of mpirun's OMPI_COMM_WORLD_LOCAL_SIZE of 4), as the deepspeed launcher would set it
-    out = _run_mpirun(4, "torch,mpi", "hierarchical", LOCAL_SIZE=str(L))
+    out = _run_mpirun(4, "torch,mpi,torch:reference", "hierarchical", LOCAL_SIZE=str(L))
     return out, [torch.load(f"{out}/rank{r}_torch.pt") for r in range(4)]
 
 
 def test_mpi_backend_bit_identical_to_torch_hierarchical(hier):
     _assert_backends_equal(hier[0], 4)
+
+
+def test_fused_op_bit_identical_to_reference_hierarchical(hier):
+    _assert_backends_equal(hier[0], 4, "torch", "torch:reference")
+    _assert_ops(hier[0], 4)
+
+
+def _assert_ops(out, world):
+    """The default run used the fused op for INT4 cases; the reference run did not."""
+    for rank in range(world):
+        fused = torch.load(f"{out}/rank{rank}_torch.pt")
+        ref = torch.load(f"{out}/rank{rank}_torch:reference.pt")
+        for case, kw in CASES.items():
+            assert fused[case]["ops"] == ("fused-cpu" if kw["quantization"] == "int4" else "reference"), case
+            assert ref[case]["ops"] == "reference"
 
 
 W = 4

@@ -1,9 +1,10 @@
 """Worker: run the compressed reduce-scatter directly on random gradients and save everything.
 
-Usage: reduce_worker.py OUT_DIR [BACKENDS [TOPOLOGY [RANKS_PER_NODE]]], e.g. ``out torch,mpi flat`` or
-``out torch hierarchical 2``. Writes OUT_DIR/rank<r>_<backend>.pt: {case: {"cfg", "steps": [...]}} where
+Usage: reduce_worker.py OUT_DIR [RUNS [TOPOLOGY [RANKS_PER_NODE]]], e.g. ``out torch,mpi flat`` or
+``out torch,torch:reference hierarchical 2``. Each run is ``BACKEND[:KERNELS]`` (``dgc.comm_backend``,
+``dgc.kernels``, default auto). Writes OUT_DIR/rank<r>_<run>.pt: {case: {"cfg", "steps": [...]}} where
 each step holds this rank's inputs, outputs and committed residuals after the step. The inputs do
-not depend on the backend, so the files of two backends must be equal bit for bit.
+not depend on the run, so the files of two runs must be equal bit for bit.
 """
 
 import sys
@@ -49,19 +50,21 @@ def run_cases(rank: int, **settings) -> dict:
                               intra_node_wire_bytes=res.intra_node_wire_bytes,
                               inter_node_wire_bytes=res.inter_node_wire_bytes,
                               kept=res.kept))
-        results[name] = dict(cfg=kw, steps=steps)
+        results[name] = dict(cfg=kw, steps=steps, ops=reducer.ops.name)
     return results
 
 
 def main(out_dir: str, backends: str = "torch", topology: str = "flat", ranks_per_node: str = "") -> None:
     rank = init()
-    for backend in backends.split(","):
+    for run in backends.split(","):
+        backend, _, kernels = run.partition(":")
         results = run_cases(rank,
                             comm_backend=backend,
+                            kernels=kernels or "auto",
                             topology=topology,
                             ranks_per_node=int(ranks_per_node) if ranks_per_node else None,
                             timeout_s=60.0)
-        torch.save(results, f"{out_dir}/rank{rank}_{backend}.pt")
+        torch.save(results, f"{out_dir}/rank{rank}_{run}.pt")
     finish()
 
 

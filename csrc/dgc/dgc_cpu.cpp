@@ -1,0 +1,562 @@
+// Fused CPU kernels of deepspeed_dgc (OpenMP). The PyTorch reference in
+// deepspeed_dgc/kernels.py is the oracle: for the same inputs and sample these functions give
+// the same selection, the same payload bytes and the same residual bits.
+//
+// compress_bucket: one read of every gradient and residual element and one write of the new
+//   residual (residual += grad, threshold compare, compaction of the kept elements); then, on the
+//   kept elements only (about density * n), group absmax, INT4 codes, nibble packing, varint
+//   index gaps, the payload of every owner row and the residual's quantization error.
+// decode_add: parse one payload body and scatter-add its dequantized values into a dense
+//   fp32 partition.
+// topk_threshold: DGC's sampled top-k threshold (Lin et al., ICLR 2018, section 3 and appendix).
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cstring>
+#include <functional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "dgc_math.h"
+
+namespace {
+
+constexpr int64_t kBlock = 1 << 15;  // elements per task of the dense pass
+constexpr double kUpperSlack = 1.3;
+constexpr double kLowerSlack = 0.8;
+constexpr float kLowerFactor = 0.8f;
+constexpr int kMaxLowerRounds = 10;
+
+struct Spec {
+  // source element (r, j) of tensor i lives at src[offset + r * stride + j]
+  const void* src = nullptr;
+  at::ScalarType dtype = at::kFloat;
+  int64_t offset = 0, stride = 0;
+  const float* residual = nullptr;  // element (r, j) at residual[r * c + j]; null: none
+  float* residual_out = nullptr;
+  int64_t residual_numel = 0;
+  int64_t n = 0, c = 0, col = 0;
+  bool sparse = false;
+  int64_t k = 0;
+  const int64_t* sample = nullptr;  // indices into the real elements (row-major); null: all of them
+  int64_t n_sample = 0;
+  std::vector<int64_t> real;        // real elements of each row
+  std::vector<int64_t> real_prefix; // exclusive prefix sums of real
+  int64_t m = 0;                    // real elements in all rows
+};
+
+struct Params {
+  float divisor;
+  bool divide;
+  float loss_scale;
+  bool scale;
+};
+
+template <typename T>
+inline float src_value(const Spec& t, int64_t r, int64_t j) {
+  return static_cast<float>(static_cast<const T*>(t.src)[t.offset + r * t.stride + j]);
+}
+
+template <typename T>
+inline float acc_at(const Spec& t, const Params& p, int64_t r, int64_t j) {
+  float s = src_value<T>(t, r, j);
+  if (t.residual == nullptr) return p.divide ? s / p.divisor : s;
+  return dgc::accumulate(s, p.divisor, p.divide, t.residual[r * t.c + j], p.loss_scale, p.scale);
+}
+
+template <typename F>
+inline void dispatch_dtype(at::ScalarType dtype, F&& f) {
+  switch (dtype) {
+    case at::kFloat: f(float()); break;
+    case at::kBFloat16: f(c10::BFloat16()); break;
+    case at::kHalf: f(c10::Half()); break;
+    default: throw std::invalid_argument(std::string("dgc: unsupported gradient dtype ") + c10::toString(dtype));
+  }
+}
+
+// |acc| of every sampled real element (or of all real elements)
+std::vector<float> sample_magnitudes(const Spec& t, const Params& p) {
+  int64_t ns = t.sample ? t.n_sample : t.m;
+  std::vector<float> out(ns);
+  const int64_t R = static_cast<int64_t>(t.real.size());
+  for (int64_t s = 0; s < ns; ++s)
+    if (t.sample && (t.sample[s] < 0 || t.sample[s] >= t.m)) throw std::out_of_range("dgc: sample index out of range");
+  dispatch_dtype(t.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    at::parallel_for(0, ns, 4096, [&](int64_t b, int64_t e) {  // random reads: overlap their cache misses
+      for (int64_t s = b; s < e; ++s) {
+        int64_t idx = t.sample ? t.sample[s] : s;
+        int64_t r = std::upper_bound(t.real_prefix.begin(), t.real_prefix.begin() + R, idx) - t.real_prefix.begin() - 1;
+        out[s] = std::fabs(acc_at<T>(t, p, r, idx - t.real_prefix[r]));
+      }
+    });
+  });
+  return out;
+}
+
+// k-th largest of v (1-based), as torch.topk(v, k).values.min()
+float kth_largest(std::vector<float>& v, int64_t k) {
+  std::nth_element(v.begin(), v.begin() + (k - 1), v.end(), std::greater<float>());
+  return v[k - 1];
+}
+
+struct Kept {
+  std::vector<int64_t> j;
+  std::vector<float> acc;
+};
+
+struct Task {
+  int64_t i, r, j0, j1;
+};
+
+// Number of real elements of tensor t with |acc| >= thr.
+int64_t count_at_least(const Spec& t, const Params& p, float thr) {
+  int64_t total = 0;
+  dispatch_dtype(t.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    for (size_t r = 0; r < t.real.size(); ++r) {
+      int64_t rr = static_cast<int64_t>(r);
+      total += at::parallel_reduce(0, t.real[r], kBlock, int64_t(0), [&](int64_t b, int64_t e, int64_t ident) {
+        int64_t cnt = ident;
+        for (int64_t j = b; j < e; ++j) cnt += std::fabs(acc_at<T>(t, p, rr, j)) >= thr;
+        return cnt;
+      }, std::plus<int64_t>());
+    }
+  });
+  return total;
+}
+
+// acc of elements [j0, j1) of row r into buf (vectorizable loops: the branches are hoisted).
+template <typename T>
+void accumulate_block(const Spec& t, const Params& p, int64_t r, int64_t j0, int64_t j1, float* buf) {
+  const T* s = static_cast<const T*>(t.src) + t.offset + r * t.stride + j0;
+  const int64_t len = j1 - j0;
+  const float d = p.divisor, ls = p.loss_scale;
+  if (t.residual == nullptr) {
+    if (p.divide)
+      for (int64_t x = 0; x < len; ++x) buf[x] = static_cast<float>(s[x]) / d;
+    else
+      for (int64_t x = 0; x < len; ++x) buf[x] = static_cast<float>(s[x]);
+    return;
+  }
+  const float* res = t.residual + r * t.c + j0;
+  if (p.divide && p.scale)
+    for (int64_t x = 0; x < len; ++x) buf[x] = static_cast<float>(s[x]) / d + res[x] * ls;
+  else if (p.divide)
+    for (int64_t x = 0; x < len; ++x) buf[x] = static_cast<float>(s[x]) / d + res[x];
+  else if (p.scale)
+    for (int64_t x = 0; x < len; ++x) buf[x] = static_cast<float>(s[x]) + res[x] * ls;
+  else
+    for (int64_t x = 0; x < len; ++x) buf[x] = static_cast<float>(s[x]) + res[x];
+}
+
+// The dense pass over one block: acc, residual write (acc / loss_scale), compaction of |acc| >= thr.
+template <typename T>
+int64_t dense_block(const Spec& t, const Params& p, int64_t r, int64_t j0, int64_t j1, float thr, Kept& out,
+                    bool write_residual) {
+  thread_local std::vector<float> buf;
+  buf.resize(kBlock);
+  float* a = buf.data();
+  const int64_t len = j1 - j0;
+  accumulate_block<T>(t, p, r, j0, j1, a);
+  int64_t nonfinite = 0;
+  for (int64_t x = 0; x < len; ++x) nonfinite += !(std::fabs(a[x]) <= FLT_MAX);  // Inf and NaN
+  if (write_residual && t.residual_out) {
+    float* dst = t.residual_out + r * t.c + j0;
+    if (p.scale) {
+      const float ls = p.loss_scale;
+      for (int64_t x = 0; x < len; ++x) dst[x] = a[x] / ls;
+    } else {
+      std::memcpy(dst, a, len * sizeof(float));  // a / 1 == a
+    }
+  }
+  // compaction: a vectorizable test of 16 elements at a time, the scalar one only where one is kept
+  int64_t x0 = 0;
+  for (; x0 + 16 <= len; x0 += 16) {
+    int any = 0;
+    for (int k = 0; k < 16; ++k) any |= std::fabs(a[x0 + k]) >= thr;
+    if (!any) continue;
+    for (int64_t x = x0; x < x0 + 16; ++x)
+      if (std::fabs(a[x]) >= thr) {
+        out.j.push_back(j0 + x);
+        out.acc.push_back(a[x]);
+      }
+  }
+  for (int64_t x = x0; x < len; ++x)
+    if (std::fabs(a[x]) >= thr) {
+      out.j.push_back(j0 + x);
+      out.acc.push_back(a[x]);
+    }
+  return nonfinite;
+}
+
+// Runs the dense pass over `tasks`, returns the non-finite count; kept[i][r] gets the candidates.
+int64_t dense_pass(std::vector<Spec>& specs, const Params& p, const std::vector<Task>& tasks,
+                   const std::vector<float>& thr, std::vector<std::vector<Kept>>& kept, bool write_residual) {
+  std::vector<Kept> parts(tasks.size());
+  std::vector<int64_t> nonfinite(tasks.size(), 0);
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t b, int64_t e) {
+    for (int64_t x = b; x < e; ++x) {
+      const Task& task = tasks[x];
+      const Spec& t = specs[task.i];
+      dispatch_dtype(t.dtype, [&](auto tag) {
+        using T = decltype(tag);
+        nonfinite[x] = dense_block<T>(t, p, task.r, task.j0, task.j1, thr[task.i], parts[x], write_residual);
+      });
+    }
+  });
+  int64_t total = 0;
+  for (size_t x = 0; x < tasks.size(); ++x) {
+    total += nonfinite[x];
+    Kept& dst = kept[tasks[x].i][tasks[x].r];
+    dst.j.insert(dst.j.end(), parts[x].j.begin(), parts[x].j.end());
+    dst.acc.insert(dst.acc.end(), parts[x].acc.begin(), parts[x].acc.end());
+  }
+  return total;
+}
+
+std::vector<Task> make_tasks(const std::vector<Spec>& specs, const std::vector<int64_t>& which) {
+  std::vector<Task> tasks;
+  for (int64_t i : which) {
+    const Spec& t = specs[i];
+    for (size_t r = 0; r < t.real.size(); ++r)
+      for (int64_t j0 = 0; j0 < t.real[r]; j0 += kBlock)
+        tasks.push_back({i, static_cast<int64_t>(r), j0, std::min(j0 + kBlock, t.real[r])});
+  }
+  return tasks;
+}
+
+at::Tensor header_only_payload(int64_t fingerprint) {
+  at::Tensor payload = at::empty({4 * dgc::kHeaderInt32}, at::kByte);
+  int32_t* h = reinterpret_cast<int32_t*>(payload.data_ptr<uint8_t>());
+  h[0] = dgc::kMagic;
+  h[1] = static_cast<int32_t>(fingerprint);
+  h[2] = h[3] = h[4] = 0;
+  return payload;
+}
+
+}  // namespace
+
+float topk_threshold(at::Tensor mag, int64_t k, at::Tensor sample) {
+  TORCH_CHECK(mag.dim() == 1 && mag.scalar_type() == at::kFloat && mag.is_contiguous(), "mag: contiguous 1-D fp32");
+  at::Tensor s = sample.numel() ? mag.index_select(0, sample) : mag;
+  std::vector<float> v(s.data_ptr<float>(), s.data_ptr<float>() + s.numel());
+  const int64_t m = mag.numel();
+  int64_t ks = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(static_cast<double>(v.size() * k) / m)));
+  float thr = kth_largest(v, ks);
+  const float* x = mag.data_ptr<float>();
+  auto count = [&](float t) {
+    int64_t cnt = 0;
+    for (int64_t i = 0; i < m; ++i) cnt += x[i] >= t;
+    return cnt;
+  };
+  int64_t cnt = count(thr);
+  for (int rounds = 0; cnt < kLowerSlack * k && rounds < kMaxLowerRounds; ++rounds) {
+    thr = thr * kLowerFactor;
+    cnt = count(thr);
+  }
+  if (cnt > kUpperSlack * k) {
+    std::vector<float> kept;
+    for (int64_t i = 0; i < m; ++i)
+      if (x[i] >= thr) kept.push_back(x[i]);
+    thr = kth_largest(kept, k);
+  }
+  return thr;
+}
+
+std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t> compress_bucket(
+    std::vector<at::Tensor> srcs, std::vector<int64_t> offsets, std::vector<int64_t> strides,
+    std::vector<at::Tensor> residuals, std::vector<int64_t> residual_numels, std::vector<int64_t> numels,
+    std::vector<int64_t> chunks, std::vector<bool> sparse, std::vector<int64_t> row_owner, std::vector<int64_t> ks,
+    std::vector<at::Tensor> samples, double divisor, double loss_scale, int64_t group_size, int64_t fingerprint,
+    bool want_residual) {
+  const size_t T = srcs.size();
+  const int64_t R = static_cast<int64_t>(row_owner.size());
+  TORCH_CHECK(offsets.size() == T && strides.size() == T && residuals.size() == T && residual_numels.size() == T &&
+                  numels.size() == T && chunks.size() == T && sparse.size() == T && ks.size() == T &&
+                  samples.size() == T,
+              "compress_bucket: per-tensor lists differ in length");
+  TORCH_CHECK(group_size >= 2, "compress_bucket: group_size must be >= 2");
+  Params p{static_cast<float>(divisor), divisor != 1.0, static_cast<float>(loss_scale), loss_scale != 1.0};
+
+  std::vector<Spec> specs(T);
+  std::vector<at::Tensor> res_out;
+  int64_t col = 0;
+  for (size_t i = 0; i < T; ++i) {
+    Spec& t = specs[i];
+    const at::Tensor& s = srcs[i];
+    TORCH_CHECK(s.device().is_cpu() && s.dim() == 1 && s.is_contiguous(), "compress_bucket: sources must be contiguous 1-D CPU tensors");
+    t.src = s.data_ptr();
+    t.dtype = s.scalar_type();
+    t.offset = offsets[i];
+    t.stride = strides[i];
+    t.n = numels[i];
+    t.c = chunks[i];
+    t.col = col;
+    col += t.c;
+    t.sparse = sparse[i];
+    t.k = ks[i];
+    int64_t prefix = 0;
+    for (int64_t r = 0; r < R; ++r) {
+      t.real.push_back(dgc::real_count(t.n, row_owner[r], t.c));
+      t.real_prefix.push_back(prefix);
+      prefix += t.real.back();
+      TORCH_CHECK(t.real.back() == 0 || t.offset + r * t.stride + t.real.back() <= s.numel(),
+                  "compress_bucket: tensor ", i, " row ", r, " reads past its source");
+    }
+    t.real_prefix.push_back(prefix);
+    t.m = prefix;
+    if (residuals[i].numel()) {
+      TORCH_CHECK(residuals[i].scalar_type() == at::kFloat && residuals[i].is_contiguous() &&
+                      residuals[i].numel() == residual_numels[i],
+                  "compress_bucket: residual ", i, " must be contiguous fp32 of ", residual_numels[i], " elements");
+      t.residual = residuals[i].data_ptr<float>();
+    }
+    if (samples[i].numel()) {
+      TORCH_CHECK(samples[i].scalar_type() == at::kLong && samples[i].is_contiguous(), "compress_bucket: samples must be int64");
+      t.sample = samples[i].data_ptr<int64_t>();
+      t.n_sample = samples[i].numel();
+    }
+    if (want_residual) {
+      at::Tensor out = at::empty({residual_numels[i]}, at::kFloat);
+      t.residual_out = out.data_ptr<float>();
+      t.residual_numel = residual_numels[i];
+      res_out.push_back(out);
+    }
+  }
+
+  // 1. thresholds from the samples (tensors sent whole keep every real element)
+  std::vector<float> thr(T, -1.0f);
+  for (size_t i = 0; i < T; ++i) {
+    Spec& t = specs[i];
+    if (!t.sparse || t.k >= t.m) continue;
+    std::vector<float> mags = sample_magnitudes(t, p);
+    bool finite = std::all_of(mags.begin(), mags.end(), [](float v) { return std::isfinite(v); });
+    if (!finite) {
+      thr[i] = INFINITY;  // the dense pass finds the non-finite value and aborts
+      continue;
+    }
+    int64_t ksample = std::max<int64_t>(
+        1, static_cast<int64_t>(std::ceil(static_cast<double>(static_cast<int64_t>(mags.size()) * t.k) / t.m)));
+    thr[i] = kth_largest(mags, ksample);
+  }
+
+  // 2. the dense pass: acc, new residual (acc / loss_scale), candidates |acc| >= thr
+  std::vector<std::vector<Kept>> kept(T, std::vector<Kept>(R));
+  std::vector<int64_t> all(T);
+  for (size_t i = 0; i < T; ++i) all[i] = static_cast<int64_t>(i);
+  int64_t nonfinite = dense_pass(specs, p, make_tasks(specs, all), thr, kept, want_residual);
+  if (nonfinite) {
+    std::vector<at::Tensor> payloads;
+    for (int64_t r = 0; r < R; ++r) payloads.push_back(header_only_payload(fingerprint));
+    return {payloads, {}, false, 0};
+  }
+  if (want_residual)  // padding slots of an untrimmed residual (R * c elements) stay exactly 0
+    for (auto& t : specs)
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t j = t.real[r]; j < t.c && r * t.c + j < t.residual_numel; ++j) t.residual_out[r * t.c + j] = 0.0f;
+
+  // 3. DGC's corrections towards k: lower the threshold while fewer than 0.8 k are kept (then
+  //    collect again), keep the k largest when more than 1.3 k are
+  for (size_t i = 0; i < T; ++i) {
+    Spec& t = specs[i];
+    if (!t.sparse || t.k >= t.m) continue;
+    int64_t cnt = 0;
+    for (auto& kr : kept[i]) cnt += static_cast<int64_t>(kr.j.size());
+    if (cnt < kLowerSlack * t.k) {
+      float th = thr[i];
+      for (int rounds = 0; cnt < kLowerSlack * t.k && rounds < kMaxLowerRounds; ++rounds) {
+        th = th * kLowerFactor;
+        cnt = count_at_least(t, p, th);
+      }
+      thr[i] = th;
+      for (auto& kr : kept[i]) kr = Kept();
+      std::vector<float> thr_i(T, INFINITY);
+      thr_i[i] = th;
+      dense_pass(specs, p, make_tasks(specs, {static_cast<int64_t>(i)}), thr_i, kept, false);
+    }
+    if (cnt > kUpperSlack * t.k) {
+      std::vector<float> mags;
+      for (auto& kr : kept[i])
+        for (float a : kr.acc) mags.push_back(std::fabs(a));
+      float th = kth_largest(mags, t.k);
+      for (auto& kr : kept[i]) {
+        Kept f;
+        for (size_t x = 0; x < kr.j.size(); ++x)
+          if (std::fabs(kr.acc[x]) >= th) {
+            f.j.push_back(kr.j[x]);
+            f.acc.push_back(kr.acc[x]);
+          }
+        kr = std::move(f);
+      }
+    }
+  }
+
+  // 4. payload sizes per row, then allocation, then encoding (rows in parallel)
+  std::vector<int64_t> n_kept(R, 0), n_groups(R, 0), n_index(R, 0);
+  for (int64_t r = 0; r < R; ++r) {
+    int64_t prev = -1;
+    for (size_t i = 0; i < T; ++i) {
+      const Kept& kr = kept[i][r];
+      int64_t cnt = static_cast<int64_t>(kr.j.size());
+      n_kept[r] += cnt;
+      n_groups[r] += (cnt + group_size - 1) / group_size;
+      if (specs[i].sparse)
+        for (int64_t j : kr.j) {
+          int64_t pos = specs[i].col + j;
+          n_index[r] += dgc::varint_length(static_cast<uint64_t>(pos - prev - 1));
+          prev = pos;
+        }
+    }
+  }
+  std::vector<at::Tensor> payloads;
+  int64_t total_kept = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    int64_t bytes = 4 * dgc::kHeaderInt32 + 4 * n_groups[r] + (n_kept[r] + 1) / 2 + n_index[r];
+    bytes += (4 - bytes % 4) % 4;
+    payloads.push_back(at::zeros({bytes}, at::kByte));
+    total_kept += n_kept[r];
+  }
+  at::parallel_for(0, R, 1, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      uint8_t* base = payloads[r].data_ptr<uint8_t>();
+      int32_t* header = reinterpret_cast<int32_t*>(base);
+      header[0] = dgc::kMagic;
+      header[1] = static_cast<int32_t>(fingerprint);
+      header[2] = static_cast<int32_t>(n_kept[r]);
+      header[3] = static_cast<int32_t>(n_index[r]);
+      header[4] = static_cast<int32_t>(n_groups[r]);
+      float* scales = reinterpret_cast<float*>(base + 4 * dgc::kHeaderInt32);
+      uint8_t* values = base + 4 * dgc::kHeaderInt32 + 4 * n_groups[r];
+      uint8_t* index = values + (n_kept[r] + 1) / 2;
+      int64_t v = 0, g = 0, prev = -1;
+      for (size_t i = 0; i < T; ++i) {
+        const Spec& t = specs[i];
+        const Kept& kr = kept[i][r];
+        const int64_t cnt = static_cast<int64_t>(kr.j.size());
+        for (int64_t g0 = 0; g0 < cnt; g0 += group_size) {
+          const int64_t g1 = std::min(g0 + group_size, cnt);
+          float absmax = 0.0f;
+          for (int64_t x = g0; x < g1; ++x) absmax = std::max(absmax, std::fabs(kr.acc[x]));
+          const float scale = dgc::int4_scale(absmax);
+          scales[g++] = scale;
+          for (int64_t x = g0; x < g1; ++x, ++v) {
+            const float q = dgc::int4_quantize(kr.acc[x], scale);
+            values[v >> 1] |= static_cast<uint8_t>(dgc::int4_nibble(q) << ((v & 1) * 4));
+            if (t.residual_out) t.residual_out[r * t.c + kr.j[x]] = (kr.acc[x] - q * scale) / p.loss_scale;
+          }
+        }
+        if (t.sparse)
+          for (int64_t j : kr.j) {
+            uint64_t gap = static_cast<uint64_t>(t.col + j - prev - 1);
+            prev = t.col + j;
+            while (gap >= 128) {
+              *index++ = static_cast<uint8_t>((gap & 0x7F) | 0x80);
+              gap >>= 7;
+            }
+            *index++ = static_cast<uint8_t>(gap);
+          }
+      }
+    }
+  });
+  return {payloads, res_out, true, total_kept};
+}
+
+void decode_add(at::Tensor out, at::Tensor values, at::Tensor scales, at::Tensor index_bytes, int64_t kept,
+                int64_t n_indexed, std::vector<int64_t> seg_real, std::vector<int64_t> seg_chunks,
+                std::vector<bool> sparse, int64_t group_size) {
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous(), "decode_add: out must be contiguous fp32");
+  const size_t T = seg_chunks.size();
+  float* o = out.data_ptr<float>();
+  const uint8_t* vals = values.data_ptr<uint8_t>();
+  const float* sc = scales.data_ptr<float>();
+  const uint8_t* ib = index_bytes.data_ptr<uint8_t>();
+  const int64_t nb = index_bytes.numel();
+  // varint gaps -> positions (columns of the row)
+  std::vector<int64_t> pos;
+  pos.reserve(n_indexed);
+  int64_t prev = -1;
+  for (int64_t b = 0; b < nb;) {
+    uint64_t gap = 0;
+    int shift = 0;
+    while (true) {
+      if (b >= nb) throw std::invalid_argument("index bytes end inside a varint");
+      if (shift > 56) throw std::invalid_argument("varint longer than 9 bytes");
+      uint8_t byte = ib[b++];
+      gap |= static_cast<uint64_t>(byte & 0x7F) << shift;
+      shift += 7;
+      if (!(byte & 0x80)) break;
+    }
+    prev = prev + 1 + static_cast<int64_t>(gap);
+    pos.push_back(prev);
+  }
+  if (static_cast<int64_t>(pos.size()) != n_indexed)
+    throw std::invalid_argument(std::to_string(nb) + " index bytes hold " + std::to_string(pos.size()) +
+                                " positions, expected " + std::to_string(n_indexed));
+  // positions per segment: implied (all real) for tensors sent whole, decoded for sparse ones
+  std::vector<int64_t> col(T + 1, 0);
+  for (size_t i = 0; i < T; ++i) col[i + 1] = col[i] + seg_chunks[i];
+  size_t next = 0;
+  int64_t v = 0, g = 0, expected_groups = 0, total = 0;
+  std::vector<std::pair<int64_t, int64_t>> runs;  // (first position index, count) per segment
+  std::vector<int64_t> all_pos;
+  all_pos.reserve(kept);
+  for (size_t i = 0; i < T; ++i) {
+    int64_t start = static_cast<int64_t>(all_pos.size());
+    if (!sparse[i]) {
+      if (next < pos.size() && pos[next] < col[i + 1])
+        throw std::invalid_argument("index " + std::to_string(pos[next]) + " points into a tensor sent whole");
+      for (int64_t j = 0; j < seg_real[i]; ++j) all_pos.push_back(col[i] + j);
+    } else {
+      while (next < pos.size() && pos[next] < col[i + 1]) {
+        if (pos[next] >= col[i] + seg_real[i])
+          throw std::invalid_argument("index " + std::to_string(pos[next]) + " points into padding");
+        all_pos.push_back(pos[next++]);
+      }
+    }
+    int64_t cnt = static_cast<int64_t>(all_pos.size()) - start;
+    runs.push_back({start, cnt});
+    expected_groups += (cnt + group_size - 1) / group_size;
+  }
+  if (next < pos.size())
+    throw std::invalid_argument("index " + std::to_string(pos[next]) + " past the partition of " +
+                                std::to_string(col[T]) + " elements");
+  total = static_cast<int64_t>(all_pos.size());
+  if (total != kept)
+    throw std::invalid_argument("payload holds " + std::to_string(total) + " positions for " + std::to_string(kept) +
+                                " kept values");
+  if (expected_groups != scales.numel())
+    throw std::invalid_argument(std::to_string(scales.numel()) + " scales for " + std::to_string(expected_groups) +
+                                " groups");
+  if (values.numel() < (kept + 1) / 2) throw std::invalid_argument("too few value bytes");
+  for (auto& run : runs) {  // groups restart at every segment
+    for (int64_t x = 0; x < run.second; ++x, ++v) {
+      uint8_t nib = (vals[v >> 1] >> ((v & 1) * 4)) & 0x0F;
+      o[all_pos[run.first + x]] += dgc::int4_dequantize(nib, sc[g + x / group_size]);
+    }
+    g += (run.second + group_size - 1) / group_size;
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "deepspeed_dgc fused CPU kernels (compress_bucket, decode_add, topk_threshold)";
+  m.def("compress_bucket", &compress_bucket, "fused residual add, top-k selection, INT4 quantize and pack per owner row",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("decode_add", &decode_add, "decode one payload body and scatter-add it into a dense fp32 partition",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("topk_threshold", &topk_threshold, "DGC's sampled top-k threshold of a 1-D fp32 magnitude tensor",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("simd_info", []() {
+#if defined(__AVX512F__)
+    return std::string("avx512");
+#elif defined(__AVX2__)
+    return std::string("avx2");
+#else
+    return std::string("baseline");
+#endif
+  });
+}

@@ -1,0 +1,169 @@
+"""DeepSpeed op builders for the fused DGC kernels in ``csrc/dgc``.
+
+DeepSpeed 0.19.8 (``ops/op_builder/builder.py``) resolves relative source paths against its own
+install and only imports a prebuilt op that its own ``setup.py`` recorded
+(``git_version_info.installed_ops``). These builders therefore
+
+- resolve sources and include paths against this repository's ``csrc/dgc``,
+- make them absolute in ``builder()`` too, so ``setup.py`` can prebuild from any directory,
+- override ``load()``: the op already loaded in this process, else the prebuilt module
+  ``deepspeed_dgc._prebuilt.<name>`` (``DS_BUILD_DGC=1 pip install .``), else a JIT build with
+  torch's ``cpp_extension.load`` (cached in ``$TORCH_EXTENSIONS_DIR/<name>``), announced by one
+  log line.
+
+Flags: the JIT build may use ``-march=native`` (it runs where it was built); a prebuilt module
+uses portable flags (x86-64-v2 at most, no ``-march=native``). Floating-point contraction is
+off everywhere (``-ffp-contract=off``, nvcc ``--fmad=false``) so results equal the PyTorch
+reference bit for bit. CUDA architectures come from ``TORCH_CUDA_ARCH_LIST``, default
+``8.0;9.0`` (A100, H100/H200).
+"""
+
+import importlib
+import logging
+import os
+import shutil
+
+import torch
+from deepspeed.ops.op_builder.builder import CUDAOpBuilder, OpBuilder
+from deepspeed.ops.op_builder.cpu.builder import CPUOpBuilder
+
+logger = logging.getLogger("deepspeed_dgc")
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CSRC = os.path.join(REPO_ROOT, "csrc", "dgc")
+PREBUILT_PACKAGE = "deepspeed_dgc._prebuilt"
+DEFAULT_CUDA_ARCHS = "8.0;9.0"
+PORTABLE_ENV = "DGC_PORTABLE_BUILD"  # set by setup.py while prebuilding
+
+
+class _DGCBuilderMixin:
+    """Out-of-tree paths, prebuilt lookup and a one-line JIT log, shared by both builders."""
+
+    SOURCES = ()
+
+    def absolute_name(self):
+        return f"{PREBUILT_PACKAGE}.{self.NAME}"
+
+    def sources(self):
+        return [os.path.join(CSRC, s) for s in self.SOURCES]
+
+    def include_paths(self):
+        return [CSRC]
+
+    def deepspeed_src_path(self, code_path):
+        return code_path if os.path.isabs(code_path) else os.path.join(REPO_ROOT, code_path)
+
+    def sources_present(self):
+        """(True, "") when every source file exists, else (False, the missing path)."""
+        for path in self.sources():
+            if not os.path.isfile(path):
+                return False, f"source {path} is missing (JIT builds need a source checkout or an editable install)"
+        return True, ""
+
+    def prebuilt_module(self):
+        """The module built at install time, or None."""
+        try:
+            return importlib.import_module(self.absolute_name())
+        except ImportError:
+            return None
+
+    def load(self, verbose=False):
+        """The op: already loaded, else prebuilt, else JIT-built (minutes on a slow machine, once).
+
+        Raises:
+            RuntimeError: the op is not compatible here or the build failed (message says why).
+        """
+        if self.name in OpBuilder._loaded_ops:
+            return OpBuilder._loaded_ops[self.name]
+        module = self.prebuilt_module()
+        if module is not None:
+            OpBuilder._loaded_ops[self.name] = module
+            return module
+        ok, why = self.sources_present()
+        if not ok:
+            raise RuntimeError(f"cannot JIT-build {self.name}: {why}")
+        cache = os.environ.get("TORCH_EXTENSIONS_DIR", "the default torch_extensions cache")
+        logger.warning("deepspeed_dgc: no prebuilt %s; JIT-building it (or loading the build cached) in %s", self.name,
+                       cache)
+        return self.jit_load(verbose)
+
+
+class DGCCPUBuilder(_DGCBuilderMixin, CPUOpBuilder):
+    """OpenMP C++ build of ``csrc/dgc/dgc_cpu.cpp`` (``compress_bucket``, ``decode_add``, ``topk_threshold``)."""
+
+    BUILD_VAR = "DS_BUILD_DGC"
+    NAME = "dgc_cpu_op"
+    SOURCES = ("dgc_cpu.cpp", )
+
+    def __init__(self):
+        super().__init__(name=self.NAME)
+
+    def is_compatible(self, verbose=False):
+        ok = shutil.which(os.environ.get("CXX", "c++")) is not None
+        if not ok:
+            self.warning(f"{self.NAME}: no C++ compiler ({os.environ.get('CXX', 'c++')}) on PATH")
+        return ok
+
+    def cxx_args(self):
+        std = "-std=c++20" if tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 12) else "-std=c++17"
+        args = ["-O3", std, "-fopenmp", "-ffp-contract=off", "-Wno-reorder"]
+        if os.environ.get(PORTABLE_ENV) == "1":
+            return args + ["-march=x86-64-v2"] if _is_x86() else args
+        return args + [self.cpu_arch()]
+
+    def extra_ldflags(self):
+        return ["-fopenmp"]
+
+    def builder(self):
+        ext = super().builder()
+        ext.sources = [os.path.abspath(s) for s in ext.sources]
+        return ext
+
+
+class DGCCUDABuilder(_DGCBuilderMixin, CUDAOpBuilder):
+    """CUDA build of ``csrc/dgc/dgc_cuda.cu`` plus its binding ``dgc_cuda_binding.cpp``."""
+
+    BUILD_VAR = "DS_BUILD_DGC"
+    NAME = "dgc_cuda_op"
+    SOURCES = ("dgc_cuda_binding.cpp", "dgc_cuda.cu")
+
+    def __init__(self):
+        super().__init__(name=self.NAME)
+
+    def is_compatible(self, verbose=False):
+        if torch.version.cuda is None:
+            self.warning(f"{self.NAME}: this torch build has no CUDA (torch {torch.__version__})")
+            return False
+        if not torch.cuda.is_available() and os.environ.get(PORTABLE_ENV) != "1":
+            self.warning(f"{self.NAME}: no CUDA device visible")
+            return False
+        return super().is_compatible(verbose)
+
+    def compute_capability_args(self, cross_compile_archs=None):
+        if "TORCH_CUDA_ARCH_LIST" not in os.environ and not getattr(self, "_jit_arch_list", None):
+            os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_CUDA_ARCHS
+        return super().compute_capability_args(cross_compile_archs)
+
+    def cxx_args(self):
+        return super().cxx_args() + ["-ffp-contract=off"]
+
+    def nvcc_args(self):
+        return super().nvcc_args() + ["--fmad=false"]
+
+    def builder(self):
+        ext = super().builder()
+        ext.sources = [os.path.abspath(s) for s in ext.sources]
+        return ext
+
+
+ALL_DGC_BUILDERS = (DGCCPUBuilder, DGCCUDABuilder)
+
+
+def builder_for_device(device_type: str):
+    """The builder class for a torch device type: ``"cuda"`` -> CUDA, anything else -> CPU."""
+    return DGCCUDABuilder if device_type == "cuda" else DGCCPUBuilder
+
+
+def _is_x86() -> bool:
+    import platform
+    return platform.machine() in ("x86_64", "AMD64")
