@@ -329,8 +329,8 @@ def _decode_positions(row_numel: int, index_bytes: torch.Tensor, kept: int, n_in
         torch.arange(col, col + r, device=device) for col, r, s in zip(_starts(chunks), seg_real, sparse) if not s
     ] or [torch.empty(0, dtype=torch.long, device=device)])
     indexed = decode_indices(index_bytes, torch.tensor([n_indexed], device=device))
-    if n_indexed and int(indexed[-1]) >= row_numel:
-        raise ValueError(f"index {int(indexed[-1])} past the partition of {row_numel} elements")
+    if n_indexed and (int(indexed.max()) >= row_numel or int(indexed.min()) < 0):
+        raise ValueError(f"index past the partition of {row_numel} elements")  # also an int64 wrap-around
     pos = torch.sort(torch.cat([implied, indexed])).values if n_indexed else implied
     if pos.numel() != kept:
         raise ValueError(f"payload holds {pos.numel()} positions for {kept} kept values")

@@ -319,3 +319,51 @@ def test_report_lists_every_op():
     assert ": prebuilt" in cpu or ": JIT-compatible" in cpu, cpu
     if not torch.cuda.is_available():
         assert ": unavailable" in cuda and ("no CUDA" in cuda or "has no CUDA" in cuda), cuda
+
+
+def _leb(v):
+    out = []
+    while v >= 128:
+        out.append(v & 0x7F | 0x80)
+        v >>= 7
+    return out + [v]
+
+
+def test_bad_inputs_raise_instead_of_touching_memory(fused):
+    """Inputs a corrupted payload or a wrong caller could produce: errors, never a crash or a write
+    outside the buffers (each of these crashed or wrote out of bounds before being checked)."""
+    op = fused.op
+    two = torch.tensor([0x99, 0x09], dtype=torch.uint8)
+    # varint gaps that wrap the int64 position around to a negative index
+    wrap = torch.tensor(_leb(0) + _leb(2**63 - 1) + _leb(2**63 - 1 - 4), dtype=torch.uint8)
+    for ops in (REFERENCE, fused):
+        with pytest.raises(ValueError, match="past the partition"):
+            ops.decode_add(torch.zeros(100), two, torch.tensor([1.0]), wrap, 3, 3, [90], [100], [True], 16, True,
+                           torch.float32)
+    ok_index = torch.tensor(_leb(3) + _leb(5), dtype=torch.uint8)
+    bad_calls = [
+        dict(out=torch.zeros(1)),  # smaller than the row
+        dict(sparse=[]),  # lists of different lengths
+        dict(seg_real=[120]),  # more real elements than columns
+        dict(group_size=0),
+    ]
+    for bad in bad_calls:
+        args = dict(out=torch.zeros(100), values=two, scales=torch.tensor([1.0]), index_bytes=ok_index, kept=2,
+                    n_indexed=2, seg_real=[90], seg_chunks=[100], sparse=[True], group_size=16)
+        args.update(bad)
+        with pytest.raises((RuntimeError, ValueError)):
+            op.decode_add(*args.values())
+    empty_l = torch.empty(0, dtype=torch.long)
+    base = dict(srcs=[torch.randn(100)], offsets=[0], strides=[50], residuals=[torch.randn(100)], residual_numels=[100],
+                numels=[100], chunks=[50], sparse=[True], row_owner=[0, 1], ks=[5], samples=[empty_l], divisor=2.0,
+                loss_scale=1.0, group_size=16, fingerprint=1, want_residual=True)
+    op.compress_bucket(*base.values())  # the valid call works
+    for bad, match in ((dict(residuals=[torch.randn(10)], residual_numels=[10]), "residual_numels"),
+                       (dict(residuals=[torch.empty(0)], residual_numels=[0]), "residual_numels"),
+                       (dict(offsets=[-1000]), "offsets"), (dict(ks=[0]), "ks"),
+                       (dict(fingerprint=2**40), "fingerprint"), (dict(strides=[10]), "strides")):
+        with pytest.raises(RuntimeError, match=match):
+            op.compress_bucket(*dict(base, **bad).values())
+    for k in (0, -1, 11):
+        with pytest.raises(RuntimeError, match="k must be in"):
+            op.topk_threshold(torch.rand(10), k, empty_l)

@@ -243,6 +243,7 @@ at::Tensor header_only_payload(int64_t fingerprint) {
 
 float topk_threshold(at::Tensor mag, int64_t k, at::Tensor sample) {
   TORCH_CHECK(mag.dim() == 1 && mag.scalar_type() == at::kFloat && mag.is_contiguous(), "mag: contiguous 1-D fp32");
+  TORCH_CHECK(k >= 1 && k <= mag.numel(), "topk_threshold: k must be in [1, ", mag.numel(), "], got ", k);
   at::Tensor s = sample.numel() ? mag.index_select(0, sample) : mag;
   std::vector<float> v(s.data_ptr<float>(), s.data_ptr<float>() + s.numel());
   const int64_t m = mag.numel();
@@ -281,6 +282,8 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t> comp
                   samples.size() == T,
               "compress_bucket: per-tensor lists differ in length");
   TORCH_CHECK(group_size >= 2, "compress_bucket: group_size must be >= 2");
+  TORCH_CHECK(fingerprint >= 0 && fingerprint <= INT32_MAX, "compress_bucket: fingerprint must fit in an int31");
+  TORCH_CHECK(divisor > 0 && loss_scale > 0, "compress_bucket: divisor and loss_scale must be > 0");
   Params p{static_cast<float>(divisor), divisor != 1.0, static_cast<float>(loss_scale), loss_scale != 1.0};
 
   std::vector<Spec> specs(T);
@@ -296,6 +299,9 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t> comp
     t.stride = strides[i];
     t.n = numels[i];
     t.c = chunks[i];
+    TORCH_CHECK(t.offset >= 0 && t.stride >= t.c && t.n >= 0 && t.c >= 0 && (!sparse[i] || ks[i] >= 1),
+                "compress_bucket: tensor ", i, ": offsets, chunks and ks must be >= 0 (ks >= 1 when sparse) and row "
+                "strides >= chunks");
     t.col = col;
     col += t.c;
     t.sparse = sparse[i];
@@ -310,6 +316,11 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t> comp
     }
     t.real_prefix.push_back(prefix);
     t.m = prefix;
+    int64_t used = 0;  // residual elements the job touches: (r, j) at r * c + j for the real ones
+    for (int64_t r = 0; r < R; ++r)
+      if (t.real[r]) used = r * t.c + t.real[r];
+    TORCH_CHECK(residual_numels[i] >= used && residual_numels[i] <= R * t.c, "compress_bucket: tensor ", i,
+                ": residual_numels must be in [", used, ", ", R * t.c, "], got ", residual_numels[i]);
     if (residuals[i].numel()) {
       TORCH_CHECK(residuals[i].scalar_type() == at::kFloat && residuals[i].is_contiguous() &&
                       residuals[i].numel() == residual_numels[i],
@@ -416,6 +427,8 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t> comp
   std::vector<at::Tensor> payloads;
   int64_t total_kept = 0;
   for (int64_t r = 0; r < R; ++r) {
+    TORCH_CHECK(n_kept[r] <= INT32_MAX && n_index[r] <= INT32_MAX && n_groups[r] <= INT32_MAX,
+                "compress_bucket: row ", r, " does not fit the int32 header (", n_kept[r], " values)");
     int64_t bytes = 4 * dgc::kHeaderInt32 + 4 * n_groups[r] + (n_kept[r] + 1) / 2 + n_index[r];
     bytes += (4 - bytes % 4) % 4;
     payloads.push_back(at::zeros({bytes}, at::kByte));
@@ -471,6 +484,16 @@ void decode_add(at::Tensor out, at::Tensor values, at::Tensor scales, at::Tensor
                 std::vector<bool> sparse, int64_t group_size) {
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous(), "decode_add: out must be contiguous fp32");
   const size_t T = seg_chunks.size();
+  TORCH_CHECK(seg_real.size() == T && sparse.size() == T, "decode_add: per-tensor lists differ in length");
+  TORCH_CHECK(group_size >= 2, "decode_add: group_size must be >= 2");
+  int64_t row = 0;
+  for (size_t i = 0; i < T; ++i) {
+    TORCH_CHECK(seg_chunks[i] >= 0 && seg_real[i] >= 0 && seg_real[i] <= seg_chunks[i],
+                "decode_add: tensor ", i, " has ", seg_real[i], " real elements in ", seg_chunks[i], " columns");
+    row += seg_chunks[i];
+  }
+  TORCH_CHECK(out.numel() >= row, "decode_add: out has ", out.numel(), " elements for a row of ", row);
+  if (kept < 0 || n_indexed < 0) throw std::invalid_argument("negative kept or indexed count");
   float* o = out.data_ptr<float>();
   const uint8_t* vals = values.data_ptr<uint8_t>();
   const float* sc = scales.data_ptr<float>();
@@ -491,6 +514,8 @@ void decode_add(at::Tensor out, at::Tensor values, at::Tensor scales, at::Tensor
       shift += 7;
       if (!(byte & 0x80)) break;
     }
+    if (gap >= static_cast<uint64_t>(row) || prev + 1 + static_cast<int64_t>(gap) >= row)
+      throw std::invalid_argument("index past the partition of " + std::to_string(row) + " elements");
     prev = prev + 1 + static_cast<int64_t>(gap);
     pos.push_back(prev);
   }

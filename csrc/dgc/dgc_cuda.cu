@@ -38,7 +38,7 @@ __global__ void accumulate_kernel(float* __restrict__ acc_m, int64_t acc_cols, i
     if (j < dgc::real_count(n, owners[r], c)) {
       const float s = to_float<T>(src[offset + r * stride + j]);
       a = residual ? dgc::accumulate(s, divisor, divide, residual[r * c + j], loss_scale, scale)
-                   : (divide ? s / divisor : s);
+                   : (divide ? dgc::divide_by(s, divisor) : s);
     }
     acc_m[r * acc_cols + col + j] = a;
   }

@@ -24,10 +24,21 @@ constexpr int kHeaderInt32 = 5;         // MAGIC, fingerprint, kept, index bytes
 constexpr float kInt4Qmax = 7.0f;       // symmetric codes -7..7
 constexpr int kInt4Offset = 8;          // stored as code + 8 in one nibble
 
+// x / divisor as torch computes x.div(scalar): a true division on the CPU; on CUDA PyTorch
+// multiplies by the fp32 reciprocal (ATen's div_true_kernel_cuda with a CPU scalar), so the
+// device code does the same.
+DGC_HD float divide_by(float x, float divisor) {
+#if defined(__CUDA_ARCH__)
+  return x * (1.0f / divisor);
+#else
+  return x / divisor;
+#endif
+}
+
 // acc = src / divisor + residual * loss_scale (fp32, each operation rounded once, as the
 // reference: x.float().div(divisor) then add_(residual) or add_(residual.mul(loss_scale))).
 DGC_HD float accumulate(float src, float divisor, bool divide, float residual, float loss_scale, bool scale) {
-  float a = divide ? src / divisor : src;
+  float a = divide ? divide_by(src, divisor) : src;
   float r = scale ? residual * loss_scale : residual;
   return a + r;
 }
