@@ -77,6 +77,42 @@ def load_state(state, ckpt_dir: str, tag: str, world_size: int, device: torch.de
     return f"restored deepspeed_dgc state from {path}: {len(state.memory.committed)} residuals, step {state.stats.steps}"
 
 
+def _tag_of(load_dir: str, tag) -> str:
+    if tag is None:
+        with open(os.path.join(load_dir, "latest")) as f:
+            return f.read().strip()
+    return str(tag)
+
+
+def wrap_plain_engine_loading(engine) -> None:
+    """For a ZeRO-3 engine without DGC: say so when ``load_checkpoint`` meets a DGC side-car.
+
+    DeepSpeed's weights and optimizer state load as usual; the residuals of the side-car (what a DGC
+    run had not sent yet) are ignored, and this logs a warning naming the file, on every rank.
+    """
+    load = engine.load_checkpoint
+
+    def load_checkpoint(load_dir, tag=None, *args, **kwargs):
+        load_path, client_state = load(load_dir, tag, *args, **kwargs)
+        if load_path is not None:
+            path = sidecar_path(load_dir, _tag_of(load_dir, tag), dist_rank(engine))
+            if os.path.isfile(path):
+                logger.warning(f"[deepspeed_dgc] rank {engine.global_rank}: checkpoint {load_path} holds deepspeed_dgc "
+                               f"state ({os.path.basename(path)}, saved with DGC on); this run has DGC off, so its "
+                               "error-feedback residuals are ignored. DeepSpeed's weights and optimizer state loaded as usual")
+        return load_path, client_state
+
+    load_checkpoint.__doc__ = load.__doc__
+    engine.load_checkpoint = load_checkpoint
+
+
+def dist_rank(engine) -> int:
+    """This rank's index in the engine's data-parallel group (the side-car's ``dp_rank``)."""
+    from deepspeed import comm as dist
+    group = getattr(engine.optimizer, "dp_process_group", None)
+    return dist.get_rank(group=group) if group is not None else engine.global_rank
+
+
 def wrap_engine_checkpointing(engine, state) -> None:
     """Make ``engine.save_checkpoint`` / ``load_checkpoint`` (instance methods) carry the side-car."""
     save, load = engine.save_checkpoint, engine.load_checkpoint
@@ -91,11 +127,8 @@ def wrap_engine_checkpointing(engine, state) -> None:
         load_path, client_state = load(load_dir, tag, *args, **kwargs)
         if load_path is None:
             return load_path, client_state
-        if tag is None:
-            with open(os.path.join(load_dir, "latest")) as f:
-                tag = f.read().strip()
         device = engine.device
-        msg = load_state(state, load_dir, str(tag), engine.dp_world_size, device)
+        msg = load_state(state, load_dir, _tag_of(load_dir, tag), engine.dp_world_size, device)
         (logger.info if msg.startswith("restored") else logger.warning)(f"[deepspeed_dgc] rank {state.global_rank}: {msg}")
         return load_path, client_state
 

@@ -22,7 +22,7 @@ from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
 from .agreement import check_agreement
-from .checkpoint import wrap_engine_checkpointing
+from .checkpoint import wrap_engine_checkpointing, wrap_plain_engine_loading
 from .comm import DGCBackendError, check_mpi_world
 from .config import DGCConfig, DGCConfigError, check_engine_compatible, parse_dgc_config
 from .memory import ErrorFeedback
@@ -208,7 +208,10 @@ def _wrap_configure_zero_optimizer(orig):
             effective = cfg or DGCConfig()
             check_agreement(effective, None, effective.timeout_s)
         if cfg is None or not cfg.enabled:
-            return orig(self, optimizer)
+            opt = orig(self, optimizer)
+            if self.zero_optimization_stage() == 3:
+                wrap_plain_engine_loading(self)  # a DGC checkpoint loaded here says what is ignored
+            return opt
         check_engine_compatible(cfg, self)
         opt = orig(self, optimizer)
         install(self, opt, cfg)

@@ -52,6 +52,22 @@ def test_checkpoint_without_dgc_state_says_residuals_restart():
         assert second[r]["losses"] != full[r]["losses"][5:]  # the side-car is what makes resume exact
 
 
+def test_dgc_checkpoint_into_a_run_without_dgc_says_what_is_ignored():
+    """Saved with DGC, loaded with DGC off: DeepSpeed's weights load as usual (the first step after
+    loading starts from the saved weights: its loss equals the uninterrupted DGC run's sixth loss),
+    and every rank says that the side-car's residuals are ignored."""
+    full, _ = run("resume_full", tempfile.mkdtemp())
+    out = tempfile.mkdtemp()
+    run("resume_first", out)
+    second, results = run("resume_second_nodgc", out)
+    for r in range(2):
+        log = results[r].stderr + results[r].stdout
+        assert "this run has DGC off, so its error-feedback residuals are ignored" in log, log[-2000:]
+        assert "dgc_state_dp_rank_" in log
+        assert second[r]["losses"][0] == full[r]["losses"][5]  # same weights at the start of step 6
+        assert second[r]["losses"][1:] != full[r]["losses"][6:]  # then stock ZeRO-3 reduces differently
+
+
 def test_sidecar_from_another_world_size_is_dropped_with_a_warning(tmp_path):
     """DeepSpeed itself refuses a ZeRO checkpoint at another data-parallel size; the side-car check
     stands on its own for paths that do re-shard (universal checkpoints)."""

@@ -188,12 +188,15 @@ def mismatch(rank, what="density"):
 
 
 def resume(mode, rank, out_dir):
+    """resume_full: 10 steps; resume_first: 5 steps then save; resume_second: load, 5 more;
+    resume_second_nodgc: the same with DGC off (a DGC checkpoint loaded into a stock run)."""
     cfg = copy.deepcopy(BASE)
-    cfg["dgc"] = SPARSE
+    if mode != "resume_second_nodgc":
+        cfg["dgc"] = SPARSE
     engine = make_engine(cfg)
     ckpt = f"{out_dir}/ckpt"
     steps = range(10) if mode == "resume_full" else range(5) if mode == "resume_first" else range(5, 10)
-    if mode == "resume_second":
+    if mode.startswith("resume_second"):
         engine.load_checkpoint(ckpt)
     all_batches = batches(rank, 10, 1, torch.float32)
     record = dict(losses=[], residual_keys=[])
@@ -205,9 +208,12 @@ def resume(mode, rank, out_dir):
         record["losses"].append(float(loss))
     if mode == "resume_first":
         engine.save_checkpoint(ckpt)
+    record["params"] = full_params(engine)
+    if mode == "resume_second_nodgc":
+        assert deepspeed_dgc.get_stats(engine) is None
+        return record
     state = engine._dgc_state
     record["residuals"] = {k: v.clone() for k, v in state.memory.committed.items()}
-    record["params"] = full_params(engine)
     record["stats_steps"] = deepspeed_dgc.get_stats(engine).steps
     return record
 
