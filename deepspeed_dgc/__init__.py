@@ -11,7 +11,8 @@ from .comm import DGCBackendError, DGCCommError, DGCTimeoutError  # noqa: E402
 from .config import DGCConfig, DGCConfigError, parse_dgc_config  # noqa: E402
 from .integration import DGCSeamError, activate, get_stats  # noqa: E402
 from .kernels import DGCKernelError  # noqa: E402
+from .trainer import HybridTrainer  # noqa: E402
 
 activate()
 
-__all__ = ["DGCBackendError", "DGCCommError", "DGCConfig", "DGCConfigError", "DGCKernelError", "DGCSeamError", "DGCTimeoutError", "get_stats", "parse_dgc_config", "__version__"]
+__all__ = ["DGCBackendError", "DGCCommError", "DGCConfig", "DGCConfigError", "DGCKernelError", "DGCSeamError", "DGCTimeoutError", "HybridTrainer", "get_stats", "parse_dgc_config", "__version__"]

@@ -1,0 +1,51 @@
+"""HybridTrainer: its names map onto the "dgc" keys, bad values fail clearly, and it trains the main job's model."""
+
+import tempfile
+
+import pytest
+import torch
+
+from dist_launch import check_ok, launch
+from deepspeed_dgc import DGCConfigError, HybridTrainer
+
+
+def test_names_map_onto_dgc_keys():
+    t = HybridTrainer(precision_policy="int4", topology="hybrid_ring", sparse_threshold=0.05,
+                      train_micro_batch_size_per_gpu=4, zero_optimization={"reduce_bucket_size": 1000},
+                      dgc={"weights": {"quantization": "int8"}})
+    assert t.config["dgc"] == {"enabled": True, "quantization": "int4", "topology": "hierarchical", "density": 0.05,
+                               "weights": {"quantization": "int8"}}
+    assert t.config["zero_optimization"] == {"stage": 3, "reduce_bucket_size": 1000}  # merged, not replaced
+    assert t.config["train_micro_batch_size_per_gpu"] == 4
+    assert HybridTrainer(topology="flat").config["dgc"]["topology"] == "flat"
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(precision_policy="int2"), "precision_policy must be one of int4, fp8"),
+    (dict(precision_policy="fp8"), "FP8 gradient quantization, which is not built yet"),
+    (dict(topology="ring"), "topology must be one of flat, hybrid_ring"),
+    (dict(sparse_threshold="auto"), "adaptive density, which is not built yet"),
+    (dict(sparse_threshold=0.0), r"float in \(0, 1\]"),
+    (dict(sparse_threshold=1.5), r"float in \(0, 1\]"),
+    (dict(sparse_threshold=True), r"float in \(0, 1\]"),
+    (dict(dgc={"densty": 0.1}), "unknown key 'dgc.densty'"),
+])
+def test_bad_values_name_the_argument(kwargs, match):
+    with pytest.raises(DGCConfigError, match=match):
+        HybridTrainer(**kwargs)
+
+
+def test_train_step_before_init_model_says_so():
+    with pytest.raises(RuntimeError, match="call init_model"):
+        HybridTrainer().train_step(None, lambda m, b: None)
+
+
+def test_hybrid_trainer_trains_the_main_job_model():
+    out = tempfile.mkdtemp()
+    check_ok(launch(2, "hybrid_worker.py", [out], timeout_s=300))
+    ranks = [torch.load(f"{out}/rank{r}.pt") for r in range(2)]
+    for rec in ranks:
+        assert rec["dgc"]["density"] == 0.1 and rec["dgc"]["topology"] == "flat"
+        assert rec["stats"]["steps"] == 30 and rec["stats"]["compression_ratio"] > 5
+        first, last = sum(rec["losses"][:5]) / 5, sum(rec["losses"][-5:]) / 5
+        assert last < first - 0.5, rec["losses"]  # from about ln(65) = 4.17
