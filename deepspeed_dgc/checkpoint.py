@@ -7,6 +7,7 @@ as an uninterrupted one. DeepSpeed's own files are untouched (``zero_to_fp32`` k
 the side-car loads with ``torch.load(weights_only=True)``.
 """
 
+import glob
 import os
 from typing import Optional
 
@@ -46,40 +47,92 @@ def save_state(state, ckpt_dir: str, tag: str, world_size: int) -> str:
     return path
 
 
+def _sidecar_dir(ckpt_dir: str, tag: str) -> str:
+    """The tag directory holding the side-cars: ``tag`` itself, or for a universal checkpoint made by
+    DeepSpeed's ``ds_to_universal`` (``<tag>_universal``, which does not copy them) the source tag."""
+    here = os.path.join(ckpt_dir, str(tag))
+    if str(tag).endswith("_universal") and not glob.glob(os.path.join(here, "dgc_state_dp_rank_*.pt")):
+        source = os.path.join(ckpt_dir, str(tag)[:-len("_universal")])
+        if glob.glob(os.path.join(source, "dgc_state_dp_rank_*.pt")):
+            return source
+    return here
+
+
+def _clear(state) -> None:
+    state.memory.committed, state.memory.staged = {}, {}
+
+
 def load_state(state, ckpt_dir: str, tag: str, world_size: int, device: torch.device) -> str:
-    """Restore this rank's side-car into ``state`` if it fits; returns what was done, for the log.
+    """Restore this rank's side-car into ``state``; returns what was done, for the log.
 
-    A checkpoint without a side-car (saved without DGC) or saved at another data-parallel world
-    size leaves the residuals empty (they restart at zero) and says so; nothing is half-loaded.
+    Same data-parallel world size: residuals, sampling generators and telemetry come back as saved.
+    Another world size (a universal checkpoint), flat topology: the residuals of all saved ranks are
+    summed and split evenly over this run's ranks, so the gradient not yet sent is conserved (each
+    residual is one rank's unsent share of the mean gradient, full tensor shape); the generators
+    restart from this rank's seed. Another world size with the hierarchical topology (residuals live
+    on node-level slices), a checkpoint without side-cars (saved without DGC) or one whose side-cars
+    disagree: the residuals restart at zero and the message says why. Nothing is half-loaded.
     """
-    path = sidecar_path(ckpt_dir, tag, state.dp_rank)
-    if not os.path.isfile(path):
-        state.memory.committed, state.memory.staged = {}, {}
-        return f"no deepspeed_dgc state at {path} (checkpoint saved without DGC?): error-feedback residuals start at zero"
-    payload = torch.load(path, map_location="cpu", weights_only=True)
-    saved_world: Optional[int] = payload.get("world_size")
-    if payload.get("format") != FORMAT or saved_world != world_size:
-        state.memory.committed, state.memory.staged = {}, {}
-        return (f"deepspeed_dgc state in {path} was saved at data-parallel world size {saved_world}, this run has "
-                f"{world_size}: residuals are per-rank sums of local gradients and cannot be re-sharded, so they are "
-                "dropped and restart at zero")
-    saved_layout = payload.get("residual_layout", "flat")
-    if saved_layout != residual_layout(state):
-        state.memory.committed, state.memory.staged = {}, {}
-        return (f"deepspeed_dgc state in {path} holds residuals of the {saved_layout} topology, this run uses "
-                f"{residual_layout(state)}: they do not fit, so they are dropped and restart at zero")
-    state.memory.committed = {int(k): v.to(device) for k, v in payload["residuals"].items()}
+    sdir = _sidecar_dir(ckpt_dir, tag)
+    path = os.path.join(sdir, os.path.basename(sidecar_path(ckpt_dir, tag, state.dp_rank)))
+    first = os.path.join(sdir, os.path.basename(sidecar_path(ckpt_dir, tag, 0)))
+    if not os.path.isfile(first):
+        _clear(state)
+        return f"no deepspeed_dgc state in {sdir} (checkpoint saved without DGC?): error-feedback residuals start at zero"
+    head = torch.load(first, map_location="cpu", weights_only=True)
+    saved_world: Optional[int] = head.get("world_size")
+    if head.get("format") != FORMAT:
+        _clear(state)
+        return f"deepspeed_dgc state in {first} has format {head.get('format')}, not {FORMAT}: residuals restart at zero"
+    saved_layout = head.get("residual_layout", "flat")
+    if saved_world == world_size:
+        if saved_layout != residual_layout(state):
+            _clear(state)
+            return (f"deepspeed_dgc state in {path} holds residuals of the {saved_layout} topology, this run uses "
+                    f"{residual_layout(state)}: they do not fit, so they are dropped and restart at zero")
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+        state.memory.committed = {int(k): v.to(device) for k, v in payload["residuals"].items()}
+        state.memory.staged = {}
+        for dev, gen_state in payload["generators"].items():
+            state.reducer._generator(torch.device(dev)).set_state(gen_state)
+        for f, v in payload["stats"].items():
+            setattr(state.stats, f, v)
+        return f"restored deepspeed_dgc state from {path}: {len(state.memory.committed)} residuals, step {state.stats.steps}"
+    if saved_layout != "flat" or residual_layout(state) != "flat":
+        _clear(state)
+        return (f"deepspeed_dgc state in {sdir} was saved at data-parallel world size {saved_world}, this run has "
+                f"{world_size}; residuals of the hierarchical topology live on node-level slices and cannot be "
+                "re-sharded, so they are dropped and restart at zero")
+    total = None
+    for r in range(saved_world):
+        p = os.path.join(sdir, os.path.basename(sidecar_path(ckpt_dir, tag, r)))
+        if not os.path.isfile(p):
+            _clear(state)
+            return (f"deepspeed_dgc state in {sdir} was saved at data-parallel world size {saved_world} but {p} is "
+                    f"missing: residuals cannot be re-sharded to {world_size} ranks and restart at zero")
+        res = torch.load(p, map_location="cpu", weights_only=True)["residuals"]
+        if total is None:
+            total = {int(k): v.double() for k, v in res.items()}
+        elif set(total) != {int(k) for k in res} or any(total[int(k)].shape != v.shape for k, v in res.items()):
+            _clear(state)
+            return (f"deepspeed_dgc side-cars in {sdir} hold different residual sets: they cannot be re-sharded to "
+                    f"{world_size} ranks and restart at zero")
+        else:
+            for k, v in res.items():
+                total[int(k)] += v.double()
+    state.memory.committed = {k: (v / world_size).float().to(device) for k, v in total.items()}
     state.memory.staged = {}
-    for dev, gen_state in payload["generators"].items():
-        state.reducer._generator(torch.device(dev)).set_state(gen_state)
-    for f, v in payload["stats"].items():
-        setattr(state.stats, f, v)
-    return f"restored deepspeed_dgc state from {path}: {len(state.memory.committed)} residuals, step {state.stats.steps}"
+    return (f"deepspeed_dgc state in {sdir} was saved at data-parallel world size {saved_world}, this run has "
+            f"{world_size}: re-sharded {len(total)} residuals (summed over the {saved_world} saved ranks, split "
+            "evenly over this run's, so the gradient not yet sent is conserved); sampling restarts from this rank's seed")
 
 
-def _tag_of(load_dir: str, tag) -> str:
+def _tag_of(load_dir: str, tag, engine=None) -> str:
+    """The tag DeepSpeed loaded: the given one, else the content of ``latest`` (``latest_universal``
+    when the engine loads universal checkpoints)."""
     if tag is None:
-        with open(os.path.join(load_dir, "latest")) as f:
+        universal = engine is not None and getattr(engine, "load_universal_checkpoint", lambda: False)()
+        with open(os.path.join(load_dir, "latest_universal" if universal else "latest")) as f:
             return f.read().strip()
     return str(tag)
 
@@ -95,7 +148,9 @@ def wrap_plain_engine_loading(engine) -> None:
     def load_checkpoint(load_dir, tag=None, *args, **kwargs):
         load_path, client_state = load(load_dir, tag, *args, **kwargs)
         if load_path is not None:
-            path = sidecar_path(load_dir, _tag_of(load_dir, tag), dist_rank(engine))
+            tag_used = _tag_of(load_dir, tag, engine)
+            path = os.path.join(_sidecar_dir(load_dir, tag_used),
+                                os.path.basename(sidecar_path(load_dir, tag_used, dist_rank(engine))))
             if os.path.isfile(path):
                 logger.warning(f"[deepspeed_dgc] rank {engine.global_rank}: checkpoint {load_path} holds deepspeed_dgc "
                                f"state ({os.path.basename(path)}, saved with DGC on); this run has DGC off, so its "
@@ -128,7 +183,7 @@ def wrap_engine_checkpointing(engine, state) -> None:
         if load_path is None:
             return load_path, client_state
         device = engine.device
-        msg = load_state(state, load_dir, _tag_of(load_dir, tag), engine.dp_world_size, device)
+        msg = load_state(state, load_dir, _tag_of(load_dir, tag, engine), engine.dp_world_size, device)
         (logger.info if msg.startswith("restored") else logger.warning)(f"[deepspeed_dgc] rank {state.global_rank}: {msg}")
         return load_path, client_state
 

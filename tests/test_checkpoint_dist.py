@@ -1,7 +1,10 @@
 """Checkpoint and resume with DGC state (residuals, sampling generators, telemetry) in real processes."""
 
 import glob
+import math
 import os
+import subprocess
+import sys
 import tempfile
 
 import torch
@@ -68,19 +71,60 @@ def test_dgc_checkpoint_into_a_run_without_dgc_says_what_is_ignored():
         assert second[r]["losses"][1:] != full[r]["losses"][6:]  # then stock ZeRO-3 reduces differently
 
 
-def test_sidecar_from_another_world_size_is_dropped_with_a_warning(tmp_path):
-    """DeepSpeed itself refuses a ZeRO checkpoint at another data-parallel size; the side-car check
-    stands on its own for paths that do re-shard (universal checkpoints)."""
+def test_world_size_2_saved_loaded_at_3():
+    """DeepSpeed refuses a ZeRO checkpoint at another data-parallel size (every rank raises); its
+    universal checkpoint (ds_to_universal) loads at 3 ranks, and the DGC residuals of the 2 saved
+    ranks are re-sharded: summed and split evenly, so the gradient not yet sent is conserved."""
+    out = tempfile.mkdtemp()
+    run("resume_first", out)
+    refused = launch(3, "engine_worker.py", ["resume_second", out], timeout_s=240)
+    for r in refused:
+        assert r.returncode != 0  # no hang, no silent partial load
+    assert any("used a DP world size of 2 but the current world size is 3" in r.stderr for r in refused)
+    tag = open(f"{out}/ckpt/latest").read().strip()
+    conv = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                           f"{out}/ckpt/{tag}", "--output_folder", f"{out}/ckpt/{tag}_universal",
+                           "--num_extract_workers", "1", "--num_merge_workers", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert conv.returncode == 0, conv.stderr[-3000:]
+    third, results = run("resume_second_universal", out, world=3)
+    saved = [torch.load(f"{out}/ckpt/{tag}/dgc_state_dp_rank_{r:05d}.pt", weights_only=True)["residuals"]
+             for r in range(2)]
+    for r in range(3):
+        log = results[r].stderr + results[r].stdout
+        assert "saved at data-parallel world size 2, this run has 3: re-sharded" in log, log[-2000:]
+        assert len(third[r]["losses"]) == 5 and all(math.isfinite(x) for x in third[r]["losses"])
+    assert set(third[0]["loaded_residuals"]) == set(saved[0])
+    for k in saved[0]:
+        before = saved[0][k].double() + saved[1][k].double()
+        after = sum(third[r]["loaded_residuals"][k].double() for r in range(3))
+        assert torch.allclose(after, before, rtol=0, atol=1e-6 * float(before.abs().max()) + 1e-12)
+        assert torch.equal(third[0]["loaded_residuals"][k], third[2]["loaded_residuals"][k])  # an even split
+
+
+def test_sidecar_at_another_world_size_flat_reshards_hierarchical_drops(tmp_path):
     from deepspeed_dgc.checkpoint import load_state, save_state
     from deepspeed_dgc.config import DGCConfig
     from deepspeed_dgc.integration import DGCState
 
-    state = DGCState(DGCConfig(enabled=True), global_rank=0)
-    state.memory.committed = {3: torch.randn(10), 7: torch.randn(5)}
-    save_state(state, str(tmp_path), "tag", world_size=2)
+    saved = []
+    for rank in range(2):
+        state = DGCState(DGCConfig(enabled=True), global_rank=rank)
+        state.dp_rank = rank
+        state.memory.committed = {3: torch.randn(10), 7: torch.randn(5)}
+        save_state(state, str(tmp_path), "tag", world_size=2)
+        saved.append(state.memory.committed)
     fresh = DGCState(DGCConfig(enabled=True), global_rank=0)
     msg = load_state(fresh, str(tmp_path), "tag", world_size=3, device=torch.device("cpu"))
-    assert "world size 2" in msg and "has 3" in msg and "dropped" in msg
-    assert fresh.memory.committed == {}
+    assert "world size 2" in msg and "has 3" in msg and "re-sharded 2 residuals" in msg
+    assert torch.allclose(fresh.memory.committed[3] * 3, saved[0][3] + saved[1][3], atol=1e-6)
     msg = load_state(fresh, str(tmp_path), "tag", world_size=2, device=torch.device("cpu"))
-    assert msg.startswith("restored") and torch.equal(fresh.memory.committed[3], state.memory.committed[3])
+    assert msg.startswith("restored") and torch.equal(fresh.memory.committed[3], saved[0][3])
+    hier = DGCState(DGCConfig(enabled=True, topology="hierarchical", ranks_per_node=1), global_rank=0)
+    hier.reducer.ranks_per_node = 1
+    msg = load_state(hier, str(tmp_path), "tag", world_size=3, device=torch.device("cpu"))
+    assert "cannot be re-sharded" in msg and "world size 2" in msg and "has 3" in msg
+    assert hier.memory.committed == {}
+    os.unlink(tmp_path / "tag" / "dgc_state_dp_rank_00001.pt")  # a side-car missing: nothing half-loaded
+    msg = load_state(fresh, str(tmp_path), "tag", world_size=3, device=torch.device("cpu"))
+    assert "is missing" in msg and fresh.memory.committed == {}

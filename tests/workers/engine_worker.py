@@ -193,13 +193,18 @@ def resume(mode, rank, out_dir):
     cfg = copy.deepcopy(BASE)
     if mode != "resume_second_nodgc":
         cfg["dgc"] = SPARSE
+    if mode == "resume_second_universal":  # a universal checkpoint (ds_to_universal), any world size
+        cfg["checkpoint"] = {"load_universal": True}
     engine = make_engine(cfg)
     ckpt = f"{out_dir}/ckpt"
     steps = range(10) if mode == "resume_full" else range(5) if mode == "resume_first" else range(5, 10)
+    loaded = None
     if mode.startswith("resume_second"):
         engine.load_checkpoint(ckpt)
+        if mode == "resume_second_universal":
+            loaded = {k: v.clone() for k, v in engine._dgc_state.memory.committed.items()}
     all_batches = batches(rank, 10, 1, torch.float32)
-    record = dict(losses=[], residual_keys=[])
+    record = dict(losses=[], residual_keys=[], loaded_residuals=loaded)
     for step in steps:
         (x, y), = all_batches[step]
         loss = engine(x, y)
