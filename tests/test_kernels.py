@@ -90,6 +90,9 @@ SIZES = [[1], [3, 70, 1001], [5, 3000, 2, 65537, 64]]
 @pytest.mark.parametrize("rows", [1, 2, 3])
 @pytest.mark.parametrize("numels", SIZES)
 def test_fused_cpu_equals_reference(fused, hierarchical, rows, numels):
+    # every tensor sparsified, some with no real element in this rank's rows (hierarchical, small tensors)
+    _assert_same(REFERENCE.compress(_job(numels, rows, hierarchical=hierarchical, min_numel=0)),
+                 fused.compress(_job(numels, rows, hierarchical=hierarchical, min_numel=0)))
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         for loss_scale in (1.0, 1024.0):
             for residual in (True, False):
@@ -360,7 +363,7 @@ def test_bad_inputs_raise_instead_of_touching_memory(fused):
     op.compress_bucket(*base.values())  # the valid call works
     for bad, match in ((dict(residuals=[torch.randn(10)], residual_numels=[10]), "residual_numels"),
                        (dict(residuals=[torch.empty(0)], residual_numels=[0]), "residual_numels"),
-                       (dict(offsets=[-1000]), "offsets"), (dict(ks=[0]), "ks"),
+                       (dict(offsets=[-1000]), "offsets"), (dict(ks=[0]), "ks"), (dict(ks=[-1]), "ks"),
                        (dict(fingerprint=2**40), "fingerprint"), (dict(strides=[10]), "strides")):
         with pytest.raises(RuntimeError, match=match):
             op.compress_bucket(*dict(base, **bad).values())

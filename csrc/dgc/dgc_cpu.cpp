@@ -299,9 +299,8 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t> comp
     t.stride = strides[i];
     t.n = numels[i];
     t.c = chunks[i];
-    TORCH_CHECK(t.offset >= 0 && t.stride >= t.c && t.n >= 0 && t.c >= 0 && (!sparse[i] || ks[i] >= 1),
-                "compress_bucket: tensor ", i, ": offsets, chunks and ks must be >= 0 (ks >= 1 when sparse) and row "
-                "strides >= chunks");
+    TORCH_CHECK(t.offset >= 0 && t.stride >= t.c && t.n >= 0 && t.c >= 0 && ks[i] >= 0,
+                "compress_bucket: tensor ", i, ": offsets, chunks and ks must be >= 0 and row strides >= chunks");
     t.col = col;
     col += t.c;
     t.sparse = sparse[i];
@@ -316,6 +315,7 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t> comp
     }
     t.real_prefix.push_back(prefix);
     t.m = prefix;
+    TORCH_CHECK(!t.sparse || t.m == 0 || t.k >= 1, "compress_bucket: tensor ", i, ": ks must be >= 1 when sparse");
     int64_t used = 0;  // residual elements the job touches: (r, j) at r * c + j for the real ones
     for (int64_t r = 0; r < R; ++r)
       if (t.real[r]) used = r * t.c + t.real[r];
