@@ -5,8 +5,7 @@
   sources, loss scale 1 and 1024, with and without residual, 1-3 owner rows, and samples crafted to
   force DGC's lowering rounds and its exact top-k step; a NaN makes both send nothing;
 - decoding gives the same sums bit for bit, and malformed bodies raise ValueError in both;
-- every .cu file compiles with nvcc for sm_80 and sm_90, and the CUDA binding compiles against
-  the installed torch headers;
+- every .cu file compiles with nvcc for sm_80 and sm_90 against the installed torch headers;
 - the JIT path and the prebuilt path (setup.py with DS_BUILD_DGC=1) both load and compute the same;
 - ``kernels: "fused"`` without a compiler fails naming the cause; ``"auto"`` falls back with a warning.
 """
@@ -16,7 +15,6 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 import zlib
 
 import pytest
@@ -209,17 +207,6 @@ def test_cu_compiles_with_nvcc(cu, tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert (tmp_path / "out.o").stat().st_size > 0
-
-
-def test_cuda_binding_compiles_against_torch_headers():
-    cuda_include = "/usr/local/cuda/include"
-    if not os.path.exists(os.path.join(cuda_include, "cuda_runtime.h")):
-        pytest.skip("CUDA headers are not installed")
-    cmd = ["c++", "-fsyntax-only", "-std=c++20", f"-I{ROOT}/csrc/dgc", *_torch_includes(), f"-I{cuda_include}",
-           f"-I{sysconfig.get_paths()['include']}", "-DTORCH_EXTENSION_NAME=dgc_cuda_op",
-           os.path.join(ROOT, "csrc", "dgc", "dgc_cuda_binding.cpp")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
 
 
 CHECK_OP = """

@@ -60,9 +60,19 @@ def test_int8_weights_and_int4_gradients_match_stock_loss():
     assert stock["param_wire_bytes_total"] is None
 
 
+_CACHE = {}
+
+
+def dgc_d01_20_steps():
+    """The 20-step DGC run both tests below compare against (run once per session)."""
+    if "d01" not in _CACHE:
+        _CACHE["d01"] = run_main_job("configs/zero3_dgc_int4_d01.json", 20, 10)
+    return _CACHE["d01"]
+
+
 def test_resume_continues_like_an_uninterrupted_run(tmp_path):
     """--save-dir / --resume-from: 10 steps, then a new launch resumes to 20; same losses as 20 at once."""
-    full = run_main_job("configs/zero3_dgc_int4_d01.json", 20, 10)
+    full = dgc_d01_20_steps()
     run_main_job("configs/zero3_dgc_int4_d01.json", 10, 10, "--save-dir", str(tmp_path))
     resumed = run_main_job("configs/zero3_dgc_int4_d01.json", 20, 10, "--resume-from", str(tmp_path))
     assert resumed["val_losses"] == full["val_losses"]
@@ -73,7 +83,7 @@ def test_resume_continues_like_an_uninterrupted_run(tmp_path):
 def test_fused_and_reference_kernels_give_the_same_run():
     """The main job with the fused CPU op (default "auto") and with the PyTorch reference: the same
     losses bit for bit (both make the same bytes and residuals), and the summary says which ran."""
-    fused = run_main_job("configs/zero3_dgc_int4_d01.json", 20, 10)
+    fused = dgc_d01_20_steps()
     ref = run_main_job("configs/zero3_dgc_int4_d01.json", 20, 10, "--dgc-set", 'kernels="reference"')
     assert (fused["dgc_kernels"], ref["dgc_kernels"]) == ("fused-cpu", "reference")
     assert fused["val_losses"] == ref["val_losses"]
