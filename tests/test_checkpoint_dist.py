@@ -3,6 +3,7 @@
 import glob
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -18,10 +19,34 @@ def run(mode, out, world=2):
     return [torch.load(f"{out}/rank{r}.pt") for r in range(world)], results
 
 
-def test_resume_is_bit_identical():
-    full, _ = run("resume_full", tempfile.mkdtemp())
+_SHARED = {}
+
+
+def uninterrupted():
+    """The 10-step run every resume test compares against (run once per session)."""
+    if "full" not in _SHARED:
+        _SHARED["full"] = run("resume_full", tempfile.mkdtemp())[0]
+    return _SHARED["full"]
+
+
+def saved_at_step_5():
+    """A fresh copy of a checkpoint saved at step 5 by 2 ranks (the 5 steps run once per session).
+
+    Returns:
+        ``(out_dir, first)``: a directory holding ``ckpt/``, and the first run's records.
+    """
+    if "first" not in _SHARED:
+        src = tempfile.mkdtemp()
+        _SHARED["first"] = (src, run("resume_first", src)[0])
+    src, first = _SHARED["first"]
     out = tempfile.mkdtemp()
-    first, _ = run("resume_first", out)
+    shutil.copytree(os.path.join(src, "ckpt"), os.path.join(out, "ckpt"))
+    return out, first
+
+
+def test_resume_is_bit_identical():
+    full = uninterrupted()
+    out, first = saved_at_step_5()
     sidecars = sorted(glob.glob(f"{out}/ckpt/*/dgc_state_dp_rank_*.pt"))
     assert len(sidecars) == 2
     saved = torch.load(sidecars[0], weights_only=True)  # plain tensors and containers only
@@ -43,9 +68,8 @@ def test_resume_is_bit_identical():
 
 
 def test_checkpoint_without_dgc_state_says_residuals_restart():
-    full, _ = run("resume_full", tempfile.mkdtemp())
-    out = tempfile.mkdtemp()
-    run("resume_first", out)
+    full = uninterrupted()
+    out, _ = saved_at_step_5()
     for path in glob.glob(f"{out}/ckpt/*/dgc_state_dp_rank_*.pt"):
         os.unlink(path)
     second, results = run("resume_second", out)
@@ -59,9 +83,8 @@ def test_dgc_checkpoint_into_a_run_without_dgc_says_what_is_ignored():
     """Saved with DGC, loaded with DGC off: DeepSpeed's weights load as usual (the first step after
     loading starts from the saved weights: its loss equals the uninterrupted DGC run's sixth loss),
     and every rank says that the side-car's residuals are ignored."""
-    full, _ = run("resume_full", tempfile.mkdtemp())
-    out = tempfile.mkdtemp()
-    run("resume_first", out)
+    full = uninterrupted()
+    out, _ = saved_at_step_5()
     second, results = run("resume_second_nodgc", out)
     for r in range(2):
         log = results[r].stderr + results[r].stdout
@@ -75,8 +98,7 @@ def test_world_size_2_saved_loaded_at_3():
     """DeepSpeed refuses a ZeRO checkpoint at another data-parallel size (every rank raises); its
     universal checkpoint (ds_to_universal) loads at 3 ranks, and the DGC residuals of the 2 saved
     ranks are re-sharded: summed and split evenly, so the gradient not yet sent is conserved."""
-    out = tempfile.mkdtemp()
-    run("resume_first", out)
+    out, _ = saved_at_step_5()
     refused = launch(3, "engine_worker.py", ["resume_second", out], timeout_s=240)
     for r in refused:
         assert r.returncode != 0  # no hang, no silent partial load

@@ -15,11 +15,22 @@ from dist_launch import check_ok, launch
 from workers.odd_model_worker import CASES, STEPS
 
 
+GROUPS = {  # cases run one after another in one launch per world size
+    2: ["no_grad_some_steps", "no_grad_some_steps_stock", "frozen", "used_twice", "bf16_beyond_fp16", "bucket_padding"],
+    3: ["moe", "one_element", "smaller_than_world"],
+}
+_RESULTS = {}
+
+
 def run(case, world, stock=False):
-    out = tempfile.mkdtemp()
-    check_ok(launch(world, "odd_model_worker.py", [case, out], timeout_s=300,
-                    extra_env={"ODD_MODEL_STOCK": "1" if stock else "0"}))
-    return [torch.load(f"{out}/rank{r}.pt") for r in range(world)]
+    """Records of ``case`` on every rank (its group is launched once per session)."""
+    name = case + ("_stock" if stock else "")
+    assert name in GROUPS[world]
+    if world not in _RESULTS:
+        out = tempfile.mkdtemp()
+        check_ok(launch(world, "odd_model_worker.py", [",".join(GROUPS[world]), out], timeout_s=400))
+        _RESULTS[world] = out
+    return [torch.load(f"{_RESULTS[world]}/{name}_rank{r}.pt") for r in range(world)]
 
 
 def check_against_float64(ranks, dense=True):

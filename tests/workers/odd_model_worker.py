@@ -1,6 +1,8 @@
 """Worker: models that break naive reducers, through ZeRO-3 with DGC (dense INT4, error feedback).
 
-Usage: odd_model_worker.py CASE OUT_DIR. Every rank builds the same model (seed 0), keeps a float64
+Usage: odd_model_worker.py CASE[,CASE...] OUT_DIR (a case name ending in ``_stock`` runs that case
+through stock ZeRO-3, for comparison; the cases run one after another in the same processes, each
+with its own engine). Every rank builds the same model (seed 0), keeps a float64
 copy, and runs STEPS steps on its own batch. For each step it records the gradient DeepSpeed hands
 the optimizer (``safe_get_full_grad``, the mean over ranks after our reduce-scatter) and this rank's
 float64 local gradient from the copy (same weights: the copy is refreshed from the engine's gathered
@@ -12,7 +14,6 @@ bucket_padding.
 """
 
 import copy
-import os
 import sys
 
 import torch
@@ -145,7 +146,7 @@ CASES = {
 }
 
 
-def config(case):
+def config(case, stock=False):
     cfg = {
         "train_micro_batch_size_per_gpu": 6,
         "gradient_accumulation_steps": 1,
@@ -154,7 +155,7 @@ def config(case):
         "steps_per_print": 1000000,
         "dgc": dict(DGC),
     }
-    if os.environ.get("ODD_MODEL_STOCK") == "1":  # the same case through stock ZeRO-3, for comparison
+    if stock:  # the same case through stock ZeRO-3, for comparison
         del cfg["dgc"]
     if case == "bucket_padding":
         cfg["zero_optimization"]["reduce_bucket_size"] = 64
@@ -177,14 +178,22 @@ def batch(case, rank, step, dtype):
     return x.to(dtype), y.to(dtype)
 
 
-def main(case, out_dir):
+def main(cases, out_dir):
     rank = init()
+    for name in cases.split(","):
+        case, stock = (name[:-len("_stock")], True) if name.endswith("_stock") else (name, False)
+        record = run_case(case, stock, rank)
+        torch.save(record, f"{out_dir}/{name}_rank{rank}.pt")
+    finish()
+
+
+def run_case(case, stock, rank):
     torch.manual_seed(0)
     model = CASES[case]()
     ref = copy.deepcopy(model).double()
     dtype = torch.bfloat16 if case == "bf16_beyond_fp16" else torch.float32
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                                           config=config(case))
+                                           config=config(case, stock))
     names = [n for n, _ in engine.module.named_parameters()]
     record = dict(names=names, steps=[], world=engine.dp_world_size)
     for step in range(STEPS):
@@ -212,8 +221,8 @@ def main(case, out_dir):
     record["params_final"] = {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()
                               if p.requires_grad}
     record["dtypes"] = {n: str(p.dtype) for n, p in engine.module.named_parameters()}
-    torch.save(record, f"{out_dir}/rank{rank}.pt")
-    finish()
+    engine.destroy()
+    return record
 
 
 if __name__ == "__main__":
