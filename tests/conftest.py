@@ -11,6 +11,10 @@ sys.path.insert(0, os.path.join(HERE, "workers"))
 # own include paths, and a build killed half-way leaves a lock that makes every later launch
 # wait forever. No build runs before the session starts, so a lock here is stale.
 EXT_DIR = os.path.join(ROOT, "build", "torch_extensions")
+# One ninja for every process: the multi-process tests put this environment's bin/ first on PATH
+# (for mpirun), and a build cache written by another ninja version counts as "command line
+# changed", so DeepSpeed's CPU comm op was rebuilt (about 35 s) each time the two alternated.
+os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 os.environ["TORCH_EXTENSIONS_DIR"] = EXT_DIR
 for dirpath, _, files in os.walk(EXT_DIR):
     if "lock" in files:
