@@ -3,6 +3,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# The venv's bin first, as when it is activated: the same ninja builds and finds the JIT caches
+# (another ninja version counts the cached DeepSpeed CPU comm op as stale and rebuilds it).
+export PATH := $(abspath $(VENV))/bin:$(PATH)
 STEPS ?= 300
 SEED ?= 1234
 

@@ -25,8 +25,25 @@ from deepspeed_dgc.kernels import REFERENCE, CompressJob, draw_samples, get_ops
 
 
 def parse_size(text: str) -> int:
+    """``"16M"`` -> 16777216 (K, M, G are powers of 1024); at least 1024 elements."""
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    return int(float(text[:-1]) * mult[text[-1].upper()]) if text[-1].upper() in mult else int(text)
+    try:
+        n = int(float(text[:-1]) * mult[text[-1].upper()]) if text[-1].upper() in mult else int(text)
+    except (ValueError, IndexError):
+        raise argparse.ArgumentTypeError(f"size {text!r}: give elements like 1048576, 4M or 512K") from None
+    if n < 1024:
+        raise argparse.ArgumentTypeError(f"size {text!r}: at least 1024 elements")
+    return n
+
+
+def positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a positive integer is needed")
+    return v
 
 
 def make_job(n: int, world: int, device: str, seed: int) -> CompressJob:
@@ -92,9 +109,10 @@ def bench(n: int, args, fused) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    ap.add_argument("--sizes", nargs="+", default=["1M", "4M", "16M", "64M"])
-    ap.add_argument("--world", type=int, default=2, help="owner rows of the bucket (ranks)")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--sizes", nargs="+", type=parse_size, default=["1M", "4M", "16M", "64M"],
+                    help="fp32 elements per size: 1048576, 4M, 512K (at least 1024)")
+    ap.add_argument("--world", type=positive_int, default=2, help="owner rows of the bucket (ranks)")
+    ap.add_argument("--repeats", type=positive_int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
@@ -104,7 +122,7 @@ def main(argv=None) -> int:
     fused = get_ops("fused", args.device, True)
     rows = []
     for size in args.sizes:
-        rows.append(bench(parse_size(size), args, fused))
+        rows.append(bench(size if isinstance(size, int) else parse_size(size), args, fused))
     machine = dict(device=args.device, threads=torch.get_num_threads(), cpu=platform.processor() or platform.machine(),
                    torch=torch.__version__, simd=getattr(fused.op, "simd_info", lambda: "n/a")(),
                    gpu=torch.cuda.get_device_name() if args.device == "cuda" else None)
@@ -115,7 +133,7 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ms, gbs = r["ms"], r["gb_per_s"]
-        print(f"| {r['n'] / (1 << 20):g}M | {ms['reference']:.2f} | {ms['fused']:.2f} | {ms['decode']:.3f} | "
+        print(f"| {r['n'] / (1 << 20):.4g}M | {ms['reference']:.2f} | {ms['fused']:.2f} | {ms['decode']:.3f} | "
               f"{ms['clone']:.2f} | {gbs['fused']:.2f} | {gbs['clone']:.2f} | {r['fused_speedup_vs_reference']:.1f}x | "
               f"{r['fused_vs_clone']:.2f}x | {'yes' if r['same_bytes'] else 'NO'} |")
     if args.json:

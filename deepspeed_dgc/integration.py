@@ -175,7 +175,11 @@ def install(engine, opt, cfg: DGCConfig) -> DGCState:
     state.stats.kernels = ops.name
     if engine.global_rank == 0:
         logger.info("deepspeed_dgc: compression by the %s path (dgc.kernels = %s)", ops.name, cfg.kernels)
-    state.reducer.comms_for(opt.dp_process_group)  # collective: every rank builds its groups now
+    comms = state.reducer.comms_for(opt.dp_process_group)  # collective: every rank builds its groups now
+    if comms.hierarchical and comms.n_nodes == 1 and engine.global_rank == 0:
+        logger.warning("deepspeed_dgc: 'dgc.topology' is \"hierarchical\" but all %d ranks are on one node "
+                       "(%d ranks per node, from %s): gradients are reduced densely inside the node and nothing is "
+                       "compressed", comms.world_size, comms.ranks_per_node, source)
     state.params = list(engine.module.parameters())
     state.dp_rank = dist.get_rank(group=opt.dp_process_group)
     if cfg.weights.quantization != "none":

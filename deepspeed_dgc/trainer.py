@@ -62,13 +62,15 @@ class HybridTrainer:
         **deepspeed_config_overrides: top-level DeepSpeed config keys, merged into the base config.
 
     Raises:
-        DGCConfigError: an unknown or not-yet-built value, naming the argument and the allowed values.
+        DGCConfigError: an unknown or not-yet-built value, naming the argument and the allowed values; a
+            ``dgc`` override of a key the named arguments set (``enabled``, ``quantization``,
+            ``topology``, ``density``).
 
     Example::
 
         trainer = HybridTrainer(precision_policy="int4", topology="flat", sparse_threshold=0.01,
                                 train_micro_batch_size_per_gpu=16,
-                                optimizer={"type": "Adam", "params": {"lr": 3e-3}})
+                                optimizer={"type": "Adam", "params": {"lr": 3e-3, "torch_adam": True}})
         engine = trainer.init_model(model)
         for batch in loader:
             loss = trainer.train_step(batch, lambda model, b: F.cross_entropy(model(b[0]), b[1]))
@@ -80,8 +82,8 @@ class HybridTrainer:
                  sparse_threshold: Union[str, float] = 0.01,
                  **deepspeed_config_overrides: Any):
         if precision_policy not in PRECISION_POLICIES:
-            raise DGCConfigError(f"HybridTrainer: precision_policy must be one of {', '.join(PRECISION_POLICIES)}, "
-                                 f"got {precision_policy!r}")
+            raise DGCConfigError("HybridTrainer: precision_policy must be 'int4' ('fp8' is reserved for FP8 gradients, "
+                                 f"not built yet), got {precision_policy!r}")
         if precision_policy == "fp8":
             raise DGCConfigError("HybridTrainer: precision_policy='fp8' needs FP8 gradient quantization, which is not "
                                  "built yet; use 'int4'")
@@ -94,6 +96,10 @@ class HybridTrainer:
                 0.0 < float(sparse_threshold) <= 1.0):
             raise DGCConfigError("HybridTrainer: sparse_threshold must be a float in (0, 1] (the fraction of each "
                                  f"tensor's elements sent), got {sparse_threshold!r}")
+        clash = sorted(set(deepspeed_config_overrides.get("dgc", {})) & {"enabled", "quantization", "topology", "density"})
+        if clash:
+            raise DGCConfigError(f"HybridTrainer: dgc override(s) {', '.join(clash)} clash with the named arguments "
+                                 "(enabled is always true; use precision_policy, topology and sparse_threshold)")
         dgc = {"quantization": precision_policy, "topology": TOPOLOGIES[topology], "density": float(sparse_threshold)}
         self.config = _merge(_merge(BASE_CONFIG, {"dgc": dgc}), deepspeed_config_overrides)
         parse_dgc_config(self.config)  # a bad "dgc" override fails here, naming the key
@@ -141,4 +147,4 @@ class HybridTrainer:
         loss = loss_fn(self.engine, batch)
         self.engine.backward(loss)
         self.engine.step()
-        return float(loss)
+        return float(loss.detach())

@@ -21,7 +21,7 @@ def test_names_map_onto_dgc_keys():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(precision_policy="int2"), "precision_policy must be one of int4, fp8"),
+    (dict(precision_policy="int2"), r"precision_policy must be 'int4' \('fp8' is reserved"),
     (dict(precision_policy="fp8"), "FP8 gradient quantization, which is not built yet"),
     (dict(topology="ring"), "topology must be one of flat, hybrid_ring"),
     (dict(sparse_threshold="auto"), "adaptive density, which is not built yet"),
@@ -29,6 +29,8 @@ def test_names_map_onto_dgc_keys():
     (dict(sparse_threshold=1.5), r"float in \(0, 1\]"),
     (dict(sparse_threshold=True), r"float in \(0, 1\]"),
     (dict(dgc={"densty": 0.1}), "unknown key 'dgc.densty'"),
+    (dict(dgc={"density": 0.5}), "clash with the named arguments"),
+    (dict(dgc={"enabled": False}), "clash with the named arguments"),
 ])
 def test_bad_values_name_the_argument(kwargs, match):
     with pytest.raises(DGCConfigError, match=match):
