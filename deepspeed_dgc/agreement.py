@@ -85,3 +85,21 @@ def check_agreement(cfg: DGCConfig, ranks_per_node: Optional[int], timeout_s: fl
     torch.distributed.all_gather_object(everyone, settings)
     raise DGCConfigError("the 'dgc' settings differ between ranks (every rank must use the same config and "
                          "versions): " + describe_mismatch(everyone))
+
+
+def ranks_failing(ok: bool, what: str, timeout_s: float) -> List[int]:
+    """Which ranks of the torch world report ``ok = False`` (collective: an all-gather of one int64).
+
+    Lets a failure that happens on some ranks only (e.g. an op that cannot load there) fail every
+    rank at once, instead of leaving the others waiting in their next collective.
+
+    Raises:
+        DGCTimeoutError: a rank did not join within ``timeout_s`` seconds.
+    """
+    world = torch.distributed.get_world_size()
+    device = get_accelerator().current_device_name()
+    mine = torch.tensor([1 if ok else 0], dtype=torch.int64, device=device)
+    flags = torch.empty(world, dtype=torch.int64, device=device)
+    work = torch.distributed.all_gather_into_tensor(flags, mine, async_op=True)
+    wait_torch_work(work, what, torch.distributed.get_rank(), timeout_s)
+    return [r for r, f in enumerate(flags.tolist()) if not f]

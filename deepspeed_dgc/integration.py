@@ -21,10 +21,11 @@ from deepspeed.runtime.zero import partition_parameters
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
-from .agreement import check_agreement
+from .agreement import check_agreement, ranks_failing
 from .checkpoint import wrap_engine_checkpointing, wrap_plain_engine_loading
 from .comm import DGCBackendError, check_mpi_world
 from .config import DGCConfig, DGCConfigError, check_engine_compatible, parse_dgc_config
+from .kernels import DGCKernelError
 from .memory import ErrorFeedback
 from .reducer import CompressedReduceScatter
 from .telemetry import DGCStats, log_step
@@ -154,7 +155,7 @@ def install(engine, opt, cfg: DGCConfig) -> DGCState:
         DGCConfigError: no optimizer was given (ZeRO-3 then only offloads parameters); settings
             differ between ranks; hpZ and the hierarchical topology disagree on the node size.
         DGCBackendError: ``comm_backend`` ``"mpi"`` without mpi4py or outside an MPI job.
-        DGCKernelError: ``kernels`` ``"fused"`` and the fused op cannot load here.
+        DGCKernelError: ``kernels`` ``"fused"`` and the fused op cannot load on some rank (on every rank).
         DGCSeamError: ``opt`` is not a ZeRO-3 optimizer with the expected method.
     """
     if isinstance(opt, DeepSpeedZeRoOffload):
@@ -171,7 +172,16 @@ def install(engine, opt, cfg: DGCConfig) -> DGCState:
             raise DGCBackendError(f"'dgc.comm_backend' = \"mpi\": {problem}")
     _check_hpz_nodes(engine, cfg, ranks_per_node, source)
     state = DGCState(cfg, engine.global_rank, ranks_per_node)
-    ops = state.reducer.ops_for(get_accelerator().device_name())  # "fused" that cannot load fails here
+    failure = ""
+    try:
+        ops = state.reducer.ops_for(get_accelerator().device_name())  # "fused" that cannot load fails here
+    except DGCKernelError as err:
+        failure = str(err)
+    if cfg.kernels == "fused":  # same config on every rank (checked): all take part, all fail together
+        bad = ranks_failing(not failure, "the fused-op check", cfg.timeout_s)
+        if bad:
+            raise DGCKernelError(failure or f"'dgc.kernels' is \"fused\" but the fused op could not load on rank(s) "
+                                 f"{bad} (see their logs)")
     state.stats.kernels = ops.name
     if engine.global_rank == 0:
         logger.info("deepspeed_dgc: compression by the %s path (dgc.kernels = %s)", ops.name, cfg.kernels)

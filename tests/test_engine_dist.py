@@ -84,6 +84,7 @@ def test_bad_config_fails_on_every_rank_naming_the_key():
         "timeout_zero": "dgc.timeout_s",
         "hpz_node_mismatch": "zero_optimization.zero_hpz_partition_size",
         "nodes_do_not_divide": "dgc.ranks_per_node",
+        "kernels_value": "dgc.kernels",
     }
     for r, messages in enumerate(ranks):
         for case, key in expected.items():
@@ -96,6 +97,10 @@ def test_bad_config_fails_on_every_rank_naming_the_key():
         assert "MPI world of 1, torch world is 2" in msg and "mpirun" in msg, msg
         msg = messages["mpi4py_missing"]
         assert msg is not None and msg.startswith("DGCBackendError") and "mpi4py cannot be imported" in msg, msg
+    for r, messages in enumerate(ranks):  # the fused op cannot load on rank 1 only: both ranks fail, naming it
+        msg = messages["fused_missing_on_rank1"]
+        assert msg is not None and msg.startswith("DGCKernelError"), msg
+        assert ("no C++ compiler" in msg) if r == 1 else ("could not load on rank(s) [1]" in msg), msg
     assert "allowed keys: enabled, density" in ranks[0]["misspelled"]
     assert "'int4' or 'none'" in ranks[0]["quantization_value"]
 

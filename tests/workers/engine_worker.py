@@ -145,7 +145,20 @@ BAD = {
     "nodes_do_not_divide": {"dgc": {"enabled": True, "topology": "hierarchical", "ranks_per_node": 3}},
     "mpi_without_mpirun": {"dgc": {"enabled": True, "comm_backend": "mpi"}},
     "mpi4py_missing": {"dgc": {"enabled": True, "comm_backend": "mpi"}},
+    "kernels_value": {"dgc": {"enabled": True, "kernels": "fast"}},
+    "fused_missing_on_rank1": {"dgc": {"enabled": True, "kernels": "fused"}},
 }
+
+
+def hide_fused_op():
+    """On this rank only: no loaded op, no prebuilt op, no compiler (the fused op cannot load)."""
+    from deepspeed.ops.op_builder.builder import OpBuilder
+    from op_builder.dgc import DGCCPUBuilder
+    import deepspeed_dgc.kernels as kernels
+    OpBuilder._loaded_ops.pop(DGCCPUBuilder.NAME, None)
+    DGCCPUBuilder.prebuilt_module = lambda self: None
+    os.environ["CXX"] = "/nonexistent/c++"
+    kernels._warned.clear()
 
 
 def bad_configs():
@@ -157,6 +170,8 @@ def bad_configs():
         hidden = {m: sys.modules.pop(m, None) for m in ("mpi4py", "mpi4py.MPI")} if name == "mpi4py_missing" else {}
         if hidden:
             sys.modules["mpi4py"] = None  # import mpi4py now raises ImportError, as if not installed
+        if name == "fused_missing_on_rank1" and int(os.environ["RANK"]) == 1:
+            hide_fused_op()
         try:
             make_engine(cfg)
             messages[name] = None
