@@ -148,24 +148,17 @@ def wrap_plain_engine_loading(engine) -> None:
     def load_checkpoint(load_dir, tag=None, *args, **kwargs):
         load_path, client_state = load(load_dir, tag, *args, **kwargs)
         if load_path is not None:
-            tag_used = _tag_of(load_dir, tag, engine)
-            path = os.path.join(_sidecar_dir(load_dir, tag_used),
-                                os.path.basename(sidecar_path(load_dir, tag_used, dist_rank(engine))))
-            if os.path.isfile(path):
+            sdir = _sidecar_dir(load_dir, _tag_of(load_dir, tag, engine))
+            found = glob.glob(os.path.join(sdir, "dgc_state_dp_rank_*.pt"))
+            if found:  # any rank's side-car: the world size may have changed
                 logger.warning(f"[deepspeed_dgc] rank {engine.global_rank}: checkpoint {load_path} holds deepspeed_dgc "
-                               f"state ({os.path.basename(path)}, saved with DGC on); this run has DGC off, so its "
-                               "error-feedback residuals are ignored. DeepSpeed's weights and optimizer state loaded as usual")
+                               f"state ({len(found)} dgc_state_dp_rank_*.pt files in {sdir}, saved with DGC on); this run "
+                               "has DGC off, so its error-feedback residuals are ignored. DeepSpeed's weights and "
+                               "optimizer state loaded as usual")
         return load_path, client_state
 
     load_checkpoint.__doc__ = load.__doc__
     engine.load_checkpoint = load_checkpoint
-
-
-def dist_rank(engine) -> int:
-    """This rank's index in the engine's data-parallel group (the side-car's ``dp_rank``)."""
-    from deepspeed import comm as dist
-    group = getattr(engine.optimizer, "dp_process_group", None)
-    return dist.get_rank(group=group) if group is not None else engine.global_rank
 
 
 def wrap_engine_checkpointing(engine, state) -> None:
