@@ -132,6 +132,21 @@ def int4_group_ids(segment_counts: torch.Tensor, group_size: int) -> Tuple[torch
     return padded_pos.div_(group_size, rounding_mode="floor"), n_groups
 
 
+def int4_group_scales(values: torch.Tensor, gid: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """Group-wise absmax INT4 scales: ``max |v| / 7`` over the values of each group (0 for an empty group).
+
+    Args:
+        values: float tensor of m values; gid: int64 group of each value (:func:`int4_group_ids`).
+        n_groups: number of groups.
+
+    Returns:
+        fp32 tensor of shape ``(n_groups,)``.
+    """
+    scales = torch.zeros(n_groups, dtype=torch.float32, device=values.device)
+    scales.scatter_reduce_(0, gid, values.float().abs(), reduce="amax", include_self=True)
+    return scales.div_(INT4_QMAX)
+
+
 def quantize_int4(values: torch.Tensor,
                   group_size: int,
                   segment_counts: Optional[torch.Tensor] = None,
@@ -161,9 +176,7 @@ def quantize_int4(values: torch.Tensor,
         segment_counts = torch.tensor([m], device=values.device)
     v = values.float()
     gid, n_groups = int4_group_ids(segment_counts, group_size)
-    scales = torch.zeros(n_groups, dtype=torch.float32, device=v.device)
-    scales.scatter_reduce_(0, gid, v.abs(), reduce="amax", include_self=True)
-    scales.div_(INT4_QMAX)
+    scales = int4_group_scales(v, gid, n_groups)
     q = torch.round(_divide_by_scale(v, scales[gid])).clamp_(-INT4_QMAX, INT4_QMAX)
     packed = pack_nibbles((q.to(torch.int16) + 8).to(torch.uint8))
     if return_dequantized:

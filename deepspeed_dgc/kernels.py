@@ -27,8 +27,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .compressor import (INT4_QMAX, decode_indices, dequantize_int4, encode_indices, int4_group_ids, pack_nibbles,
-                         quantize_int4, sample_indices, target_count, topk_threshold)
+from .compressor import (decode_indices, dequantize_int4, encode_indices, int4_group_ids, int4_group_scales,
+                         pack_nibbles, quantize_int4, sample_indices, target_count, topk_threshold)
 
 logger = logging.getLogger("deepspeed_dgc")
 
@@ -90,6 +90,10 @@ class CompressJob:
         """Real elements of tensor i in each row."""
         n, c = self.numels[i], self.chunks[i]
         return [max(0, min(c, n - o * c)) for o in self.row_owner]
+
+    def real_mask(self, i: int, device) -> torch.Tensor:
+        """Bool ``(R, c_i)``: True where row r of tensor i holds a real element, not padding."""
+        return torch.tensor(self.real_counts(i), device=device)[:, None] > torch.arange(self.chunks[i], device=device)
 
     def targets(self) -> List[int]:
         """Top-k target count per tensor (over its real elements in all rows)."""
@@ -158,7 +162,7 @@ class ReferenceOps:
             if flat_layout:
                 a = torch.nn.functional.pad(a, (0, R * c - n)).view(R, c)
             blocks.append(a)
-            reals.append(torch.tensor(job.real_counts(i), device=src.device)[:, None] > torch.arange(c, device=src.device))
+            reals.append(job.real_mask(i, src.device))
         device = job.srcs[0].device
         if not blocks:
             return torch.empty(R, 0, device=device), torch.empty(R, 0, dtype=torch.bool, device=device)
@@ -290,8 +294,7 @@ class FusedCUDAOps(ReferenceOps):
             self.op.accumulate(acc_m, col, src, job.offsets[i], job.row_strides[i], job.numels[i], job.chunks[i],
                                owners, residual if residual is not None else torch.empty(0, device=acc_m.device),
                                float(job.divisor), float(job.loss_scale), _stream())
-            reals.append(torch.tensor(job.real_counts(i), device=acc_m.device)[:, None]
-                         > torch.arange(job.chunks[i], device=acc_m.device))
+            reals.append(job.real_mask(i, acc_m.device))
             col += job.chunks[i]
         return acc_m, torch.cat(reals, dim=1)
 
@@ -305,9 +308,7 @@ class FusedCUDAOps(ReferenceOps):
 
     def _quantize(self, vals: torch.Tensor, group_size: int, segment_counts: torch.Tensor):
         gid, n_groups = int4_group_ids(segment_counts, group_size)
-        scales = torch.zeros(n_groups, dtype=torch.float32, device=vals.device)
-        scales.scatter_reduce_(0, gid, vals.abs(), reduce="amax", include_self=True)
-        scales.div_(INT4_QMAX)
+        scales = int4_group_scales(vals, gid, n_groups)
         nibbles, decoded = self.op.int4_encode(vals.contiguous(), scales, gid, _stream())
         return pack_nibbles(nibbles), scales, decoded
 

@@ -280,7 +280,7 @@ class CompressedReduceScatter:
         """
         result = self.ops_for(job.srcs[0].device.type).compress(job)
         received = comm.all_to_all(result.payloads)
-        seg_real = [max(0, min(c, n - job.row_owner[my_row] * c)) for n, c in zip(job.numels, job.chunks)]
+        seg_real = [job.real_counts(i)[my_row] for i in range(len(job.numels))]
         out = self._sum_received(received, job, seg_real)
         if result.residuals is not None:
             for key, residual in zip(keys, result.residuals):
