@@ -170,15 +170,25 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--n-embd", type=int, default=128)
     parser.add_argument("--n-head", type=int, default=4)
     parser.add_argument("--block-size", type=int, default=64, help="context length in characters")
+    parser.add_argument("--net-iface", metavar="IFACE",
+                        help="record the bytes sent on this network interface during each step (rank 0 reads "
+                        "/sys/class/net/IFACE/statistics/tx_bytes; all ranks' traffic where they share the interface)")
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args()
     if not args.deepspeed_config:
         parser.error("--deepspeed_config is required")
     if args.max_steps < 1 or args.eval_interval < 1 or args.eval_batches < 1 or args.save_interval < 0:
         parser.error("--max-steps, --eval-interval and --eval-batches must be >= 1, --save-interval >= 0")
+    if args.net_iface and not net_tx_path(args.net_iface).is_file():
+        parser.error(f"--net-iface {args.net_iface}: no {net_tx_path(args.net_iface)}")
     if args.resume_from and not (args.resume_from / "latest").is_file():
         parser.error(f"--resume-from {args.resume_from}: no DeepSpeed checkpoint there (no 'latest' file)")
     return args
+
+
+def net_tx_path(iface: str) -> Path:
+    """The kernel's counter of bytes sent on ``iface`` (Linux sysfs)."""
+    return Path("/sys/class/net") / iface / "statistics" / "tx_bytes"
 
 
 def load_ds_config(path: str, lr: float | None, dgc_overrides=()) -> dict:
@@ -274,8 +284,12 @@ def main() -> None:
         first_step = client_state["step"] + 1
     train_loss = val_loss = float("nan")
     progress = tqdm(total=args.max_steps, initial=first_step - 1, disable=not is_main, dynamic_ncols=True)
+    step_times_s, step_net_tx_bytes = [], []  # per step: training only (no evaluation, no checkpoint)
+    tx_counter = net_tx_path(args.net_iface) if args.net_iface and is_main else None
     start = time.perf_counter()
     for step in range(first_step, args.max_steps + 1):
+        step_start = time.perf_counter()
+        tx_start = int(tx_counter.read_text()) if tx_counter else 0
         micro_losses = []
         for _ in range(grad_accum):
             x, y = get_batch(train_data, batch_size, args.block_size, train_gen)
@@ -283,7 +297,10 @@ def main() -> None:
             engine.backward(loss)
             engine.step()
             micro_losses.append(loss.item())
-        train_loss = all_reduce_mean(sum(micro_losses) / grad_accum, world)
+        train_loss = all_reduce_mean(sum(micro_losses) / grad_accum, world)  # also a barrier: the step ended everywhere
+        step_times_s.append(time.perf_counter() - step_start)
+        if tx_counter:
+            step_net_tx_bytes.append(int(tx_counter.read_text()) - tx_start)
         recent_train.append(train_loss)
         if step % args.eval_interval == 0 or step == args.max_steps:
             val_loss = evaluate(engine, val_batches, device)
@@ -325,6 +342,9 @@ def main() -> None:
             "final_train_loss": sum(recent_train) / len(recent_train),
             "val_losses": val_losses,
             "wall_s": wall_s,
+            "step_times_s": step_times_s,
+            "net_iface": args.net_iface,
+            "step_net_tx_bytes": step_net_tx_bytes if args.net_iface else None,
             "wire_bytes_total": wire,
             "dense_fp32_bytes_total": dense_fp32,
             "compression_ratio": ratio,

@@ -1,0 +1,428 @@
+"""End-to-end speed of compressed ZeRO-3 on a real, rate-limited link, against stock and PowerSGD.
+
+Run from the repository root as root (``make bench``)::
+
+    python benchmarks/bench_network.py --rates 100mbit 1gbit --json runs/bench_network/results.json
+
+What it does:
+
+1. Creates a private network namespace whose loopback is rate-limited with ``tc tbf`` and runs
+   every job inside it on 127.0.0.1 only. The limit is shared by all flows in the namespace (a
+   shared bus, not a full-duplex link per pair). The namespace is deleted afterwards, also on
+   Ctrl-C, SIGTERM or failure. Without root, ``ip`` or ``tc`` it says so and exits with status 2.
+2. Model: the main job's char GPT at about 10M parameters (6 layers x 384, 128-character context),
+   2 ranks, 8 sequences per rank per step, ``stage3_param_persistence_threshold: 0`` so that
+   weights are gathered as in a large model. Same data, seed and steps for every configuration.
+3. Convergence: each configuration trains once for ``--converge-steps`` steps on the unlimited
+   loopback of the namespace (losses do not depend on the link; CPU runs are deterministic),
+   evaluating every ``--eval-interval`` steps. Its median step time is the unlimited-link ceiling.
+4. Timing: for every rate, ``--repeats`` rounds; each round launches every configuration once
+   (``--warmup-steps`` + ``--timed-steps`` steps), the order rotated between rounds. Step time
+   is rank 0's wall time of a training step (forward, backward, optimizer step, ending in a
+   collective), without evaluation; bytes on the wire are the namespace loopback's tx counter
+   over the same step (all ranks, TCP/IP headers included). Medians over the timed steps, then
+   over rounds; speed-ups are medians of the per-round ratios (same round, same drift).
+5. Time to the stock loss: the first evaluation at which a configuration's validation loss is at
+   or below stock fp32's at the fixed step, times its median step time at that rate.
+
+Outputs under ``--out-dir``: one JSON per launch, ``results.md`` (the tables), ``bench_network.png``
+(validation loss against modelled wall time at each rate; step time per configuration and rate),
+and ``--json PATH`` with everything.
+"""
+
+import argparse
+import copy
+import json
+import math
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN_SCRIPT = ROOT / "examples" / "train_char_gpt.py"
+DDP_SCRIPT = ROOT / "benchmarks" / "ddp_powersgd.py"
+BASE_CONFIG = ROOT / "configs" / "zero3_p0_baseline.json"
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One configuration: ``dgc`` is the ds_config "dgc" section (None: stock), ``ds_extra`` other
+    top-level ds_config keys; ``ddp`` runs benchmarks/ddp_powersgd.py instead of ZeRO-3."""
+    name: str
+    label: str
+    dgc: dict | None = None
+    ds_extra: dict = field(default_factory=dict)
+    ddp: bool = False
+    grads_only: bool = False  # compresses gradients only (weights gathered as stock)
+
+
+def _dgc(density: float, error_feedback: bool = True, weights: str | None = None) -> dict:
+    section = {"enabled": True, "density": density, "quantization": "int4", "group_size": 128,
+               "error_feedback": error_feedback, "min_numel": 2048, "stats_interval": 1000000}
+    if weights:
+        section["weights"] = {"quantization": weights, "group_size": 256}
+    return section
+
+
+CONFIGS = [
+    BenchConfig("stock_fp32", "stock ZeRO-3, fp32 communication"),
+    BenchConfig("stock_bf16", "stock ZeRO-3, communication_data_type bf16", ds_extra={"communication_data_type": "bf16"}),
+    BenchConfig("int4_grads", "dense INT4 gradients, no error feedback (qgZ stand-in)", _dgc(1.0, error_feedback=False),
+                grads_only=True),
+    BenchConfig("int4_ef_wint4", "dense INT4 gradients + error feedback, INT4 weights", _dgc(1.0, weights="int4")),
+    BenchConfig("dgc_d001", "DGC gradients (top-k 0.01, INT4)", _dgc(0.01), grads_only=True),
+    BenchConfig("dgc_d001_wint8", "DGC gradients (0.01) + INT8 weights", _dgc(0.01, weights="int8")),
+    BenchConfig("dgc_d001_wfp8", "DGC gradients (0.01) + FP8 e4m3 weights", _dgc(0.01, weights="fp8_e4m3")),
+    BenchConfig("dgc_d001_wint4", "DGC gradients (0.01) + INT4 weights", _dgc(0.01, weights="int4")),
+    BenchConfig("dgc_d01_wint4", "DGC gradients (top-k 0.1, INT4) + INT4 weights", _dgc(0.1, weights="int4")),
+    BenchConfig("ddp_powersgd", "PyTorch DDP + PowerSGD hook (rank 4, one bucket)", ddp=True),
+]
+BY_NAME = {c.name: c for c in CONFIGS}
+NOT_AVAILABLE = {"dgc_auto": "density \"auto\" is not built yet (issue 3)"}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rates", nargs="+", default=["100mbit", "1gbit"],
+                        help="tc rates, e.g. 10mbit 100mbit 1gbit (the unlimited ceiling is always measured)")
+    parser.add_argument("--configs", nargs="+", default=[c.name for c in CONFIGS],
+                        help=f"subset of: {', '.join(BY_NAME)} (stock_fp32 and stock_bf16 are always included)")
+    parser.add_argument("--converge-steps", type=int, default=100, help="the fixed step of the loss comparison")
+    parser.add_argument("--eval-interval", type=int, default=10)
+    parser.add_argument("--eval-batches", type=int, default=8)
+    parser.add_argument("--warmup-steps", type=int, default=3, help="untimed steps at the start of a timing launch")
+    parser.add_argument("--timed-steps", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=2, help="rounds of timing launches per rate")
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--n-layer", type=int, default=6)
+    parser.add_argument("--n-embd", type=int, default=384)
+    parser.add_argument("--n-head", type=int, default=6)
+    parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--micro-batch", type=int, default=8, help="sequences per rank per step")
+    parser.add_argument("--out-dir", type=Path, default=Path("runs/bench_network"))
+    parser.add_argument("--json", type=Path, help="write all results here too")
+    parser.add_argument("--launch-timeout-s", type=float, default=1800.0, help="kill a launch that runs longer")
+    args = parser.parse_args(argv)
+    unknown = [name for name in args.configs if name not in BY_NAME]
+    if unknown:
+        parser.error(f"--configs: unknown {unknown}; choose from {list(BY_NAME)}"
+                     + "".join(f" ({n}: {NOT_AVAILABLE[n]})" for n in unknown if n in NOT_AVAILABLE))
+    args.configs = [c.name for c in CONFIGS if c.name in set(args.configs) | {"stock_fp32", "stock_bf16"}]
+    for rate in args.rates:
+        if parse_rate_bits(rate) is None:
+            parser.error(f"--rates: {rate!r} is not a tc rate like 100mbit, 1gbit or 500kbit")
+    for name in ("converge_steps", "eval_interval", "eval_batches", "timed_steps", "repeats", "micro_batch"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.warmup_steps < 2:
+        parser.error("--warmup-steps must be >= 2 (the first steps build caches; PowerSGD compresses from step 3)")
+    return args
+
+
+def parse_rate_bits(rate: str) -> float | None:
+    """Bits per second of a tc rate string (``100mbit``, ``1gbit``, ``500kbit``, ``10mbit``); None if not one."""
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bit": 1.0}
+    for unit, scale in units.items():
+        if rate.lower().endswith(unit):
+            try:
+                value = float(rate[:-len(unit)])
+            except ValueError:
+                return None
+            return value * scale if value > 0 else None
+    return None
+
+
+class Namespace:
+    """A private network namespace with its loopback up; ``set_rate`` puts a tbf qdisc on it.
+
+    Use as a context manager: the namespace is deleted on exit, also after an exception, Ctrl-C or
+    SIGTERM (turned into SystemExit while it exists).
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __enter__(self):
+        subprocess.run(["ip", "netns", "add", self.name], check=True)
+        self._old_term = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        try:
+            subprocess.run(["ip", "-n", self.name, "link", "set", "lo", "up"], check=True)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        subprocess.run(["ip", "netns", "del", self.name], check=False)
+        signal.signal(signal.SIGTERM, self._old_term)
+        return False
+
+    def set_rate(self, rate: str | None) -> None:
+        """Limit the loopback to ``rate`` (tc syntax), or remove the limit when None."""
+        subprocess.run(["tc", "-n", self.name, "qdisc", "del", "dev", "lo", "root"], check=False,
+                       stderr=subprocess.DEVNULL)
+        if rate is not None:
+            subprocess.run(["tc", "-n", self.name, "qdisc", "add", "dev", "lo", "root", "tbf", "rate", rate,
+                            "burst", "128kb", "latency", "100ms"], check=True)
+
+    def prefix(self) -> list[str]:
+        return ["ip", "netns", "exec", self.name]
+
+
+def check_privileges() -> str | None:
+    """Why the benchmark cannot create a rate-limited namespace here, or None if it can."""
+    if os.geteuid() != 0:
+        return "needs root (it creates a network namespace and a tc qdisc)"
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        return f"needs {' and '.join(missing)} (iproute2) on PATH"
+    return None
+
+
+def ds_config_for(config: BenchConfig, micro_batch: int) -> dict:
+    """The ds_config of a ZeRO-3 configuration: configs/zero3_p0_baseline.json (persistence threshold 0)
+    with this micro-batch, plus the configuration's keys."""
+    ds = json.loads(BASE_CONFIG.read_text())
+    ds["train_micro_batch_size_per_gpu"] = micro_batch
+    ds.update(copy.deepcopy(config.ds_extra))
+    if config.dgc is not None:
+        ds["dgc"] = copy.deepcopy(config.dgc)
+    return ds
+
+
+def launch(ns: Namespace, config: BenchConfig, args: argparse.Namespace, steps: int, eval_interval: int,
+           eval_batches: int, tag: str) -> dict:
+    """Run one training launch of ``config`` in the namespace; returns rank 0's summary dict.
+
+    Raises RuntimeError when the launch fails, times out or writes no summary.
+    """
+    summary_path = args.out_dir / f"{tag}.json"
+    summary_path.unlink(missing_ok=True)
+    model_args = ["--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd), "--n-head", str(args.n_head),
+                  "--block-size", str(args.block_size)]
+    common = ["--max-steps", str(steps), "--seed", str(args.seed), "--eval-interval", str(eval_interval),
+              "--eval-batches", str(eval_batches), "--summary-json", str(summary_path), "--net-iface", "lo"]
+    launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_addr", "127.0.0.1",
+                "--master_port", "29700"]
+    if config.ddp:
+        cmd = launcher + [str(DDP_SCRIPT), "--micro-batch", str(args.micro_batch)] + model_args + common
+    else:
+        config_path = args.out_dir / "configs" / f"{config.name}.json"
+        config_path.parent.mkdir(parents=True, exist_ok=True)
+        config_path.write_text(json.dumps(ds_config_for(config, args.micro_batch), indent=2) + "\n")
+        cmd = launcher + [str(TRAIN_SCRIPT), "--deepspeed_config", str(config_path)] + model_args + common
+    log_path = args.out_dir / "logs" / f"{tag}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    print(f"  {tag}: {' '.join(cmd[3:])}", flush=True)
+    with open(log_path, "w") as log:
+        try:
+            result = subprocess.run(ns.prefix() + cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                    timeout=args.launch_timeout_s, start_new_session=True)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"{tag} ran longer than {args.launch_timeout_s} s (log: {log_path})") from None
+    if result.returncode != 0 or not summary_path.exists():
+        raise RuntimeError(f"{tag} failed with exit code {result.returncode} (log: {log_path})")
+    return json.loads(summary_path.read_text())
+
+
+def timed(summary: dict, warmup_steps: int) -> tuple[float, float]:
+    """(median step time s, median bytes on the wire per step) over the steps after the warm-up."""
+    times = summary["step_times_s"][warmup_steps:]
+    net = summary["step_net_tx_bytes"][warmup_steps:]
+    return statistics.median(times), statistics.median(net)
+
+
+def time_to_loss(val_losses: list[list[float]], target: float, step_time_s: float) -> float | None:
+    """Seconds until the first evaluation with validation loss <= ``target``: its step times ``step_time_s``;
+    None if no evaluation reaches it."""
+    for step, loss in val_losses:
+        if loss <= target:
+            return step * step_time_s
+    return None
+
+
+def analyse(args: argparse.Namespace, convergence: dict, timing: dict) -> dict:
+    """Reduce the launches to per-rate, per-configuration results (see the module docstring)."""
+    stock_loss = convergence["stock_fp32"]["final_val_loss"]
+    results = {"rates": {}, "configs": {}}
+    for name in args.configs:
+        c = convergence[name]
+        steps = c["steps"]
+        grad = c.get("grad_wire_bytes_total")
+        param = c.get("param_wire_bytes_total")
+        measured_dgc = c.get("dgc_stats") is not None
+        results["configs"][name] = {
+            "label": BY_NAME[name].label,
+            "val_loss": c["final_val_loss"],
+            "val_gap_pct": 100.0 * (c["final_val_loss"] - stock_loss) / stock_loss,
+            "val_losses": c["val_losses"],
+            "ceiling_step_s": statistics.median(c["step_times_s"][args.warmup_steps:]),
+            # rank 0's bytes sent through the extension per step (gradients, parameters); None where not counted
+            "grad_bytes_per_step": grad / steps if measured_dgc else None,
+            "param_bytes_per_step": param / steps if measured_dgc and param else None,
+            "grad_compression_ratio": c.get("compression_ratio") if measured_dgc else None,
+        }
+    for rate, rounds in timing.items():
+        per = {}
+        for name in args.configs:
+            runs = [r[name] for r in rounds]
+            step_s = statistics.median(t for t, _ in runs)
+            net = statistics.median(b for _, b in runs)
+            vs_fp32 = statistics.median(r["stock_fp32"][0] / r[name][0] for r in rounds)
+            vs_bf16 = statistics.median(r["stock_bf16"][0] / r[name][0] for r in rounds)
+            per[name] = {"step_s": step_s, "net_bytes_per_step": net, "speedup_vs_fp32": vs_fp32,
+                         "speedup_vs_bf16": vs_bf16,
+                         "time_to_stock_loss_s": time_to_loss(results["configs"][name]["val_losses"], stock_loss, step_s),
+                         "step_s_rounds": [r[name][0] for r in rounds]}
+        for name in args.configs:
+            per[name]["wire_vs_stock_fp32"] = per["stock_fp32"]["net_bytes_per_step"] / per[name]["net_bytes_per_step"]
+        results["rates"][rate] = per
+    return results
+
+
+def markdown(args: argparse.Namespace, results: dict, meta: dict) -> str:
+    """The result tables (one per rate) and the gradient-only bound, as Markdown."""
+    lines = [f"{meta['date']}, {meta['machine']}; {meta['n_params']:,} parameters, 2 ranks, "
+             f"{args.micro_batch} x {args.block_size} tokens per rank per step, validation loss at step "
+             f"{args.converge_steps} (stock fp32: {results['configs']['stock_fp32']['val_loss']:.4f}); "
+             f"step times: median of {args.timed_steps} steps after {args.warmup_steps}, median of "
+             f"{args.repeats} interleaved rounds.", ""]
+    for rate, per in results["rates"].items():
+        lines += [f"**{rate}** (shared by both ranks)", "",
+                  "| configuration | step s | speed-up vs fp32 | vs bf16 | wire MB/step (all ranks) | wire vs fp32 "
+                  "| grad / param KB per step (rank 0) | val loss | gap | time to stock loss s |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for name, r in per.items():
+            c = results["configs"][name]
+            split = "—" if c["grad_bytes_per_step"] is None else (
+                f"{c['grad_bytes_per_step'] / 1e3:,.0f} / "
+                + ("stock" if c["param_bytes_per_step"] is None else f"{c['param_bytes_per_step'] / 1e3:,.0f}"))
+            reach = "not reached" if r["time_to_stock_loss_s"] is None else f"{r['time_to_stock_loss_s']:.0f}"
+            lines.append(f"| {c['label']} | {r['step_s']:.2f} | {r['speedup_vs_fp32']:.2f}x | {r['speedup_vs_bf16']:.2f}x "
+                         f"| {r['net_bytes_per_step'] / 1e6:.2f} | {r['wire_vs_stock_fp32']:.1f}x | {split} "
+                         f"| {c['val_loss']:.4f} | {c['val_gap_pct']:+.2f}% | {reach} |")
+        lines.append("")
+    rates = list(results["rates"])
+    lines += ["**Unlimited link** (the namespace's loopback without a limit; the convergence runs' step times), "
+              "and each rate's step time over it:", "",
+              "| configuration | unlimited step s | " + " | ".join(f"{r} / unlimited" for r in rates) + " |",
+              "|---|---:|" + "---:|" * len(rates)]
+    for name, c in results["configs"].items():
+        ratios = " | ".join(f"{results['rates'][r][name]['step_s'] / c['ceiling_step_s']:.2f}x" for r in rates)
+        lines.append(f"| {c['label']} | {c['ceiling_step_s']:.2f} | {ratios} |")
+    lines.append("")
+    for rate, per in results["rates"].items():
+        grads_only = [n for n in per if BY_NAME[n].grads_only and "dgc" in n]
+        for name in grads_only:
+            # gradient-only compression can remove at most the traffic that is not the weights' all-gather:
+            # its bound is stock's bytes over the bytes left when the gradients cost (almost) nothing
+            bound = per["stock_fp32"]["net_bytes_per_step"] / per[name]["net_bytes_per_step"]
+            lines.append(f"- {rate}: gradient-only {BY_NAME[name].label}: {per[name]['speedup_vs_fp32']:.2f}x faster "
+                         f"than stock fp32; it leaves the weights' all-gather as stock, so its bound is stock's bytes "
+                         f"over its own, {bound:.2f}x.")
+    return "\n".join(lines) + "\n"
+
+
+def plot(args: argparse.Namespace, results: dict, path: Path) -> None:
+    """Left: validation loss against modelled wall time (steps x median step time) at the slowest rate.
+    Right: median step time per configuration and rate (log scale)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rates = list(results["rates"])
+    fig, axes = plt.subplots(1, 2, figsize=(15, 5.5))
+    if rates:
+        rate = rates[0]
+        for name, c in results["configs"].items():
+            step_s = results["rates"][rate][name]["step_s"]
+            steps, losses = zip(*c["val_losses"])
+            axes[0].plot([s * step_s / 60 for s in steps], losses, marker=".", label=name)
+        axes[0].set_xlabel(f"modelled wall time at {rate} (min) = step x median step time")
+        axes[0].set_ylabel("validation loss")
+        axes[0].set_title(f"validation loss against time, {rate}")
+        axes[0].legend(fontsize=7)
+    names = list(results["configs"])
+    columns = rates + ["unlimited"]
+    width = 0.8 / len(columns)
+    for i, rate in enumerate(columns):
+        values = [results["configs"][n]["ceiling_step_s"] if rate == "unlimited" else results["rates"][rate][n]["step_s"]
+                  for n in names]
+        axes[1].bar([j + i * width for j in range(len(names))], values, width, label=rate)
+    axes[1].set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names, rotation=35, ha="right", fontsize=8)
+    axes[1].set_yscale("log")
+    axes[1].set_ylabel("median step time (s)")
+    axes[1].set_title("step time per configuration and link rate")
+    axes[1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{os.cpu_count()} cores ({cpu}), no GPU use (gloo over the namespace loopback)"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    problem = check_privileges()
+    if problem:
+        print(f"bench_network.py: {problem}; cannot make a rate-limited link, nothing measured", file=sys.stderr)
+        return 2
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    configs = [BY_NAME[n] for n in args.configs]
+    print(f"configurations: {', '.join(args.configs)}; not run: "
+          + "; ".join(f"{n} ({why})" for n, why in NOT_AVAILABLE.items()), flush=True)
+    started = time.time()
+    with Namespace(f"dgcbench{os.getpid()}") as ns:
+        ns.set_rate(None)
+        print(f"convergence: {args.converge_steps} steps each, unlimited link", flush=True)
+        convergence = {c.name: launch(ns, c, args, args.converge_steps, args.eval_interval, args.eval_batches,
+                                      f"converge_{c.name}") for c in configs}
+        timing = {}
+        for rate in args.rates:
+            ns.set_rate(rate)
+            timing[rate] = []
+            for round_index in range(args.repeats):
+                shift = round_index % len(configs)
+                order = configs[shift:] + configs[:shift]  # rotated so that no configuration always runs first
+                print(f"timing at {rate}, round {round_index + 1}/{args.repeats}", flush=True)
+                timing[rate].append({c.name: timed(launch(ns, c, args, args.warmup_steps + args.timed_steps,
+                                                         args.warmup_steps + args.timed_steps, 1,
+                                                         f"time_{rate}_r{round_index}_{c.name}"), args.warmup_steps)
+                                     for c in order})
+    meta = {"date": time.strftime("%Y-%m-%d", time.gmtime(started)), "machine": machine(),
+            "n_params": convergence["stock_fp32"]["n_params"], "elapsed_s": time.time() - started,
+            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
+    results = analyse(args, convergence, timing)
+    table = markdown(args, results, meta)
+    (args.out_dir / "results.md").write_text(table)
+    plot(args, results, args.out_dir / "bench_network.png")
+    payload = {"meta": meta, "results": results, "timing_rounds": timing}
+    for path in filter(None, [args.out_dir / "results.json", args.json]):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(payload, indent=2) + "\n")
+    print("\n" + table, end="")
+    print(f"wrote {args.out_dir / 'results.md'}, {args.out_dir / 'bench_network.png'}"
+          + (f", {args.json}" if args.json else ""), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except RuntimeError as exc:
+        sys.exit(f"bench_network.py: {exc}")
