@@ -1,5 +1,6 @@
 # make demo: set up .venv if missing, then train the char GPT with stock ZeRO-3, dense INT4 and DGC (2 ranks).
 # make test: set up .venv if missing, then run the tests.
+# make bench: (root) step time on a rate-limited link, compressed vs stock ZeRO-3 and DDP+PowerSGD.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -9,7 +10,7 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 STEPS ?= 300
 SEED ?= 1234
 
-.PHONY: install test demo bench-kernels report clean
+.PHONY: install test demo bench bench-kernels report clean
 
 install: $(VENV)/.installed
 
@@ -26,6 +27,10 @@ test: install
 
 demo: install
 	$(PY) examples/compare.py --max-steps $(STEPS) --seed $(SEED)
+
+# as root: a private network namespace with a tc-limited loopback (100 Mbit/s, 1 Gbit/s, unlimited), about 45 min
+bench: install
+	$(PY) benchmarks/bench_network.py --json runs/bench_network/results.json
 
 bench-kernels: install
 	$(PY) benchmarks/bench_kernels.py --json runs/bench_kernels.json
