@@ -38,13 +38,35 @@ def save_state(state, ckpt_dir: str, tag: str, world_size: int) -> str:
         "dp_rank": state.dp_rank,
         "config": state.cfg.model_dump(mode="json"),
         "residual_layout": residual_layout(state),
-        "residuals": {int(k): v.detach().cpu() for k, v in state.memory.committed.items()},
+        "residuals": {int(k): v.detach().cpu() for k, v in state.memory.residuals().items()},
         "generators": {dev: g.get_state() for dev, g in state.reducer._generators.items()},
         "stats": state.stats.totals(),
+        "momentum": _momentum_payload(state),
     }
     os.makedirs(os.path.dirname(path), exist_ok=True)
     torch.save(payload, path)
     return path
+
+
+def _momentum_payload(state):
+    m = getattr(state, "momentum", None)
+    if m is None:
+        return None
+    return {"momenta": {int(k): v.detach().cpu() for k, v in m.store.committed.items()}, "steps_done": m.steps_done}
+
+
+def _restore_momentum(state, saved, device, world_scale: float = 1.0) -> str:
+    """Put saved local momenta back (``world_scale`` rescales re-sharded ones); returns a note for the log."""
+    m = getattr(state, "momentum", None)
+    if m is None:
+        return ""
+    m.store.staged = {}
+    if not saved:
+        m.store.committed, m.steps_done = {}, 0
+        return "; no saved momentum: compressed momentum restarts its warm-up"
+    m.store.committed = {int(k): (v.double() * world_scale).float().to(device) for k, v in saved["momenta"].items()}
+    m.steps_done = int(saved["steps_done"])
+    return f"; local momentum of {len(m.store.committed)} tensors, {m.steps_done} steps done"
 
 
 def _sidecar_dir(ckpt_dir: str, tag: str) -> str:
@@ -60,6 +82,7 @@ def _sidecar_dir(ckpt_dir: str, tag: str) -> str:
 
 def _clear(state) -> None:
     state.memory.committed, state.memory.staged = {}, {}
+    _restore_momentum(state, None, "cpu")
 
 
 def load_state(state, ckpt_dir: str, tag: str, world_size: int, device: torch.device) -> str:
@@ -91,26 +114,36 @@ def load_state(state, ckpt_dir: str, tag: str, world_size: int, device: torch.de
             return (f"deepspeed_dgc state in {path} holds residuals of the {saved_layout} topology, this run uses "
                     f"{residual_layout(state)}: they do not fit, so they are dropped and restart at zero")
         payload = torch.load(path, map_location="cpu", weights_only=True)
-        state.memory.committed = {int(k): v.to(device) for k, v in payload["residuals"].items()}
-        state.memory.staged = {}
+        state.memory.load({int(k): v.to(device) for k, v in payload["residuals"].items()})
         for dev, gen_state in payload["generators"].items():
             state.reducer._generator(torch.device(dev)).set_state(gen_state)
         for f, v in payload["stats"].items():
             setattr(state.stats, f, v)
-        return f"restored deepspeed_dgc state from {path}: {len(state.memory.committed)} residuals, step {state.stats.steps}"
+        note = _restore_momentum(state, payload.get("momentum"), device)
+        return (f"restored deepspeed_dgc state from {path}: {len(state.memory.committed)} residuals, step "
+                f"{state.stats.steps}{note}")
     if saved_layout != "flat" or residual_layout(state) != "flat":
         _clear(state)
         return (f"deepspeed_dgc state in {sdir} was saved at data-parallel world size {saved_world}, this run has "
                 f"{world_size}; residuals of the hierarchical topology live on node-level slices and cannot be "
                 "re-sharded, so they are dropped and restart at zero")
     total = None
+    momenta, steps_done = None, None
     for r in range(saved_world):
         p = os.path.join(sdir, os.path.basename(sidecar_path(ckpt_dir, tag, r)))
         if not os.path.isfile(p):
             _clear(state)
             return (f"deepspeed_dgc state in {sdir} was saved at data-parallel world size {saved_world} but {p} is "
                     f"missing: residuals cannot be re-sharded to {world_size} ranks and restart at zero")
-        res = torch.load(p, map_location="cpu", weights_only=True)["residuals"]
+        side = torch.load(p, map_location="cpu", weights_only=True)
+        res = side["residuals"]
+        if side.get("momentum"):  # local momenta add up to the global one, like residuals
+            steps_done = side["momentum"]["steps_done"]
+            if momenta is None:
+                momenta = {int(k): v.double() for k, v in side["momentum"]["momenta"].items()}
+            else:
+                for k, v in side["momentum"]["momenta"].items():
+                    momenta[int(k)] += v.double()
         if total is None:
             total = {int(k): v.double() for k, v in res.items()}
         elif set(total) != {int(k) for k in res} or any(total[int(k)].shape != v.shape for k, v in res.items()):
@@ -120,11 +153,13 @@ def load_state(state, ckpt_dir: str, tag: str, world_size: int, device: torch.de
         else:
             for k, v in res.items():
                 total[int(k)] += v.double()
-    state.memory.committed = {k: (v / world_size).float().to(device) for k, v in total.items()}
-    state.memory.staged = {}
+    state.memory.load({k: (v / world_size).float().to(device) for k, v in total.items()})
+    note = _restore_momentum(state, None if momenta is None else {"momenta": momenta, "steps_done": steps_done}, device,
+                             1.0 / world_size)
     return (f"deepspeed_dgc state in {sdir} was saved at data-parallel world size {saved_world}, this run has "
             f"{world_size}: re-sharded {len(total)} residuals (summed over the {saved_world} saved ranks, split "
-            "evenly over this run's, so the gradient not yet sent is conserved); sampling restarts from this rank's seed")
+            "evenly over this run's, so the gradient not yet sent is conserved); sampling restarts from this rank's "
+            f"seed{note}")
 
 
 def _tag_of(load_dir: str, tag, engine=None) -> str:
@@ -177,6 +212,9 @@ def wrap_engine_checkpointing(engine, state) -> None:
             return load_path, client_state
         device = engine.device
         msg = load_state(state, load_dir, _tag_of(load_dir, tag, engine), engine.dp_world_size, device)
+        m = state.momentum
+        if m is not None and not m.frozen and m.steps_done >= m.cfg.freeze_step:  # every rank loads: collective
+            m.freeze(engine.optimizer, engine.optimizer.dp_process_group)
         (logger.info if msg.startswith("restored") else logger.warning)(f"[deepspeed_dgc] rank {state.global_rank}: {msg}")
         return load_path, client_state
 

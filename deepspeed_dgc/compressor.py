@@ -236,6 +236,149 @@ def unpack_nibbles(packed: torch.Tensor, numel: int) -> torch.Tensor:
     return torch.stack([packed & 0x0F, packed >> 4], dim=1).view(-1)[:numel]
 
 
+# ---- value formats of the kept values ----------------------------------------------------
+# Every format has group-wise scales (groups restart at each tensor, as for INT4) and packs its
+# codes little-endian into bytes: element i at bits (i % per_byte) * bits of byte i // per_byte.
+VALUE_BITS = {"int4": 4, "int2": 2, "int1": 1, "fp8_e4m3": 8, "fp8_e5m2": 8}
+FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
+INT2_LEVEL = 1.5  # INT2 levels are +-0.5 s and +-1.5 s with s = absmax / 1.5
+
+
+def packed_bytes(numel: int, fmt: str) -> int:
+    """Bytes of ``numel`` codes of value format ``fmt``: ``ceil(numel * bits / 8)``."""
+    return -(-numel * VALUE_BITS[fmt] // 8)
+
+
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack uint8 codes below ``2**bits`` (bits in 1, 2, 4, 8), little-endian within each byte.
+
+    For 4 bits this is :func:`pack_nibbles`. Returns uint8 of shape ``(ceil(n * bits / 8),)``.
+    """
+    if bits == 8:
+        return codes.to(torch.uint8)
+    per = 8 // bits
+    pad = -codes.numel() % per
+    c = torch.cat([codes, codes.new_zeros(pad)]) if pad else codes
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
+    return (c.view(-1, per).to(torch.uint8) << shifts).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: uint8 codes of shape ``(numel,)``."""
+    if bits == 8:
+        return packed[:numel]
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    return ((packed[:, None] >> shifts) & ((1 << bits) - 1)).view(-1)[:numel]
+
+
+def group_scales(values: torch.Tensor, gid: torch.Tensor, n_groups: int, fmt: str) -> torch.Tensor:
+    """Group-wise scales of ``fmt``: absmax / qmax (INT4: 7, INT2: 1.5, FP8: the format's largest
+    finite value), and for INT1 the mean magnitude (the scale that minimises the L2 error of
+    ``s * sign(v)``; 1-bit Adam, Tang et al., ICML 2021, section 3). fp32, shape ``(n_groups,)``."""
+    if fmt == "int4":
+        return int4_group_scales(values, gid, n_groups)
+    mag = values.float().abs()
+    if fmt == "int1":
+        sums = torch.zeros(n_groups, dtype=torch.float32, device=values.device).index_add_(0, gid, mag)
+        counts = torch.zeros(n_groups, dtype=torch.float32, device=values.device).index_add_(0, gid, torch.ones_like(mag))
+        return sums / counts.clamp_(min=1)
+    scales = torch.zeros(n_groups, dtype=torch.float32, device=values.device)
+    scales.scatter_reduce_(0, gid, mag, reduce="amax", include_self=True)
+    return scales.div_(INT2_LEVEL if fmt == "int2" else FP8_MAX[fmt])
+
+
+def quantize_values(values: torch.Tensor,
+                    fmt: str,
+                    group_size: int,
+                    segment_counts: Optional[torch.Tensor] = None,
+                    generator: Optional[torch.Generator] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize kept values to ``fmt`` with group-wise scales; returns what the receiver decodes too.
+
+    Formats (s = the group's scale, :func:`group_scales`):
+
+    - ``"int4"``: symmetric codes ``round(v / s)`` in [-7, 7] (:func:`quantize_int4`); error <= s/2.
+    - ``"int2"``: four levels ``(q + 0.5) s``, q in [-2, 1]; error <= s/2 = absmax/3.
+    - ``"int1"``: ``s * sign(v)`` with s the group's mean magnitude (1-bit Adam's compressor,
+      Tang et al., ICML 2021, section 3; signSGD with error feedback, Karimireddy et al., ICML 2019).
+    - ``"fp8_e4m3"``, ``"fp8_e5m2"``: ``v / s`` cast to float8 (OCP FP8, Micikevicius et al.,
+      arXiv 2209.05433): relative error <= 2^-4 (e4m3) or 2^-3 (e5m2) for normal values; values
+      below the smallest subnormal times s flush to zero (e4m3 spans 2^-9..448, e5m2 2^-16..57344,
+      so a group whose values span more than about 2e5 (e4m3) or 4e9 (e5m2) loses its smallest).
+      The error is carried by error feedback like any other.
+
+    Stochastic rounding (``generator`` given; INT4 and INT2 only): the code is
+    ``floor(v / s + u)`` with u uniform in [0, 1) drawn from ``generator``, so ``E[decoded] = v``
+    (Gupta et al., ICML 2015); the error is below one step s.
+
+    Args:
+        values: 1-D float tensor of m >= 0 finite values (math in fp32).
+        fmt: a key of ``VALUE_BITS``.
+        group_size: values per scale group.
+        segment_counts: int64 ``(S,)`` values per segment (groups restart at each); None: one segment.
+        generator: random generator on the values' device for stochastic rounding; None rounds to nearest.
+
+    Returns:
+        ``(packed, scales, decoded)``: uint8 codes ``(packed_bytes(m, fmt),)``, fp32 scales
+        ``(n_groups,)`` and the fp32 decoded values ``(m,)``.
+
+    Raises:
+        ValueError: unknown format, or stochastic rounding asked for INT1/FP8.
+    """
+    if fmt not in VALUE_BITS:
+        raise ValueError(f"unknown value format {fmt!r}; allowed: {', '.join(VALUE_BITS)}")
+    if generator is not None and fmt not in ("int4", "int2"):
+        raise ValueError(f"stochastic rounding is defined for int4 and int2, not {fmt!r}")
+    m = values.numel()
+    if segment_counts is None:
+        segment_counts = torch.tensor([m], device=values.device)
+    if fmt == "int4" and generator is None:
+        return quantize_int4(values, group_size, segment_counts, return_dequantized=True)
+    v = values.float()
+    gid, n_groups = int4_group_ids(segment_counts, group_size)
+    scales = group_scales(v, gid, n_groups, fmt)
+    s = scales[gid]
+    if fmt == "int1":
+        positive = v >= 0
+        return pack_bits(positive.to(torch.uint8), 1), scales, torch.where(positive, s, -s)
+    if fmt in FP8_DTYPES:
+        codes = _divide_by_scale(v, s).to(FP8_DTYPES[fmt])
+        return codes.view(torch.uint8), scales, codes.float() * s
+    # code offsets: INT4 nibbles hold q + 8 (as quantize_int4), INT2 codes q + 2
+    lo, hi, offset, code_offset = (-INT4_QMAX, INT4_QMAX, 0.0, 8) if fmt == "int4" else (-2, 1, 0.5, 2)
+    t = _divide_by_scale(v, s) - offset
+    u = 0.5 if generator is None else torch.rand(m, generator=generator, device=v.device)
+    q = torch.floor(t + u).clamp_(lo, hi)
+    codes = (q + code_offset).to(torch.uint8)
+    return pack_bits(codes, VALUE_BITS[fmt]), scales, (q + offset) * s
+
+
+def dequantize_values(packed: torch.Tensor, scales: torch.Tensor, numel: int, fmt: str, group_size: int,
+                      segment_counts: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Inverse of :func:`quantize_values` (either rounding): fp32 tensor of shape ``(numel,)``.
+
+    Raises:
+        ValueError: unknown format, or the number of scales or bytes does not match.
+    """
+    if fmt == "int4":
+        return dequantize_int4(packed, scales, numel, group_size, segment_counts)
+    if fmt not in VALUE_BITS:
+        raise ValueError(f"unknown value format {fmt!r}; allowed: {', '.join(VALUE_BITS)}")
+    if segment_counts is None:
+        segment_counts = torch.tensor([numel], device=packed.device)
+    gid, n_groups = int4_group_ids(segment_counts, group_size)
+    if n_groups != scales.numel() or gid.numel() != numel or packed.numel() != packed_bytes(numel, fmt):
+        raise ValueError(f"dequantize_values: {scales.numel()} scales and {packed.numel()} bytes for {n_groups} "
+                         f"groups of {numel} {fmt} values")
+    s = scales[gid]
+    if fmt in FP8_DTYPES:
+        return packed.view(FP8_DTYPES[fmt]).float() * s
+    codes = unpack_bits(packed, VALUE_BITS[fmt], numel).float()
+    if fmt == "int1":
+        return torch.where(codes > 0, s, -s)
+    return (codes - 2 + 0.5) * s  # int2
+
+
 # ---- index coding -------------------------------------------------------------------------
 # Sorted positions are sent as gaps (position minus previous position minus 1; the first gap
 # is the first position) in LEB128 varints: 7 bits per byte, high bit set on all but the last

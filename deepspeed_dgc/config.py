@@ -5,7 +5,9 @@ the section is parsed and validated here, in DeepSpeed's own pydantic style
 (``extra="forbid"``: an unknown or misspelled key is an error naming the key).
 """
 
-from typing import Any, Literal, Mapping, Optional
+from typing import Any, Literal, Mapping, Optional, Union
+
+from typing_extensions import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -31,21 +33,80 @@ class WeightsConfig(BaseModel):
     group_size: int = Field(256, ge=2, le=1 << 20, multiple_of=2)
 
 
+VALUE_FORMATS = ("int4", "int2", "int1", "fp8_e4m3", "fp8_e5m2")
+
+
+class CompressedMomentumConfig(BaseModel):
+    """1-bit-Adam-style compression for Adam (``"dgc": {"compressed_momentum": {...}}``).
+
+    Tang et al., "1-bit Adam", ICML 2021, sections 3-4, adapted to ZeRO-3: for the first
+    ``freeze_step`` optimizer steps the optimizer is stock Adam on the (compressed, per the top-level
+    keys) gradients, and every rank keeps a local momentum ``m_r = b1 m_r + (1 - b1) g_r / W`` of its
+    own gradient (full parameter shape). After that step Adam's second moment is frozen; ranks send
+    each owner its slice of ``m_r`` (divided by ``sqrt(v_hat) + eps`` with ``precondition``, so the
+    quantity compressed is the update itself) with error feedback, and the owner applies
+    ``p -= lr * sum_r m_r / (sqrt(v_hat) + eps)`` (plus AdamW's decoupled weight decay). The update is
+    linear in what was sent, so compression error is corrected by error feedback instead of being
+    amplified by Adam's normalisation.
+
+    - ``freeze_step`` (int >= 1): optimizer steps of stock Adam before the freeze.
+    - ``quantization`` (``"int1"``, ``"int2"``, ``"int4"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``, ``"none"``;
+      default ``"int1"``): format of the momentum on the wire after the freeze.
+    - ``density`` (float in (0, 1] or ``"auto"``, default 1.0): top-k of the momentum after the freeze
+      (``"auto"`` as the top-level key, with its bounds and budget).
+    - ``group_size`` (even int >= 2, default 128): values per scale.
+    - ``precondition`` (bool, default true): compress ``m / (sqrt(v_hat) + eps)``; needs every
+      rank to hold ``1 / (sqrt(v_hat) + eps)`` for all parameters (gathered once at the freeze,
+      bf16, 2 bytes per parameter).
+
+    Needs Adam or AdamW (``torch.optim.Adam``/``AdamW``, DeepSpeed's FusedAdam or CPU Adam, without
+    L2 weight decay unless decoupled), ``gradient_accumulation_steps`` 1 and the flat topology.
+    Gradient clipping does not apply after the freeze (the clipped quantity would be the update).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    freeze_step: int = Field(ge=1)
+    quantization: Literal["int1", "int2", "int4", "fp8_e4m3", "fp8_e5m2", "none"] = "int1"
+    density: Union[Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)], Literal["auto"]] = 1.0
+    group_size: int = Field(128, ge=2, le=1 << 20, multiple_of=2)
+    precondition: bool = True
+
+
 class DGCConfig(BaseModel):
     """Settings of dynamic gradient compression for the ZeRO-3 reduce-scatter.
 
     Keys (all under the top-level ``"dgc"`` key of ds_config):
 
     - ``enabled`` (bool, default false): replace ZeRO-3's gradient reduce-scatter.
-    - ``density`` (float in (0, 1], default 0.01): fraction of each tensor's elements kept
-      by top-k selection each micro-step (DGC, Lin et al. 2018, section 2).
-      ``1.0`` sends every element (dense).
-    - ``quantization`` (``"int4"`` or ``"none"``, default ``"int4"``): format of the kept values.
-      ``"int4"`` is symmetric group-wise quantization with absmax scales; ``"none"`` sends them
-      in the communication dtype.
-    - ``group_size`` (int >= 2, even, default 128): kept values per INT4 scale group.
+    - ``density`` (float in (0, 1] or ``"auto"``, default 0.01): fraction of each tensor's elements
+      kept by top-k selection each micro-step (DGC, Lin et al. 2018, section 2). ``1.0`` sends every
+      element (dense). ``"auto"``: each bucket's density is the smallest that leaves at most
+      ``energy_budget`` of the accumulated gradient's energy (sum of squares, estimated on DGC's 1%
+      sample) unsent, clamped to ``[density_min, density_max]``; the ranks then take the largest of
+      their choices (one small all-reduce per bucket), so all use the same density.
+    - ``density_min``, ``density_max`` (floats in (0, 1], defaults 0.01 and 0.3): bounds of ``"auto"``.
+    - ``energy_budget`` (float in (0, 1), default 0.5): fraction of energy ``"auto"`` may leave in the residual.
+    - ``threshold`` (float > 0 or null, default null): keep every element with ``|acc| >= threshold``
+      instead of top-k (a fixed absolute threshold; the number kept then varies per rank and step).
+    - ``warmup_dense_steps`` (int >= 0, default 0): optimizer steps sent dense (still quantized) first.
+    - ``warmup_steps`` (int >= 0, default 0): after those, the density falls geometrically from
+      max(0.25, density) to ``density`` over this many steps (DGC's exponential warm-up, Lin et al.
+      2018, section 3.4: 25%, 6.25%, 1.5625%, ... per epoch).
+    - ``quantization`` (``"int4"``, ``"int2"``, ``"int1"``, ``"fp8_e4m3"``, ``"fp8_e5m2"`` or ``"none"``,
+      default ``"int4"``): format of the kept values, with group-wise scales
+      (:func:`deepspeed_dgc.compressor.quantize_values`); ``"none"`` sends them in the communication dtype.
+    - ``stochastic_rounding`` (bool, default false): round INT4/INT2 codes up or down at random so that
+      the decoded value is unbiased (runs the PyTorch path).
+    - ``index_coding`` (``"auto"``, ``"varint"`` or ``"bitmap"``, default ``"auto"``): positions of the
+      kept values as varint gaps (about 8 bits each down to density 1/128) or as a bitmap (1 bit per
+      element); ``"auto"`` takes the bitmap when the density is above 1/8, where it is smaller.
+    - ``group_size`` (int >= 2, even, default 128): kept values per scale.
     - ``error_feedback`` (bool, default true): carry what was not sent (unselected values and
       quantization error) to the next micro-step.
+    - ``residual_dtype`` (``"fp32"``, ``"bf16"`` or ``"fp8"``, default ``"fp32"``): storage of the
+      error-feedback residuals between steps (4, 2 or about 1.03 bytes per element; see
+      :class:`deepspeed_dgc.memory.ErrorFeedback`).
     - ``min_numel`` (int >= 0, default 2048): tensors with fewer elements are not sparsified:
       they are sent whole (still quantized, with error feedback) and need no indices.
     - ``stats_interval`` (int >= 1, default 100): optimizer steps between telemetry log lines.
@@ -61,6 +122,8 @@ class DGCConfig(BaseModel):
       Ranks ``k*ranks_per_node ... (k+1)*ranks_per_node - 1`` form node k.
     - ``timeout_s`` (float in [0.001, 604800], default 600): bound, in seconds, on every collective
       of the extension; a rank whose peer died or hangs raises ``DGCTimeoutError`` instead of waiting.
+    - ``compressed_momentum`` (:class:`CompressedMomentumConfig` or null): 1-bit-Adam-style
+      compression of Adam's momentum after a warm-up.
     - ``kernels`` (``"auto"``, ``"fused"`` or ``"reference"``, default ``"auto"``): who compresses.
       ``"auto"`` uses the fused op (C++/OpenMP on CPU, CUDA on GPU; prebuilt, or JIT-built on first
       use) where it loads and else the PyTorch reference, with a one-time warning saying why;
@@ -75,10 +138,19 @@ class DGCConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     enabled: bool = False
-    density: float = Field(0.01, gt=0.0, le=1.0, allow_inf_nan=False)
-    quantization: Literal["int4", "none"] = "int4"
+    density: Union[Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)], Literal["auto"]] = 0.01
+    density_min: float = Field(0.01, gt=0.0, le=1.0, allow_inf_nan=False)
+    density_max: float = Field(0.3, gt=0.0, le=1.0, allow_inf_nan=False)
+    energy_budget: float = Field(0.5, gt=0.0, lt=1.0, allow_inf_nan=False)
+    threshold: Optional[float] = Field(None, gt=0.0, allow_inf_nan=False)
+    warmup_dense_steps: int = Field(0, ge=0)
+    warmup_steps: int = Field(0, ge=0)
+    quantization: Literal["int4", "int2", "int1", "fp8_e4m3", "fp8_e5m2", "none"] = "int4"
+    stochastic_rounding: bool = False
+    index_coding: Literal["auto", "varint", "bitmap"] = "auto"
     group_size: int = Field(128, ge=2, le=1 << 20, multiple_of=2)
     error_feedback: bool = True
+    residual_dtype: Literal["fp32", "bf16", "fp8"] = "fp32"
     min_numel: int = Field(2048, ge=0)
     stats_interval: int = Field(100, ge=1)
     weights: WeightsConfig = WeightsConfig()
@@ -88,31 +160,54 @@ class DGCConfig(BaseModel):
     # at least 1 ms: gloo counts in whole milliseconds and takes 0 as "wait forever"
     timeout_s: float = Field(600.0, ge=0.001, le=7 * 24 * 3600.0, allow_inf_nan=False)
     kernels: Literal["auto", "fused", "reference"] = "auto"
+    compressed_momentum: Optional[CompressedMomentumConfig] = None
 
     @model_validator(mode="after")
     def _fused_needs_int4(self):
         if self.kernels == "fused" and self.quantization != "int4":
             raise ValueError("'dgc.kernels' = \"fused\" needs 'dgc.quantization' = \"int4\" (the fused ops code INT4 "
-                             "payloads only); use \"auto\" or \"reference\" with quantization \"none\"")
+                             f"payloads only); use \"auto\" or \"reference\" with quantization \"{self.quantization}\"")
+        if self.stochastic_rounding and self.quantization not in ("int4", "int2"):
+            raise ValueError("'dgc.stochastic_rounding' needs 'dgc.quantization' \"int4\" or \"int2\", got "
+                             f"\"{self.quantization}\"")
+        if self.density_min > self.density_max:
+            raise ValueError(f"'dgc.density_min' ({self.density_min}) is above 'dgc.density_max' ({self.density_max})")
+        if self.threshold is not None and self.density == "auto":
+            raise ValueError("'dgc.threshold' and 'dgc.density' = \"auto\" both choose what is kept: set one of them")
+        if self.compressed_momentum is not None and self.topology != "flat":
+            raise ValueError("'dgc.compressed_momentum' needs 'dgc.topology' = \"flat\" (got \"hierarchical\")")
         return self
+
+    def index_coding_for(self, density: float) -> str:
+        """``"varint"`` or ``"bitmap"`` for kept positions at ``density`` (``"auto"``: bitmap above 1/8)."""
+        if self.index_coding != "auto":
+            return self.index_coding
+        return "bitmap" if density > 0.125 else "varint"
 
     @property
     def lossless(self) -> bool:
         """True when nothing is dropped or rounded: density 1 and no quantization."""
-        return self.density >= 1.0 and self.quantization == "none"
+        return self.density == 1.0 and self.quantization == "none" and self.threshold is None
 
 
 def _format_validation_error(err: ValidationError) -> str:
-    lines = []
+    lines, by_key = [], {}
     for e in err.errors():
-        key = ".".join(str(p) for p in (DGC_SECTION, ) + tuple(e["loc"]))
+        # a union (density: float or "auto") reports one error per member, tagged in the location
+        loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and (p.startswith("constrained-") or "[" in p)))
+        key = ".".join(str(p) for p in (DGC_SECTION, ) + loc)
         if e["type"] == "extra_forbidden":
-            model = WeightsConfig if e["loc"][:1] == ("weights", ) else DGCConfig
+            sub = {"weights": WeightsConfig, "compressed_momentum": CompressedMomentumConfig}
+            model = sub.get(loc[0], DGCConfig) if len(loc) > 1 else DGCConfig
             allowed = ", ".join(model.model_fields)
             lines.append(f"unknown key '{key}' (allowed keys: {allowed})")
+        elif key in by_key:
+            by_key[key][0].append(e["msg"])
         else:
-            lines.append(f"invalid value for '{key}': {e['msg']} (got {e.get('input')!r})")
-    return "; ".join(lines)
+            by_key[key] = ([e["msg"]], e.get("input"))
+            lines.append(key)
+    return "; ".join(line if line not in by_key else
+                     f"invalid value for '{line}': {' or '.join(by_key[line][0])} (got {by_key[line][1]!r})" for line in lines)
 
 
 def parse_dgc_config(ds_config: Mapping[str, Any]) -> Optional[DGCConfig]:

@@ -27,6 +27,7 @@ from .comm import DGCBackendError, check_mpi_world
 from .config import DGCConfig, DGCConfigError, check_engine_compatible, parse_dgc_config
 from .kernels import DGCKernelError
 from .memory import ErrorFeedback
+from .momentum import CompressedMomentum, check_optimizer
 from .reducer import CompressedReduceScatter
 from .telemetry import DGCStats, log_step
 from .topology import resolve_ranks_per_node
@@ -52,13 +53,14 @@ class DGCState:
     def __init__(self, cfg: DGCConfig, global_rank: int, ranks_per_node: Optional[int] = None):
         self.cfg = cfg
         self.global_rank = global_rank
-        self.memory = ErrorFeedback()
+        self.memory = ErrorFeedback(cfg.residual_dtype)
         self.reducer = CompressedReduceScatter(cfg, self.memory, seed=SEED_BASE + global_rank, ranks_per_node=ranks_per_node)
         self.stats = DGCStats()
         self.params: List[torch.nn.Parameter] = []  # the engine's parameters (ZeRO-3 shards)
         self.dp_rank = 0
         self.monitor = None
         self.engine_samples = lambda: 0
+        self.momentum: Optional[CompressedMomentum] = None  # with dgc.compressed_momentum
 
 
 def check_seam() -> None:
@@ -106,10 +108,24 @@ def _wrap_step(opt, state: DGCState):
         if state.cfg.weights.quantization != "none":  # the step copied stale padding back into the shards
             zero_shard_padding(state.params, state.dp_rank)
         skipped = bool(opt.overflow)
+        momentum = state.momentum
         if skipped:
             state.memory.rollback()
+            if momentum is not None:
+                momentum.store.rollback()
         else:
             state.memory.commit()
+            if momentum is not None:
+                momentum.store.commit()
+                momentum.steps_done += 1
+                if momentum.steps_done == momentum.cfg.freeze_step and not momentum.frozen:
+                    # the gradient phase's residuals are in gradient units: the momentum phase starts clean
+                    state.memory.committed, state.memory.staged = {}, {}
+                    momentum.freeze(opt, opt.dp_process_group)
+                    if state.global_rank == 0:
+                        logger.info("deepspeed_dgc: Adam's second moment frozen after step %d; compressing the "
+                                    "momentum (%s) from now on", momentum.steps_done, momentum.cfg.quantization)
+        state.stats.state_bytes = state.memory.state_bytes() + (momentum.state_bytes() if momentum is not None else 0)
         log_now = (state.stats.steps + 1) % state.cfg.stats_interval == 0
         s = state.stats.end_step(skipped, state.memory.residual_norm() if log_now else None, _persistent_gather_bytes(opt))
         if log_now:
@@ -172,6 +188,11 @@ def install(engine, opt, cfg: DGCConfig) -> DGCState:
             raise DGCBackendError(f"'dgc.comm_backend' = \"mpi\": {problem}")
     _check_hpz_nodes(engine, cfg, ranks_per_node, source)
     state = DGCState(cfg, engine.global_rank, ranks_per_node)
+    state.reducer.steps_done = lambda: state.stats.steps  # the density schedule's clock
+    if cfg.compressed_momentum is not None:
+        beta1 = check_optimizer(opt.optimizer, engine.gradient_accumulation_steps())
+        state.momentum = CompressedMomentum(cfg.compressed_momentum, beta1)
+        state.reducer.momentum = state.momentum
     failure = ""
     try:
         ops = state.reducer.ops_for(get_accelerator().device_name())  # "fused" that cannot load fails here
@@ -191,6 +212,8 @@ def install(engine, opt, cfg: DGCConfig) -> DGCState:
                        "(%d ranks per node, from %s): gradients are reduced densely inside the node and nothing is "
                        "compressed", comms.world_size, comms.ranks_per_node, source)
     state.params = list(engine.module.parameters())
+    state.stats.world_size = comms.world_size
+    state.stats.n_params = sum(getattr(p, "ds_numel", p.numel()) for p in state.params)
     state.dp_rank = dist.get_rank(group=opt.dp_process_group)
     if cfg.weights.quantization != "none":
         zero_shard_padding(state.params, state.dp_rank)

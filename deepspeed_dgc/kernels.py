@@ -16,9 +16,15 @@ or ``"reference"``.
 Wire format of one payload (sender -> owner), aligned to 4 bytes::
 
     int32[5]  header: MAGIC, fingerprint (config and bucket shape), kept count, index bytes, scale groups
-    fp32[G]   INT4 scales (groups restart at each tensor; absent without quantization)
-    values    kept values in column order: packed INT4 (two per byte) or raw communication dtype
-    uint8[]   varint gaps of the kept positions of sparsified tensors (the others are implied)
+    fp32[G]   group scales (groups restart at each tensor; absent without quantization)
+    values    kept values in column order: codes of the value format (INT4 two per byte, INT2 four,
+              INT1 eight, FP8 one; see compressor.quantize_values) or raw communication dtype
+    uint8[]   positions of the kept values of sparsified tensors (the others are implied): varint
+              gaps, or with ``index_coding`` "bitmap" one bit per real element of those tensors
+
+The fused ops code INT4 with round-to-nearest and varint positions; a job asking for anything
+else (another format, stochastic rounding, bitmap positions) runs the reference code, which
+gives the same bytes either way, so ranks may mix the two paths.
 """
 
 import logging
@@ -27,8 +33,9 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .compressor import (decode_indices, dequantize_int4, encode_indices, int4_group_ids, int4_group_scales,
-                         pack_nibbles, quantize_int4, sample_indices, target_count, topk_threshold)
+from .compressor import (decode_indices, dequantize_values, encode_indices, int4_group_ids, int4_group_scales,
+                         pack_bits, pack_nibbles, quantize_values, sample_indices, target_count, topk_threshold,
+                         unpack_bits)
 
 logger = logging.getLogger("deepspeed_dgc")
 
@@ -59,9 +66,13 @@ class CompressJob:
         loss_scale: residuals are multiplied by it when added and divided by it when stored.
         density: top-k density; samples: positions of the threshold sample per tensor
             (:func:`sample_indices` over the real elements, row-major), None: all of them.
-        group_size: values per INT4 scale; quantize: False sends raw values in ``value_dtype``.
+        group_size: values per scale; quantize: False sends raw values in ``value_dtype``.
         fingerprint: int31 written in every header.
         want_residual: return the new residuals (error feedback on and not lossless).
+        value_format: format of quantized values (``compressor.VALUE_BITS``), default ``"int4"``.
+        rounding_generator: stochastic rounding from this generator (INT4/INT2), None: to nearest.
+        index_coding: ``"varint"`` gaps or a ``"bitmap"`` over the real elements of sparse tensors.
+        threshold: keep the elements of sparse tensors with ``|acc| >= threshold`` instead of top-k (None: top-k).
     """
     srcs: List[torch.Tensor]
     offsets: List[int]
@@ -81,6 +92,10 @@ class CompressJob:
     value_dtype: torch.dtype
     fingerprint: int
     want_residual: bool
+    value_format: str = "int4"
+    rounding_generator: Optional[torch.Generator] = None
+    index_coding: str = "varint"
+    threshold: Optional[float] = None
 
     @property
     def rows(self) -> int:
@@ -178,9 +193,9 @@ class ReferenceOps:
         col = 0
         for i, (c, k) in enumerate(zip(job.chunks, job.targets())):
             real = real_m[:, col:col + c]
-            if finite and job.sparse[i] and k < int(real.sum()):
+            if finite and job.sparse[i] and (job.threshold is not None or k < int(real.sum())):
                 mag = acc_m[:, col:col + c].abs()
-                threshold = topk_threshold(mag[real], k, job.samples[i])
+                threshold = job.threshold if job.threshold is not None else topk_threshold(mag[real], k, job.samples[i])
                 mask_m[:, col:col + c] = (mag >= threshold) & real
             col += c
         payloads, sent_m = self._encode_rows(job, acc_m, mask_m, real_m)
@@ -205,13 +220,17 @@ class ReferenceOps:
         sent_m = torch.zeros_like(acc_m)
         seg_ends = torch.cumsum(torch.tensor(job.chunks, dtype=torch.long, device=device), 0)
         payloads = []
+        sparse_cols = ~implied_m & real_m  # bitmap coding: one bit per real element of a sparse tensor
         for o in range(acc_m.shape[0]):
             pos = mask_m[o].nonzero().squeeze(1)
-            indexed = pos[~implied_m[o][pos]]
-            index_bytes = encode_indices(indexed, torch.tensor([indexed.numel()], device=device))
+            if job.index_coding == "bitmap":
+                index_bytes = pack_bits(mask_m[o][sparse_cols[o]].to(torch.uint8), 1)
+            else:
+                indexed = pos[~implied_m[o][pos]]
+                index_bytes = encode_indices(indexed, torch.tensor([indexed.numel()], device=device))
             vals = acc_m[o][pos]
             if job.quantize:
-                values, scales, sent_m[o][pos] = self._quantize(vals, job.group_size, _segment_counts(pos, seg_ends))
+                values, scales, sent_m[o][pos] = self._quantize(vals, job, _segment_counts(pos, seg_ends))
             else:
                 values, scales = vals.to(job.value_dtype), torch.empty(0, dtype=torch.float32, device=device)
                 sent_m[o][pos] = values.float()
@@ -222,18 +241,19 @@ class ReferenceOps:
             payloads.append(torch.cat([payload, payload.new_zeros(pad)]) if pad else payload)
         return payloads, sent_m
 
-    def _quantize(self, vals: torch.Tensor, group_size: int, segment_counts: torch.Tensor):
-        """``(packed, scales, decoded)`` of :func:`~deepspeed_dgc.compressor.quantize_int4`."""
-        return quantize_int4(vals, group_size, segment_counts, return_dequantized=True)
+    def _quantize(self, vals: torch.Tensor, job: CompressJob, segment_counts: torch.Tensor):
+        """``(packed, scales, decoded)`` of :func:`~deepspeed_dgc.compressor.quantize_values`."""
+        return quantize_values(vals, job.value_format, job.group_size, segment_counts, job.rounding_generator)
 
     def decode_add(self, out: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, index_bytes: torch.Tensor,
                    kept: int, n_indexed: int, seg_real: Sequence[int], chunks: Sequence[int], sparse: Sequence[bool],
-                   group_size: int, quantize: bool, value_dtype: torch.dtype) -> None:
+                   group_size: int, quantize: bool, value_dtype: torch.dtype, value_format: str = "int4",
+                   index_coding: str = "varint") -> None:
         """Add one sender's decoded payload body into this rank's row ``out``.
 
         Args:
             out: fp32 ``(C,)``, this rank's row of the owner matrix (padded layout), updated in place.
-            values: packed INT4 bytes (``ceil(kept/2)``) or ``kept`` raw values in ``value_dtype``.
+            values: packed codes of ``value_format`` or ``kept`` raw values in ``value_dtype``.
             scales: fp32 scales, one per group (groups restart at each tensor).
             index_bytes: varint gaps of the kept positions of sparse tensors.
             kept, n_indexed: values in the payload, and how many of them carry an index.
@@ -242,9 +262,9 @@ class ReferenceOps:
         Raises:
             ValueError: the body does not decode to ``kept`` positions inside the row.
         """
-        pos, counts = _decode_positions(out.numel(), index_bytes, kept, n_indexed, seg_real, chunks, sparse)
+        pos, counts = _decode_positions(out.numel(), index_bytes, kept, n_indexed, seg_real, chunks, sparse, index_coding)
         if quantize:
-            vals = dequantize_int4(values, scales, kept, group_size, counts)
+            vals = dequantize_values(values, scales, kept, value_format, group_size, counts)
         else:
             vals = values.float()
         out.index_add_(0, pos, vals)
@@ -259,6 +279,8 @@ class FusedCPUOps(ReferenceOps):
         self.op = op
 
     def compress(self, job: CompressJob) -> CompressOutput:
+        if not fused_can_code(job):
+            return ReferenceOps.compress(self, job)
         empty_f = torch.empty(0, dtype=torch.float32)
         empty_l = torch.empty(0, dtype=torch.long)
         payloads, residuals, finite, kept = self.op.compress_bucket(
@@ -270,7 +292,10 @@ class FusedCPUOps(ReferenceOps):
         return CompressOutput(list(payloads), list(residuals) if finite and job.want_residual else None, finite, kept)
 
     def decode_add(self, out, values, scales, index_bytes, kept, n_indexed, seg_real, chunks, sparse, group_size,
-                   quantize, value_dtype) -> None:
+                   quantize, value_dtype, value_format="int4", index_coding="varint") -> None:
+        if value_format != "int4" or index_coding != "varint":
+            return ReferenceOps.decode_add(self, out, values, scales, index_bytes, kept, n_indexed, seg_real, chunks,
+                                           sparse, group_size, quantize, value_dtype, value_format, index_coding)
         self.op.decode_add(out, values.contiguous(), scales.contiguous(), index_bytes.contiguous(), kept, n_indexed,
                            list(seg_real), list(chunks), list(sparse), group_size)
 
@@ -299,18 +324,30 @@ class FusedCUDAOps(ReferenceOps):
         return acc_m, torch.cat(reals, dim=1)
 
     def decode_add(self, out, values, scales, index_bytes, kept, n_indexed, seg_real, chunks, sparse, group_size,
-                   quantize, value_dtype) -> None:
+                   quantize, value_dtype, value_format="int4", index_coding="varint") -> None:
+        if value_format != "int4" or index_coding != "varint":
+            return ReferenceOps.decode_add(self, out, values, scales, index_bytes, kept, n_indexed, seg_real, chunks,
+                                           sparse, group_size, quantize, value_dtype, value_format, index_coding)
         pos, counts = _decode_positions(out.numel(), index_bytes, kept, n_indexed, seg_real, chunks, sparse)
         gid, n_groups = int4_group_ids(counts, group_size)
         if n_groups != scales.numel():
             raise ValueError(f"{scales.numel()} scales for {n_groups} groups")
         self.op.dequant_add(out, pos, values.contiguous(), scales.contiguous(), gid, _stream())
 
-    def _quantize(self, vals: torch.Tensor, group_size: int, segment_counts: torch.Tensor):
+    def _quantize(self, vals: torch.Tensor, job: CompressJob, segment_counts: torch.Tensor):
+        if job.value_format != "int4" or job.rounding_generator is not None:
+            return ReferenceOps._quantize(self, vals, job, segment_counts)
+        group_size = job.group_size
         gid, n_groups = int4_group_ids(segment_counts, group_size)
         scales = int4_group_scales(vals, gid, n_groups)
         nibbles, decoded = self.op.int4_encode(vals.contiguous(), scales, gid, _stream())
         return pack_nibbles(nibbles), scales, decoded
+
+
+def fused_can_code(job: CompressJob) -> bool:
+    """Whether the fused ops code this job themselves: INT4 to nearest with varint positions."""
+    return (job.value_format == "int4" and job.rounding_generator is None and job.index_coding == "varint"
+            and job.threshold is None)
 
 
 def _stream() -> int:
@@ -319,7 +356,8 @@ def _stream() -> int:
 
 
 def _decode_positions(row_numel: int, index_bytes: torch.Tensor, kept: int, n_indexed: int, seg_real: Sequence[int],
-                      chunks: Sequence[int], sparse: Sequence[bool]) -> Tuple[torch.Tensor, torch.Tensor]:
+                      chunks: Sequence[int], sparse: Sequence[bool],
+                      index_coding: str = "varint") -> Tuple[torch.Tensor, torch.Tensor]:
     """Sorted positions (columns of the row) of a payload's ``kept`` values, and their count per tensor.
 
     Raises:
@@ -329,7 +367,17 @@ def _decode_positions(row_numel: int, index_bytes: torch.Tensor, kept: int, n_in
     implied = torch.cat([
         torch.arange(col, col + r, device=device) for col, r, s in zip(_starts(chunks), seg_real, sparse) if not s
     ] or [torch.empty(0, dtype=torch.long, device=device)])
-    indexed = decode_indices(index_bytes, torch.tensor([n_indexed], device=device))
+    if index_coding == "bitmap":
+        cols = torch.cat([
+            torch.arange(col, col + r, device=device) for col, r, s in zip(_starts(chunks), seg_real, sparse) if s
+        ] or [torch.empty(0, dtype=torch.long, device=device)])
+        if index_bytes.numel() != -(-cols.numel() // 8):
+            raise ValueError(f"bitmap of {index_bytes.numel()} bytes for {cols.numel()} elements")
+        indexed = cols[unpack_bits(index_bytes, 1, cols.numel()).bool()]
+        if indexed.numel() != n_indexed:
+            raise ValueError(f"bitmap marks {indexed.numel()} positions, the header says {n_indexed}")
+    else:
+        indexed = decode_indices(index_bytes, torch.tensor([n_indexed], device=device))
     if n_indexed and (int(indexed.max()) >= row_numel or int(indexed.min()) < 0):
         raise ValueError(f"index past the partition of {row_numel} elements")  # also an int64 wrap-around
     pos = torch.sort(torch.cat([implied, indexed])).values if n_indexed else implied

@@ -13,18 +13,64 @@ from typing import Dict, Optional
 
 import torch
 
+from .compressor import dequantize_weights, quantize_weights
+
+# bytes per element of each storage dtype of committed residuals (fp8: one code plus an fp32 scale per 128)
+RESIDUAL_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp8": 1.0 + 4.0 / 128}
+FP8_RESIDUAL_GROUP = 128
+
 
 class ErrorFeedback:
-    """Per-parameter residuals (fp32, the full unpartitioned gradient shape, flattened).
+    """Per-parameter residuals (the full unpartitioned gradient shape, flattened), staged as fp32.
 
-    Keys are ``param.ds_id`` (stable across steps and ranks). Memory: 4 bytes per element of
-    every compressed parameter on every rank while committed, plus up to the same again for
-    the staged copy during a backward pass.
+    Keys are ``param.ds_id`` (stable across steps and ranks). Committed residuals are stored in
+    ``storage``: ``"fp32"`` (4 bytes per element), ``"bf16"`` (2 bytes, relative rounding error
+    <= 2^-8) or ``"fp8"`` (e4m3 codes with an fp32 absmax scale per 128 elements, about 1.03 bytes;
+    relative error <= 2^-4, values below ``absmax * 2^-9 / 448`` of their group flush to zero), as
+    LoCo's 8-bit error-compensation buffer (Xie et al., arXiv 2407.04480, section 3). The rounding
+    error of the storage itself is not fed back. During a backward pass the staged fp32 copies
+    add up to 4 bytes per element.
+
+    Args:
+        storage: ``"fp32"``, ``"bf16"`` or ``"fp8"``.
+
+    Raises:
+        ValueError: unknown storage.
     """
 
-    def __init__(self):
-        self.committed: Dict[int, torch.Tensor] = {}
+    def __init__(self, storage: str = "fp32"):
+        if storage not in RESIDUAL_BYTES:
+            raise ValueError(f"unknown residual storage {storage!r}; allowed: {', '.join(RESIDUAL_BYTES)}")
+        self.storage = storage
+        self.committed: Dict[int, object] = {}  # fp32/bf16 tensor, or (codes, scales) for fp8
         self.staged: Dict[int, torch.Tensor] = {}
+
+    def _encode(self, r: torch.Tensor):
+        if self.storage == "fp32":
+            return r
+        if self.storage == "bf16":
+            return r.to(torch.bfloat16)
+        return quantize_weights(r, "fp8_e4m3", FP8_RESIDUAL_GROUP)
+
+    def _decode(self, stored) -> torch.Tensor:
+        if isinstance(stored, tuple):
+            codes, scales = stored
+            return dequantize_weights(codes, scales, codes.numel(), "fp8_e4m3", FP8_RESIDUAL_GROUP)
+        return stored.float()
+
+    @staticmethod
+    def _nbytes(stored) -> int:
+        parts = stored if isinstance(stored, tuple) else (stored, )
+        return sum(t.numel() * t.element_size() for t in parts)
+
+    def residuals(self) -> Dict[int, torch.Tensor]:
+        """Every committed residual decoded to fp32 (new tensors), keyed by ``ds_id``."""
+        return {k: self._decode(v) for k, v in self.committed.items()}
+
+    def load(self, residuals: Dict[int, torch.Tensor]) -> None:
+        """Replace all state by these fp32 residuals (stored in ``storage``); nothing staged."""
+        self.committed = {int(k): self._encode(v.float()) for k, v in residuals.items()}
+        self.staged = {}
 
     def get(self, key: int) -> Optional[torch.Tensor]:
         """The latest residual of ``key`` (staged in this window if any, else committed), unscaled.
@@ -33,7 +79,10 @@ class ErrorFeedback:
             fp32 tensor of shape ``(numel,)`` or None when the parameter has no residual yet.
         """
         r = self.staged.get(key)
-        return self.committed.get(key) if r is None else r
+        if r is not None:
+            return r
+        stored = self.committed.get(key)
+        return None if stored is None else self._decode(stored)
 
     def stage(self, key: int, residual: torch.Tensor) -> None:
         """Record ``residual`` (fp32, unscaled, shape ``(numel,)``) for commit after the step."""
@@ -41,7 +90,7 @@ class ErrorFeedback:
 
     def commit(self) -> None:
         """The step was applied: staged residuals become the committed ones."""
-        self.committed.update(self.staged)
+        self.committed.update({k: self._encode(v) for k, v in self.staged.items()})
         self.staged = {}
 
     def rollback(self) -> None:
@@ -52,9 +101,9 @@ class ErrorFeedback:
         """L2 norm over all committed residuals (unscaled gradient units); one pass over them."""
         if not self.committed:
             return 0.0
-        sq = sum(float(torch.dot(r, r)) for r in self.committed.values())
+        sq = sum(float(torch.dot(r, r)) for r in self.residuals().values())
         return sq**0.5
 
     def state_bytes(self) -> int:
         """Bytes held between steps by committed residuals."""
-        return sum(r.numel() * r.element_size() for r in self.committed.values())
+        return sum(self._nbytes(v) for v in self.committed.values())

@@ -29,7 +29,9 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .compressor import int4_packed_bytes
+from deepspeed import comm as dist
+
+from .compressor import packed_bytes, sample_indices
 from .config import DGCConfig
 from .kernels import HEADER_INT32, MAGIC, CompressJob, draw_samples, get_ops
 from .memory import ErrorFeedback
@@ -105,11 +107,14 @@ class CompressedReduceScatter:
         self.ops = ops
         self._generators = {}
         self._comms = {}
+        self.momentum = None  # a momentum.CompressedMomentum with dgc.compressed_momentum
+        self.steps_done = lambda: 0  # optimizer steps completed so far (the engine's integration sets it)
+        self._density = cfg.density if isinstance(cfg.density, float) else cfg.density_max
 
     def ops_for(self, device_type: str):
         """The compression implementation (fused or reference), chosen once."""
         if self.ops is None:
-            self.ops = get_ops(self.cfg.kernels, device_type, self.cfg.quantization == "int4")
+            self.ops = get_ops(self.cfg.kernels, device_type, self.cfg.quantization != "none")
         return self.ops
 
     def _generator(self, device: torch.device) -> torch.Generator:
@@ -126,9 +131,61 @@ class CompressedReduceScatter:
             self._comms[group] = build_reduce_comms(self.cfg, group, self.ranks_per_node)
         return self._comms[group]
 
+    def codec(self) -> Tuple[float, str, int]:
+        """``(density, quantization, group_size)`` of the current exchange: the top-level keys, or the
+        ``compressed_momentum`` ones after the freeze; the density as :meth:`step_density` or ``"auto"`` chose it."""
+        if self.momentum is not None and self.momentum.frozen:
+            m = self.momentum.cfg
+            return self._density, m.quantization, m.group_size
+        return self._density, self.cfg.quantization, self.cfg.group_size
+
+    def step_density(self) -> Optional[float]:
+        """Density of this step from the schedule: dense warm-up steps, then DGC's geometric warm-up
+        from max(0.25, density) to ``density``, then ``density``; None when ``"auto"`` chooses per bucket."""
+        cfg, t = self.cfg, self.steps_done()
+        if t < cfg.warmup_dense_steps:
+            return 1.0
+        if cfg.density == "auto":
+            return None
+        t -= cfg.warmup_dense_steps
+        if t < cfg.warmup_steps:
+            start, frac = max(0.25, cfg.density), t / cfg.warmup_steps
+            return start**(1.0 - frac) * cfg.density**frac
+        return cfg.density
+
+    def _auto_density(self, grads: Sequence[torch.Tensor], keys: Sequence[int], divisor: float, loss_scale: float, group,
+                      device) -> float:
+        """The smallest density leaving at most ``energy_budget`` of the accumulator's energy unsent, estimated on
+        DGC's 1% samples of every tensor that is sparsified, clamped to the bounds; then the largest over the
+        ranks of ``group`` (one all-reduce of one value), so every rank uses the same."""
+        cfg = self.cfg
+        mags = []
+        for g, key in zip(grads, keys):
+            n = g.numel()
+            if n < cfg.min_numel:
+                continue
+            flat = g.reshape(-1)
+            sample = sample_indices(n, 1, self._generator(device), device)
+            acc = (flat if sample is None else flat[sample]).float() / divisor
+            residual = self.memory.get(key) if cfg.topology == "flat" and cfg.error_feedback else None
+            if residual is not None:
+                acc += (residual if sample is None else residual[sample]) * loss_scale
+            mags.append(acc.abs())
+        want = cfg.density_max
+        if mags:
+            energy = torch.sort(torch.cat(mags).double().square(), descending=True).values
+            total = float(energy.sum())
+            if total > 0:
+                kept_share = torch.cumsum(energy, 0) / total
+                needed = int(torch.searchsorted(kept_share, torch.tensor(1.0 - cfg.energy_budget, dtype=torch.float64))) + 1
+                want = needed / energy.numel()
+        want = torch.tensor([min(cfg.density_max, max(cfg.density_min, want))], dtype=torch.float32, device=device)
+        dist.all_reduce(want, op=dist.ReduceOp.MAX, group=group)
+        return float(want.item())
+
     def _fingerprint(self, numels: Sequence[int], sparse: Sequence[bool], comm_dtype: torch.dtype) -> int:
         desc = json.dumps([
-            self.cfg.density, self.cfg.quantization, self.cfg.group_size, self.cfg.min_numel, self.cfg.topology,
+            self.codec(), self.cfg.stochastic_rounding, self.cfg.index_coding, self.cfg.min_numel, self.cfg.topology,
             self.ranks_per_node if self.cfg.topology == "hierarchical" else None,
             str(comm_dtype),
             list(numels),
@@ -138,7 +195,8 @@ class CompressedReduceScatter:
 
     def is_sparse(self, numel: int) -> bool:
         """Whether a tensor of ``numel`` elements is top-k sparsified (else sent whole, still quantized)."""
-        return self.cfg.density < 1.0 and numel >= self.cfg.min_numel
+        threshold = self.cfg.threshold is not None and not (self.momentum is not None and self.momentum.frozen)
+        return (self.codec()[0] < 1.0 or threshold) and numel >= self.cfg.min_numel
 
     def reduce_scatter(self,
                        grads: Sequence[torch.Tensor],
@@ -178,12 +236,23 @@ class CompressedReduceScatter:
         comms = self.comms_for(group)
         world, rank = comms.world_size, comms.rank
         device = grads[0].device
+        frozen = self.momentum is not None and self.momentum.frozen
+        density = self.step_density() if not frozen else self.momentum.cfg.density
         numels = [g.numel() for g in grads]
+        # Stock casts to the communication dtype and pre-divides by W (the division is in the job).
+        srcs = [g.reshape(-1).to(comm_dtype) for g in grads]
+        divisor, job_loss_scale = float(world), loss_scale
+        if self.momentum is not None:  # every step updates the local momentum; after the freeze it is sent
+            momenta = [self.momentum.update(k, g, world, loss_scale) for k, g in zip(keys, grads)]
+            if frozen:  # unscaled fp32 values, already divided by W
+                srcs = [self.momentum.to_send(k, m) for k, m in zip(keys, momenta)]
+                divisor, job_loss_scale = 1.0, 1.0
+        if density == "auto" or density is None:
+            density = self._auto_density(srcs, keys, divisor, job_loss_scale, group, device)
+        self._density = density
         sparse = [self.is_sparse(n) for n in numels]
         chunks = [-(-n // world) for n in numels]
         fingerprint = self._fingerprint(numels, sparse, comm_dtype)
-        # Stock casts to the communication dtype and pre-divides by W (the division is in the job).
-        srcs = [g.reshape(-1).to(comm_dtype) for g in grads]
 
         if comms.hierarchical:
             intra_before, inter_before = comms.intra.wire_bytes, comms.inter.wire_bytes
@@ -193,13 +262,15 @@ class CompressedReduceScatter:
             inter_bytes = comms.inter.wire_bytes - inter_before
         else:
             job = self._job(srcs, [0] * len(srcs), chunks, numels, chunks, sparse, list(range(world)), keys, numels,
-                            float(world), loss_scale, comm_dtype, fingerprint, device)
+                            divisor, job_loss_scale, comm_dtype, fingerprint, device)
             out, finite, kept = self._compress_exchange(job, keys, comms.flat, rank)
             sent = comms.flat.last_sent_bytes
             intra_bytes = sum(b for d, b in enumerate(sent) if comms.dest_nodes[d] == comms.dest_nodes[rank])
             inter_bytes = sum(sent) - intra_bytes
-        if self.cfg.quantization == "none" and comm_dtype != torch.float32:
+        if self.codec()[1] == "none" and comm_dtype != torch.float32:
             out = out.to(comm_dtype).float()  # stock's result is in the communication dtype
+        if job_loss_scale != loss_scale:  # momentum is sent unscaled; DeepSpeed divides by the loss scale
+            out.mul_(loss_scale)
 
         outputs, col = [], 0
         for n, c in zip(numels, chunks):
@@ -223,7 +294,8 @@ class CompressedReduceScatter:
              loss_scale, comm_dtype, fingerprint, device) -> CompressJob:
         """The :class:`~deepspeed_dgc.kernels.CompressJob` of one exchange, with this rank's residuals
         and threshold samples (drawn from this rank's generator in tensor order)."""
-        ef = self.cfg.error_feedback and not self.cfg.lossless
+        density, quantization, group_size = self.codec()
+        ef = self.cfg.error_feedback and not (density >= 1.0 and quantization == "none")
         job = CompressJob(srcs=srcs,
                           offsets=offsets,
                           row_strides=strides,
@@ -235,15 +307,20 @@ class CompressedReduceScatter:
                           residual_numels=residual_numels,
                           divisor=divisor,
                           loss_scale=loss_scale,
-                          density=self.cfg.density,
+                          density=density,
                           samples=[],
-                          group_size=self.cfg.group_size,
-                          quantize=self.cfg.quantization == "int4",
+                          group_size=group_size,
+                          quantize=quantization != "none",
                           value_dtype=comm_dtype,
                           fingerprint=fingerprint,
-                          want_residual=ef)
-        job.samples = draw_samples([sum(job.real_counts(i)) for i in range(len(numels))], sparse, self.cfg.density,
+                          want_residual=ef,
+                          value_format=quantization if quantization != "none" else "int4",
+                          index_coding=self.cfg.index_coding_for(density),
+                          threshold=None if self.momentum is not None and self.momentum.frozen else self.cfg.threshold)
+        job.samples = draw_samples([sum(job.real_counts(i)) for i in range(len(numels))], sparse, density,
                                    self._generator(device), device)
+        if self.cfg.stochastic_rounding and quantization in ("int4", "int2"):
+            job.rounding_generator = self._generator(device)
         return job
 
     def _reduce_two_hops(self, srcs, chunks, keys, numels, sparse, comms, comm_dtype, loss_scale, fingerprint):
@@ -322,7 +399,7 @@ class CompressedReduceScatter:
                 raise DGCProtocolError(f"rank {src} kept {kept} elements, fewer than the {n_implied} sent whole")
             scales, off = _take(buf, off, 4 * n_groups, torch.float32)
             if job.quantize:
-                values, off = _take(buf, off, int4_packed_bytes(kept), torch.uint8)
+                values, off = _take(buf, off, packed_bytes(kept, job.value_format), torch.uint8)
             else:
                 values, off = _take(buf, off, itemsize * kept, comm_dtype)
             index_bytes, off = _take(buf, off, n_index, torch.uint8)
@@ -332,7 +409,7 @@ class CompressedReduceScatter:
                 continue  # a rank whose input was not finite sends nothing
             try:
                 ops.decode_add(out, values, scales, index_bytes, kept, n_indexed, seg_real, job.chunks, job.sparse,
-                               job.group_size, job.quantize, comm_dtype)
+                               job.group_size, job.quantize, comm_dtype, job.value_format, job.index_coding)
             except ValueError as err:
                 raise DGCProtocolError(f"rank {src}: {err}") from None
         return out

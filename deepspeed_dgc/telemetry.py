@@ -91,6 +91,9 @@ class DGCStats:
     param_inter_node_dense_fp32_bytes_total: float = 0.0
     param_uncovered_bytes_total: int = 0
     kernels: str = ""  # which compression path ran: "fused-cpu", "fused-cuda" or "reference"
+    world_size: int = 1  # of the data-parallel group (set at install)
+    n_params: int = 0  # elements of the model's parameters (set at install)
+    state_bytes: int = 0  # the extension's persistent state on this rank after the last step (bytes)
     last: Optional[StepStats] = None
     _current: StepStats = field(default_factory=StepStats, repr=False)
 
@@ -103,6 +106,20 @@ class DGCStats:
     def mean_density(self) -> float:
         """Run total elements sent over elements reduced."""
         return self.kept_total / self.numel_total if self.numel_total else 1.0
+
+    @property
+    def bits_per_kept_element(self) -> float:
+        """Gradient wire bits per value sent to another rank: everything on the wire (values, positions,
+        scales, headers, size exchange) over ``kept_total * (W-1)/W`` (a rank keeps its own slice); 0 before
+        anything was sent."""
+        sent = self.kept_total * (self.world_size - 1) / self.world_size
+        return 8.0 * self.wire_bytes_total / sent if sent else 0.0
+
+    @property
+    def state_bytes_per_param(self) -> float:
+        """Persistent state of the extension on this rank (residuals, local momentum, preconditioner)
+        per model parameter, in bytes."""
+        return self.state_bytes / self.n_params if self.n_params else 0.0
 
     def record(self, r: ReduceResult) -> None:
         """Add one reduce-scatter call to the current step."""
@@ -145,6 +162,9 @@ class DGCStats:
             "dense_fp32_bytes_total": round(self.dense_fp32_bytes_total),
             "compression_ratio": self.compression_ratio,
             "mean_density": self.mean_density,
+            "bits_per_kept_element": self.bits_per_kept_element,
+            "state_bytes": self.state_bytes,
+            "state_bytes_per_param": self.state_bytes_per_param,
             "grad_wire_bytes_total": self.wire_bytes_total,
             "grad_intra_node_wire_bytes_total": self.intra_node_wire_bytes_total,
             "grad_inter_node_wire_bytes_total": self.inter_node_wire_bytes_total,

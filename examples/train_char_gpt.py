@@ -351,6 +351,8 @@ def main() -> None:
             "skipped_steps": engine.skipped_steps,
             "dgc_stats": None if stats is None else stats.to_dict(),
             "dgc_kernels": None if stats is None else stats.kernels,
+            "state_bytes_per_param": None if stats is None else stats.state_bytes_per_param,
+            "bits_per_kept_element": None if stats is None else stats.bits_per_kept_element,
             # gradient and parameter traffic apart (None where stock DeepSpeed ran without the seam)
             "grad_wire_bytes_total": wire,
             "grad_dense_fp32_bytes_total": dense_fp32,

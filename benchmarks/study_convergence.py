@@ -1,0 +1,221 @@
+"""Convergence study: validation loss against compression ratio on the main job, 2 ranks, same seed.
+
+Run from the repository root::
+
+    python benchmarks/study_convergence.py --json runs/study/results.json --docs docs
+
+Every setting trains ``examples/train_char_gpt.py`` with ``configs/zero3_baseline.json`` (char GPT
+of 0.8M parameters, Adam, 16 x 64 characters per rank per step) and a ``"dgc"`` section:
+
+- stock ZeRO-3 (no ``"dgc"``) and dense INT4 gradients with error feedback;
+- *plain error feedback*: top-k gradients at density 0.3, 0.1, 0.03, 0.01 and ``"auto"``, INT4 values;
+- *Adam-aware* (``compressed_momentum``, 1-bit Adam's recipe, see ``deepspeed_dgc/momentum.py``):
+  dense INT4 gradients for ``--freeze-step`` steps, then the momentum, preconditioned by the frozen
+  ``sqrt(v_hat)``, at the same densities with INT4 values, and dense at INT2 and at 1 bit;
+- the residual stored in fp8 instead of fp32 for the two best settings.
+
+All run ``--steps`` steps; stock and the three best run ``--long-steps`` as well ("best": the largest
+compression ratio among those within 1% of stock's validation loss, then the smallest gaps).
+Columns: final validation loss, gap to stock, compression ratio of the gradient traffic over the
+whole run (warm-up included) against fp32, the extension's state in bytes per parameter per rank, and
+wire bits per kept element. Outputs: ``<out-dir>/<setting>_<steps>.json`` per run (reused when present
+with the same config, unless ``--fresh``), ``<out-dir>/study.md``, ``<out-dir>/study.png``
+(compression ratio, log scale, against the gap; one point per setting) and, with ``--docs DIR``,
+copies of both as ``DIR/study_convergence.{md,png}``.
+"""
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN_SCRIPT = ROOT / "examples" / "train_char_gpt.py"
+BASE_CONFIG = ROOT / "configs" / "zero3_baseline.json"
+DENSITIES = (0.3, 0.1, 0.03, 0.01, "auto")
+GAP_TARGET_PCT = 1.0
+
+
+def settings(freeze_step: int) -> dict:
+    """name -> (family, label, "dgc" section or None)."""
+    base = {"enabled": True, "quantization": "int4", "group_size": 128, "error_feedback": True, "min_numel": 2048,
+            "stats_interval": 1000000}
+    out = {"stock": ("stock", "stock ZeRO-3 (fp32)", None),
+           "int4_dense": ("plain EF", "dense INT4 + error feedback", dict(base, density=1.0))}
+    for d in DENSITIES:
+        out[f"ef_d{d}"] = ("plain EF", f"top-k {d} INT4 + error feedback", dict(base, density=d))
+    for d in DENSITIES:
+        out[f"adam_d{d}"] = ("Adam-aware", f"compressed momentum, top-k {d} INT4",
+                             dict(base, density=1.0, compressed_momentum={"freeze_step": freeze_step,
+                                                                         "quantization": "int4", "density": d}))
+    for q in ("int2", "int1"):
+        out[f"adam_{q}"] = ("Adam-aware", f"compressed momentum, dense {q.upper()}",
+                            dict(base, density=1.0, compressed_momentum={"freeze_step": freeze_step, "quantization": q}))
+    return out
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--long-steps", type=int, default=1000, help="0: no long runs")
+    parser.add_argument("--freeze-step", type=int, default=60, help="Adam-aware settings: steps before the freeze")
+    parser.add_argument("--only", nargs="+", help="run only these settings (stock is always run)")
+    parser.add_argument("--fp8-residual-best", type=int, default=2, help="also run the best N with residual_dtype fp8")
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--num-gpus", type=int, default=2)
+    parser.add_argument("--out-dir", type=Path, default=Path("runs/study"))
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--docs", type=Path, help="copy the table and plot here as study_convergence.{md,png}")
+    parser.add_argument("--fresh", action="store_true", help="rerun settings whose summary already exists")
+    args = parser.parse_args(argv)
+    known = settings(args.freeze_step)
+    if args.only:
+        unknown = [n for n in args.only if n not in known]
+        if unknown:
+            parser.error(f"--only: unknown {unknown}; choose from {list(known)}")
+    if args.steps < 1 or args.long_steps < 0 or args.freeze_step < 1 or args.fp8_residual_best < 0:
+        parser.error("--steps and --freeze-step must be >= 1, --long-steps and --fp8-residual-best >= 0")
+    return args
+
+
+def run(name: str, dgc: dict | None, steps: int, args: argparse.Namespace) -> dict:
+    """Train one setting for ``steps`` (or reuse its summary); returns the summary dict.
+
+    Raises RuntimeError when the run fails.
+    """
+    ds = json.loads(BASE_CONFIG.read_text())
+    if dgc is not None:
+        ds["dgc"] = dgc
+    tag = f"{name}_{steps}"
+    config_path = args.out_dir / "configs" / f"{tag}.json"
+    summary_path = args.out_dir / f"{tag}.json"
+    config_path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(ds, indent=2) + "\n"
+    if not args.fresh and summary_path.exists() and config_path.exists() and config_path.read_text() == text:
+        summary = json.loads(summary_path.read_text())
+        if summary.get("steps") == steps and summary.get("seed") == args.seed:
+            print(f"  {tag}: reusing {summary_path}", flush=True)
+            return summary
+    config_path.write_text(text)
+    summary_path.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.num_gpus), "--master_port", "29720",
+           str(TRAIN_SCRIPT), "--deepspeed_config", str(config_path), "--max-steps", str(steps), "--seed", str(args.seed),
+           "--eval-interval", str(max(1, steps // 10)), "--summary-json", str(summary_path)]
+    log_path = args.out_dir / "logs" / f"{tag}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    with open(log_path, "w") as log:
+        result = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    if result.returncode != 0 or not summary_path.exists():
+        raise RuntimeError(f"{tag} failed with exit code {result.returncode} (log: {log_path})")
+    summary = json.loads(summary_path.read_text())
+    print(f"  {tag}: val {summary['final_val_loss']:.4f}, ratio {summary['compression_ratio']:.1f}x "
+          f"({time.time() - started:.0f} s)", flush=True)
+    return summary
+
+
+def row(name: str, family: str, label: str, s: dict, stock: dict) -> dict:
+    gap = 100.0 * (s["final_val_loss"] - stock["final_val_loss"]) / stock["final_val_loss"]
+    return {"name": name, "family": family, "label": label, "steps": s["steps"], "val_loss": s["final_val_loss"],
+            "gap_pct": gap, "compression_ratio": s["compression_ratio"],
+            "state_bytes_per_param": s.get("state_bytes_per_param") or 0.0,
+            "bits_per_kept_element": s.get("bits_per_kept_element"), "skipped_steps": s["skipped_steps"]}
+
+
+def best(rows: list[dict], n: int) -> list[str]:
+    """Names of the n best compressed settings: within the gap target by ratio, then the rest by gap."""
+    cands = [r for r in rows if r["family"] != "stock"]
+    within = sorted((r for r in cands if r["gap_pct"] <= GAP_TARGET_PCT), key=lambda r: -r["compression_ratio"])
+    rest = sorted((r for r in cands if r["gap_pct"] > GAP_TARGET_PCT), key=lambda r: r["gap_pct"])
+    return [r["name"] for r in (within + rest)[:n]]
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    lines = [f"{meta['date']}, {meta['machine']}; main job (char GPT, {meta['n_params']:,} parameters, Adam), "
+             f"2 ranks, seed {meta['seed']}; ratio = fp32 reduce-scatter bytes over wire bytes for the whole run "
+             f"(warm-up included); state = the extension's bytes per parameter per rank after the last step.", "",
+             "| setting | family | steps | final val loss | gap vs stock | compression vs fp32 | state B/param "
+             "| bits per kept element |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        bits = "" if not r["bits_per_kept_element"] else f"{r['bits_per_kept_element']:.1f}"
+        lines.append(f"| {r['label']} (`{r['name']}`) | {r['family']} | {r['steps']} | {r['val_loss']:.4f} "
+                     f"| {r['gap_pct']:+.2f}% | {r['compression_ratio']:.1f}x | {r['state_bytes_per_param']:.2f} | {bits} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path, steps: int) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(9, 6))
+    markers = {"stock": "k*", "plain EF": "o", "Adam-aware": "s"}
+    for family, marker in markers.items():
+        pts = [r for r in rows if r["family"] == family and r["steps"] == steps]
+        if pts:
+            ax.plot([r["gap_pct"] for r in pts], [r["compression_ratio"] for r in pts], marker, label=family, ms=8,
+                    linestyle="none")
+            for r in pts:
+                ax.annotate(r["name"], (r["gap_pct"], r["compression_ratio"]), fontsize=7, xytext=(4, 3),
+                            textcoords="offset points")
+    ax.axvline(GAP_TARGET_PCT, color="grey", linestyle=":", label=f"{GAP_TARGET_PCT:g}% gap")
+    ax.axhline(16, color="grey", linestyle="--", label="16x")
+    ax.set_yscale("log")
+    ax.set_xlabel(f"validation-loss gap to stock after {steps} steps (%)")
+    ax.set_ylabel("compression ratio vs fp32 (log)")
+    ax.set_title("compression against convergence, main job, 2 ranks")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    known = settings(args.freeze_step)
+    names = ["stock"] + [n for n in known if n != "stock" and (not args.only or n in args.only)]
+    started = time.time()
+    summaries, rows = {}, []
+    print(f"{len(names)} settings x {args.steps} steps", flush=True)
+    for name in names:
+        summaries[(name, args.steps)] = run(name, known[name][2], args.steps, args)
+    stock = summaries[("stock", args.steps)]
+    rows = [row(n, known[n][0], known[n][1], summaries[(n, args.steps)], stock) for n in names]
+    for name in best(rows, args.fp8_residual_best):
+        family, label, dgc = known[name]
+        fp8 = dict(dgc, residual_dtype="fp8")
+        known[f"{name}_rfp8"] = (family, f"{label}, fp8 residual", fp8)
+        summaries[(f"{name}_rfp8", args.steps)] = run(f"{name}_rfp8", fp8, args.steps, args)
+        rows.append(row(f"{name}_rfp8", family, f"{label}, fp8 residual", summaries[(f"{name}_rfp8", args.steps)], stock))
+    if args.long_steps:
+        long_names = ["stock"] + best(rows, 3)
+        long_stock = run("stock", None, args.long_steps, args)
+        for name in long_names:
+            s = long_stock if name == "stock" else run(name, known[name][2], args.long_steps, args)
+            rows.append(row(name, known[name][0], known[name][1], s, long_stock))
+    meta = {"date": time.strftime("%Y-%m-%d", time.gmtime(started)), "seed": args.seed, "n_params": stock["n_params"],
+            "machine": f"{__import__('os').cpu_count()} CPU cores, gloo", "elapsed_s": time.time() - started,
+            "freeze_step": args.freeze_step}
+    table = markdown(rows, meta)
+    (args.out_dir / "study.md").write_text(table)
+    plot(rows, args.out_dir / "study.png", args.steps)
+    payload = {"meta": meta, "rows": rows}
+    for path in filter(None, [args.out_dir / "results.json", args.json]):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(payload, indent=2) + "\n")
+    if args.docs:
+        args.docs.mkdir(parents=True, exist_ok=True)
+        shutil.copy(args.out_dir / "study.md", args.docs / "study_convergence.md")
+        shutil.copy(args.out_dir / "study.png", args.docs / "study_convergence.png")
+    print("\n" + table, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except RuntimeError as exc:
+        sys.exit(f"study_convergence.py: {exc}")

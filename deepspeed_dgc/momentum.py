@@ -1,0 +1,196 @@
+"""Compressed momentum for Adam: 1-bit Adam's recipe (Tang et al., ICML 2021) on ZeRO-3's partitions.
+
+Why: sparse or coarse gradients with error feedback work for momentum SGD, but Adam divides every
+coordinate by ``sqrt(v)``: residuals that arrive late and in bursts inflate ``v`` and the step is not
+linear in what was sent. 1-bit Adam observes that ``v`` changes slowly after a warm-up, freezes it,
+and communicates the momentum instead, so the optimizer step becomes linear in the compressed
+quantity and error feedback can correct the compression error (sections 3.1-3.3, Algorithm 1).
+
+Where the state lives (ZeRO-3):
+
+- the *local momentum* ``m_r`` of each rank's own gradient, full parameter shape, on every rank
+  (4 bytes per parameter): the mean of what the ranks send must be the momentum of the mean
+  gradient, and momentum is linear, so each rank keeps its own and the owner sums them;
+- after the freeze, with ``precondition``, ``1 / (sqrt(v_hat) + eps)`` of every parameter in bf16 on
+  every rank (2 bytes per parameter), gathered once from the owners' Adam state, so that ranks
+  compress the update ``m / (sqrt(v_hat) + eps)`` itself (group scales then see values of one scale);
+- Adam's own ``exp_avg``/``exp_avg_sq`` stay partitioned on the owners and stop changing at the freeze;
+- the error-feedback residual (:mod:`deepspeed_dgc.memory`) of the momentum phase, full shape.
+
+The owner's update after the freeze: ``p <- p (1 - lr wd) - lr u`` with ``u`` the sum over ranks of
+what they sent (``m_r / (sqrt(v_hat) + eps)`` with ``precondition``, else ``m_r`` divided by the
+owner's ``sqrt(v_hat) + eps``); ``v_hat = v_T / (1 - b2^T)`` at the freeze step T; no bias
+correction of ``m`` (1 - b1^T is 1 to within b1^T).
+"""
+
+import functools
+from typing import Dict, List, Optional
+
+import torch
+from deepspeed import comm as dist
+
+from .config import CompressedMomentumConfig, DGCConfigError
+from .memory import ErrorFeedback
+
+# optimizers whose state holds Adam's "exp_avg_sq" and whose param groups hold lr, betas, eps, weight_decay
+ADAM_TYPES = ("Adam", "AdamW", "FusedAdam", "DeepSpeedCPUAdam")
+V_FLOOR = 0.01  # frozen v_hat is at least this times its parameter's mean (see _owner_inv_denominator)
+
+
+def _decoupled_weight_decay(optimizer) -> bool:
+    name = type(optimizer).__name__
+    if name == "AdamW":
+        return True
+    if name == "Adam":
+        return bool(optimizer.defaults.get("decoupled_weight_decay", False))
+    return bool(getattr(optimizer, "adam_w_mode", getattr(optimizer, "adamw_mode", True)))
+
+
+def check_optimizer(optimizer, gradient_accumulation_steps: int) -> float:
+    """Check that the owners' optimizer is Adam-like and the job fits; returns Adam's beta1.
+
+    Raises:
+        DGCConfigError: another optimizer, L2 (not decoupled) weight decay, gradient accumulation,
+            or param groups with different beta1.
+    """
+    name = type(optimizer).__name__
+    if name not in ADAM_TYPES:
+        raise DGCConfigError(f"'dgc.compressed_momentum' needs an Adam optimizer ({', '.join(ADAM_TYPES)}), got {name}")
+    if gradient_accumulation_steps != 1:
+        raise DGCConfigError("'dgc.compressed_momentum' needs 'gradient_accumulation_steps' = 1 (got "
+                             f"{gradient_accumulation_steps})")
+    if not _decoupled_weight_decay(optimizer) and any(g.get("weight_decay", 0.0) for g in optimizer.param_groups):
+        raise DGCConfigError("'dgc.compressed_momentum' needs decoupled weight decay (AdamW) or 'weight_decay' = 0: "
+                             "with L2 decay the frozen-variance update is not linear in the momentum")
+    betas = {tuple(g["betas"]) for g in optimizer.param_groups}
+    if len({b[0] for b in betas}) != 1:
+        raise DGCConfigError(f"'dgc.compressed_momentum' needs one beta1 for all param groups, got {sorted(betas)}")
+    return float(next(iter(betas))[0])
+
+
+class CompressedMomentum:
+    """This rank's local momentum (staged and committed like residuals) and the frozen preconditioner.
+
+    Args:
+        cfg: the ``compressed_momentum`` section.
+        beta1: Adam's beta1.
+    """
+
+    def __init__(self, cfg: CompressedMomentumConfig, beta1: float):
+        self.cfg = cfg
+        self.beta1 = beta1
+        self.store = ErrorFeedback()  # momentum per ds_id, fp32, full shape, unscaled, units of g / W
+        self.inv_denominator: Dict[int, torch.Tensor] = {}  # ds_id -> bf16 1 / (sqrt(v_hat) + eps), full shape
+        self.owner_inv: Dict[int, torch.Tensor] = {}  # id(fp32 flat partition) -> fp32 1 / (sqrt(v_hat) + eps)
+        self.steps_done = 0  # optimizer steps applied
+        self.frozen = False
+
+    def update(self, key: int, grad: torch.Tensor, world: int, loss_scale: float) -> torch.Tensor:
+        """Stage ``m = b1 m + (1 - b1) g / (W * loss_scale)`` for ``key``; returns it (fp32, shape ``(n,)``)."""
+        g = grad.reshape(-1).float().div_(world * loss_scale)
+        m = self.store.committed.get(key)
+        m_new = g.mul_(1.0 - self.beta1) if m is None else m.mul(self.beta1).add_(g, alpha=1.0 - self.beta1)
+        self.store.stage(key, m_new)
+        return m_new
+
+    def to_send(self, key: int, m: torch.Tensor) -> torch.Tensor:
+        """What is compressed after the freeze: ``m / (sqrt(v_hat) + eps)`` with ``precondition``, else ``m``."""
+        if not self.cfg.precondition:
+            return m
+        return m * self.inv_denominator[key].float()
+
+    def state_bytes(self) -> int:
+        """Bytes held between steps: committed momentum plus the frozen preconditioner."""
+        pre = list(self.inv_denominator.values()) + list(self.owner_inv.values())
+        return self.store.state_bytes() + sum(t.numel() * t.element_size() for t in pre)
+
+    def freeze(self, opt, group) -> None:
+        """Freeze Adam's second moment on the owners and switch ``opt`` to the frozen-variance update.
+
+        Collective over ``group`` (the data-parallel group) when ``precondition`` is on: gathers every
+        owner's ``1 / (sqrt(v_hat) + eps)`` so that every rank holds it for all parameters.
+
+        Args:
+            opt: the ZeRO-3 optimizer (``DeepSpeedZeroOptimizer_Stage3``); its ``optimizer`` (the
+                owners' Adam) gets a new ``step`` and its gradient clipping is switched off.
+            group: data-parallel process group.
+        """
+        basic = opt.optimizer
+        params, parts = self._owner_inv_denominator(opt)
+        if self.cfg.precondition:
+            self.inv_denominator = self._gather(params, parts, group)
+        else:
+            self.owner_inv = {id(opt.fp32_partitioned_groups_flat[i]): inv for i, inv in enumerate(self._flats)}
+        self._flats = []
+        opt.clip_grad = 0.0  # after the freeze the "gradient" is the update; clipping it would rescale steps
+        basic.step = functools.partial(frozen_variance_step, basic, self.owner_inv, _decoupled_weight_decay(basic))
+        self.frozen = True
+
+    def _owner_inv_denominator(self, opt):
+        """This owner's ``1 / (sqrt(max(v_hat, floor)) + eps)`` per parameter partition, from Adam's state.
+
+        ``floor`` is ``V_FLOOR`` times the parameter's mean ``v_hat`` (over its partition on this owner):
+        Adam's ``v`` is of the compressed gradients of the warm-up, so a coordinate whose gradient was
+        always rounded to zero has ``v = 0`` while its local momentum is not; without the floor its
+        frozen step would be ``m / eps``.
+        """
+        params: List[torch.nn.Parameter] = []
+        parts: List[torch.Tensor] = []
+        self._flats = []
+        for i, sub_group in enumerate(opt.fp16_groups):
+            flat = opt.fp32_partitioned_groups_flat[i]
+            st = opt.optimizer.state[flat]
+            param_group = opt.optimizer.param_groups[opt.sub_group_to_group_id[i]]
+            v_hat = st["exp_avg_sq"].float() / (1.0 - param_group["betas"][1]**float(st["step"]))
+            inv = torch.empty_like(v_hat)
+            for p in sub_group:
+                _, offset, count = opt.grad_position[opt.get_param_id(p)]
+                v = v_hat.narrow(0, offset, count)
+                floor = V_FLOOR * float(v.mean()) if count else 0.0
+                inv.narrow(0, offset, count).copy_(1.0 / (v.clamp(min=floor).sqrt() + param_group["eps"]))
+                params.append(p)
+                parts.append(inv.narrow(0, offset, count))
+            self._flats.append(inv)
+        return params, parts
+
+    @staticmethod
+    def _gather(params, parts, group) -> Dict[int, torch.Tensor]:
+        world = dist.get_world_size(group=group)
+        local = torch.cat(parts) if parts else torch.empty(0)
+        gathered = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(gathered, local, group=group)
+        out, col = {}, 0
+        for p, part in zip(params, parts):
+            c = part.numel()
+            out[p.ds_id] = torch.cat([g[col:col + c] for g in gathered])[:p.ds_numel].to(torch.bfloat16)
+            col += c
+        return out
+
+
+@torch.no_grad()
+def frozen_variance_step(optimizer, owner_inv: Dict[int, torch.Tensor], decoupled: bool, closure=None):
+    """The owners' step after the freeze: ``p <- p (1 - lr wd) - lr u`` for every param with a gradient.
+
+    ``p.grad`` holds ``u``, the sum over ranks of their compressed momenta: already preconditioned
+    when ``owner_inv`` is empty, else multiplied here by this owner's frozen ``1 / (sqrt(v_hat) + eps)``
+    (``owner_inv[id(p)]``). Adam's state (``exp_avg``, ``exp_avg_sq``, ``step``) stays as at the freeze.
+    """
+    if closure is not None:
+        with torch.enable_grad():
+            closure()
+    for group in optimizer.param_groups:
+        lr, wd = group["lr"], group.get("weight_decay", 0.0)
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            u = p.grad
+            if owner_inv:
+                u = u * owner_inv[id(p)]
+            if wd and decoupled:
+                p.mul_(1.0 - lr * wd)
+            p.add_(u, alpha=-lr)
+
+
+def momentum_of(state) -> Optional[CompressedMomentum]:
+    """The engine's :class:`CompressedMomentum`, or None."""
+    return getattr(state, "momentum", None)
