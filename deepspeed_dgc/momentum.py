@@ -87,7 +87,7 @@ class CompressedMomentum:
 
     def update(self, key: int, grad: torch.Tensor, world: int, loss_scale: float) -> torch.Tensor:
         """Stage ``m = b1 m + (1 - b1) g / (W * loss_scale)`` for ``key``; returns it (fp32, shape ``(n,)``)."""
-        g = grad.reshape(-1).float().div_(world * loss_scale)
+        g = grad.reshape(-1).float() / (world * loss_scale)  # a new tensor: the gradient itself is still to be sent
         m = self.store.committed.get(key)
         m_new = g.mul_(1.0 - self.beta1) if m is None else m.mul(self.beta1).add_(g, alpha=1.0 - self.beta1)
         self.store.stage(key, m_new)

@@ -11,9 +11,9 @@ import torch
 from dist_launch import check_ok, launch
 
 
-def run(mode, world=2, timeout_s=240, out=None):
+def run(mode, world=2, timeout_s=240, out=None, steps=None):
     out = out or tempfile.mkdtemp()
-    check_ok(launch(world, "engine_worker.py", [mode, out], timeout_s=timeout_s))
+    check_ok(launch(world, "engine_worker.py", [mode, out] + ([str(steps)] if steps else []), timeout_s=timeout_s))
     return [torch.load(f"{out}/rank{r}.pt") for r in range(world)]
 
 
@@ -37,10 +37,11 @@ def test_lossless_bit_identical_to_stock(comm):
         assert stats["steps"] == 4 and stats["wire_bytes_total"] > 0
 
 
-@pytest.mark.parametrize("mode", ["overflow_fp16", "overflow_bf16"])
+@pytest.mark.parametrize("mode", ["overflow_fp16", "overflow_bf16", "overflow_fp16_momentum", "overflow_bf16_momentum"])
 def test_inf_on_one_rank_skips_step_everywhere(mode):
     """Inf in rank 1's input at step 2: every rank skips that step, parameters and residuals
-    stay as they were, residuals stay finite, and training goes on."""
+    stay as they were, residuals stay finite, and training goes on. With compressed_momentum (frozen
+    after step 1, so step 2 sends momentum): the local momenta also roll back and stay finite."""
     out = tempfile.mkdtemp()
     ranks = run(mode, out=out)
     for r, rec in enumerate(ranks):
@@ -56,9 +57,16 @@ def test_inf_on_one_rank_skips_step_everywhere(mode):
         assert not all(torch.equal(rec["residuals"][2][k], rec["residuals"][3][k]) for k in rec["residuals"][2])
         assert rec["stats"]["skipped_steps"] == 1
         assert all(math.isfinite(l) for i, l in enumerate(rec["losses"]) if not (r == 1 and i == 2))
-    if mode == "overflow_fp16":
+        if mode.endswith("_momentum"):
+            assert len(rec["momenta"]) == 4 and rec["momenta"][1]
+            for mom in rec["momenta"]:
+                assert all(bool(torch.isfinite(v).all()) for v in mom.values())
+            assert all(torch.equal(rec["momenta"][1][k], rec["momenta"][2][k]) for k in rec["momenta"][1])
+            assert not all(torch.equal(rec["momenta"][2][k], rec["momenta"][3][k]) for k in rec["momenta"][2])
+            assert rec["stats"]["state_bytes_per_param"] > 6  # residual + momentum + preconditioner
+    if mode.startswith("overflow_fp16"):
         assert [rec["loss_scale"] for rec in ranks][0] == [256.0, 256.0, 128.0, 128.0]
-    else:  # telemetry reaches DeepSpeed's monitor (CSV here), one row per step (stats_interval 1)
+    elif mode == "overflow_bf16":  # telemetry reaches DeepSpeed's monitor (CSV here), one row per step (stats_interval 1)
         with open(os.path.join(out, "monitor", "Train_dgc_compression_ratio.csv")) as f:
             rows = list(csv.reader(f))[1:]
         assert len(rows) == 4 and all(float(v) > 1 for _, v in rows)
@@ -134,3 +142,57 @@ def test_lossless_matches_stock_within_rounding(world, mode):
         if mode.endswith("_hier2"):  # the two hops really ran
             assert ours[r]["stats"]["grad_intra_node_wire_bytes_total"] > 0
             assert ours[r]["stats"]["grad_inter_node_wire_bytes_total"] > 0
+
+
+def test_compressed_momentum_is_adam_before_the_freeze_and_uses_the_frozen_v_after():
+    """compressed_momentum, lossless otherwise, frozen after step 3, momentum sent raw: steps 1-3 equal stock
+    ZeRO-3 Adam bit for bit; every step equals a float64 reference of Adam with ZeRO-3's gradient clipping
+    (steps 1-3) and of the
+    frozen-variance update p <- p (1 - lr wd) - lr m / (sqrt(max(v_hat_3, floor)) + eps) (steps 4-6), with m the
+    sum of the ranks' momenta of their own (unclipped) gradients and floor 1% of the mean v_hat over each owner's
+    partition."""
+    from deepspeed_dgc.momentum import V_FLOOR
+    stock, ours = run("stock_adam", timeout_s=300, steps=6), run("momentum_exact", timeout_s=300, steps=6)
+    for r in range(2):
+        for t in range(4):
+            assert all(torch.equal(a, b) for a, b in zip(stock[r]["params"][t], ours[r]["params"][t])), (r, t)
+    opt = ours[0]["optimizer"]
+    assert opt["type"] in ("Adam", "AdamW")
+    lr, (b1, b2), eps = opt["lr"], opt["betas"], opt["eps"]
+    wd = opt["weight_decay"] if opt["type"] == "AdamW" else 0.0
+    params = [p.double() for p in ours[0]["params"][0]]
+    m = [torch.zeros_like(p) for p in params]
+    v = [torch.zeros_like(p) for p in params]
+    local_m = [torch.zeros_like(p) for p in params]
+    inv = None
+    for t in range(1, 7):
+        grads = [(a.double() + b.double()) / 2 for a, b in zip(ours[0]["local_grads"][t - 1], ours[1]["local_grads"][t - 1])]
+        clip = 1.0
+        if t <= 3 and opt["gradient_clipping"] > 0:  # ZeRO-3 clips by the global norm; after the freeze it does not
+            norm = math.sqrt(sum(float(g.square().sum()) for g in grads))
+            clip = max(1.0, (norm + 1e-6) / opt["gradient_clipping"])
+        for i, g in enumerate(grads):
+            g = g.reshape(params[i].shape)
+            local_m[i] = b1 * local_m[i] + (1 - b1) * g  # the ranks' momenta: of their own, unclipped gradients
+            m[i] = b1 * m[i] + (1 - b1) * g / clip  # Adam's, of the clipped mean gradient
+            if t <= 3:
+                v[i] = b2 * v[i] + (1 - b2) * (g / clip)**2
+                update = (m[i] / (1 - b1**t)) / ((v[i] / (1 - b2**t)).sqrt() + eps)
+            else:
+                if t == 4 and i == 0:
+                    inv = []
+                    for vi in v:
+                        v_hat = (vi / (1 - b2**3)).reshape(-1)
+                        c = math.ceil(v_hat.numel() / 2)
+                        padded = torch.nn.functional.pad(v_hat, (0, 2 * c - v_hat.numel())).view(2, c)
+                        floors = V_FLOOR * padded.mean(dim=1, keepdim=True)  # per owner partition, padding included
+                        inv.append((1 / (torch.maximum(padded, floors).sqrt() + eps)).reshape(-1)[:v_hat.numel()])
+                update = local_m[i] * inv[i].view(params[i].shape)
+            params[i] = params[i] * (1 - lr * wd) - lr * update
+        for r in range(2):
+            for i, (got, want) in enumerate(zip(ours[r]["params"][t], params)):
+                torch.testing.assert_close(got.double(), want, rtol=2e-5, atol=2e-6, msg=f"rank {r} step {t} param {i}")
+    # the freeze changed the trajectory (the comparison after it is not stock Adam again)
+    assert not all(torch.allclose(a, b, atol=1e-6) for a, b in zip(stock[0]["params"][6], ours[0]["params"][6]))
+    # lossless: no residual; fp32 local momentum (4 B) and this owner's fp32 1/(sqrt(v_hat)+eps) on half the params
+    assert ours[0]["stats"]["state_bytes_per_param"] == pytest.approx(4.0 + 4.0 / 2, rel=0.02)

@@ -6,6 +6,12 @@ Usage: engine_worker.py MODE OUT_DIR [STEPS]. MODE is one of
                            the same with communication_data_type bf16
   overflow_fp16, overflow_bf16
                            DGC on; rank 1's input holds Inf at step 2: skipped steps, params, residuals
+  overflow_fp16_momentum, overflow_bf16_momentum
+                           the same with compressed_momentum frozen after step 1 (INT2): also the momenta
+  stock_adam, momentum_exact
+                           gas 1, 6 steps: stock ZeRO-3, or lossless DGC with compressed_momentum frozen
+                           after step 3, sent raw (no quantization, no preconditioning); also each rank's
+                           local full gradients and the optimizer's settings
   bad_config               initialize with invalid "dgc" settings; record each error message
   die, hang                rank 1 is killed, or hangs, inside its reduce-scatter of step 3 (timeout_s 8);
                            rank 0 saves the error it got and the time to OUT_DIR/rank0_error.pt
@@ -77,7 +83,11 @@ def train(mode, rank, steps, out_dir):
     cfg = copy.deepcopy(BASE)
     dtype = torch.float32
     gas = 1
-    if mode.startswith(("stock", "lossless")):
+    if mode in ("stock_adam", "momentum_exact"):
+        if mode == "momentum_exact":
+            cfg["dgc"] = dict(LOSSLESS, compressed_momentum={"freeze_step": 3, "quantization": "none",
+                                                             "precondition": False})
+    elif mode.startswith(("stock", "lossless")):
         gas = 2
         cfg["gradient_accumulation_steps"] = gas
         if mode.startswith("lossless"):
@@ -88,7 +98,9 @@ def train(mode, rank, steps, out_dir):
             cfg["communication_data_type"] = "bf16"
     else:
         cfg["dgc"] = SPARSE
-        if mode == "overflow_fp16":
+        if mode.endswith("_momentum"):
+            cfg["dgc"] = dict(SPARSE, compressed_momentum={"freeze_step": 1, "quantization": "int2"})
+        if mode.startswith("overflow_fp16"):
             # DeepSpeed's CPU accelerator refuses fp16 unless oneDNN has fp16 kernels for this CPU;
             # torch computes fp16 on any CPU, and the fp16 loss-scaling path is what is under test.
             get_accelerator().is_fp16_supported = lambda: True
@@ -100,7 +112,15 @@ def train(mode, rank, steps, out_dir):
             dtype = torch.bfloat16
     engine = make_engine(cfg)
     record = dict(losses=[], grads=[], params=[full_params(engine)], skipped=[], residuals=[], loss_scale=[],
-                  stats=None)
+                  stats=None, local_grads=[], momenta=[])
+    basic = engine.optimizer.optimizer
+    record["optimizer"] = dict(type=type(basic).__name__, gradient_clipping=engine.gradient_clipping(),
+                               **{k: basic.param_groups[0][k] for k in ("lr", "betas", "eps", "weight_decay")})
+    if mode in ("stock_adam", "momentum_exact"):  # capture this rank's full local gradient of every param
+        names = {p.ds_id: i for i, p in enumerate(engine.module.parameters())}
+        local = {}
+        for p in engine.module.parameters():
+            p.register_hook(lambda g, i=names[p.ds_id]: local.__setitem__(i, g.detach().float().clone()))
     for step, micro_batches in enumerate(batches(rank, steps, gas, dtype)):
         for m, (x, y) in enumerate(micro_batches):
             if mode.startswith("overflow") and step == 2 and rank == 1:
@@ -111,12 +131,16 @@ def train(mode, rank, steps, out_dir):
             record["losses"].append(float(loss))
             if m == len(micro_batches) - 1:
                 record["grads"].append([safe_get_full_grad(p).float().clone() for p in engine.module.parameters()])
+                if mode in ("stock_adam", "momentum_exact"):
+                    record["local_grads"].append([local[i] for i in range(len(local))])
             engine.step()
         record["params"].append(full_params(engine))
         record["skipped"].append(engine.skipped_steps)
         state = getattr(engine, "_dgc_state", None)
         if state is not None:
-            record["residuals"].append({k: v.clone() for k, v in state.memory.committed.items()})
+            record["residuals"].append({k: v.clone() for k, v in state.memory.residuals().items()})
+            if state.momentum is not None:
+                record["momenta"].append({k: v.clone() for k, v in state.momentum.store.committed.items()})
         record["loss_scale"].append(float(engine.optimizer.loss_scale))
     stats = deepspeed_dgc.get_stats(engine)
     record["stats"] = None if stats is None else stats.to_dict()

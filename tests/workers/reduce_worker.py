@@ -24,6 +24,15 @@ CASES = {
     "lossless": dict(density=1.0, quantization="none", min_numel=0),
     "sparse_raw_mixed": dict(density=0.05, quantization="none", min_numel=40),
     "zero_rank": dict(density=0.1, quantization="int4", group_size=16, min_numel=0),
+    # rank r's gradients are scaled by 1000**r: each rank would choose another density on its own
+    "auto_scales": dict(density="auto", density_min=0.02, density_max=0.4, quantization="int4", group_size=16,
+                        min_numel=0),
+    "int2_sr_bitmap": dict(density=0.3, quantization="int2", stochastic_rounding=True, group_size=16, min_numel=0),
+    "int1_dense": dict(density=1.0, quantization="int1", group_size=16, min_numel=0),
+    "fp8_e5m2": dict(density=0.1, quantization="fp8_e5m2", group_size=16, min_numel=0),
+    "fixed_threshold": dict(density=0.1, threshold=0.6, quantization="int4", group_size=16, min_numel=0),
+    "bf16_residual": dict(density=0.1, quantization="int4", group_size=16, min_numel=0, residual_dtype="bf16"),
+    "fp8_residual": dict(density=0.1, quantization="int4", group_size=16, min_numel=0, residual_dtype="fp8"),
 }
 STEPS = 4
 
@@ -32,7 +41,7 @@ def run_cases(rank: int, **settings) -> dict:
     results = {}
     for ci, (name, kw) in enumerate(CASES.items()):
         cfg = DGCConfig(enabled=True, **settings, **kw)
-        memory = ErrorFeedback()
+        memory = ErrorFeedback(cfg.residual_dtype)
         reducer = CompressedReduceScatter(cfg, memory, seed=rank)
         gen = torch.Generator().manual_seed(1000 * ci + 17 * rank + 1)
         steps = []
@@ -41,11 +50,14 @@ def run_cases(rank: int, **settings) -> dict:
             grads[-1] = grads[-1].view(7, 143)  # any shape is accepted
             if name == "zero_rank" and rank == 1:
                 grads = [torch.zeros_like(g) for g in grads]
+            if name == "auto_scales":
+                grads = [g * 1000.0**rank for g in grads]
             outs, res = reducer.reduce_scatter(grads, list(range(len(grads))), None, torch.float32)
             memory.commit()
             steps.append(dict(inputs=[g.clone() for g in grads],
                               outputs=[o.clone() for o in outs],
-                              residuals={k: v.clone() for k, v in memory.committed.items()},
+                              residuals={k: v.clone() for k, v in memory.residuals().items()},
+                              density=reducer.codec()[0],
                               wire_bytes=res.wire_bytes,
                               intra_node_wire_bytes=res.intra_node_wire_bytes,
                               inter_node_wire_bytes=res.inter_node_wire_bytes,
