@@ -6,12 +6,12 @@ Its names map onto the ``"dgc"`` keys of the DeepSpeed config:
 HybridTrainer argument                 DeepSpeed config
 =====================================  ==========================================================
 ``precision_policy="int4"``            ``dgc.quantization = "int4"`` (kept gradient values in INT4)
-``precision_policy="fp8"``             FP8 gradient values: not built yet (raises ``DGCConfigError``)
+``precision_policy="fp8"``             ``dgc.quantization = "fp8_e4m3"`` (FP8 with group scales)
 ``topology="flat"``                    ``dgc.topology = "flat"``
 ``topology="hybrid_ring"``             ``dgc.topology = "hierarchical"`` (dense inside a node,
                                        compressed between nodes)
 ``sparse_threshold=<float in (0, 1]>`` ``dgc.density`` (fraction of each tensor's elements sent)
-``sparse_threshold="auto"``            adaptive density: not built yet (raises ``DGCConfigError``)
+``sparse_threshold="auto"``            ``dgc.density = "auto"`` (adaptive density, energy budget)
 ``**deepspeed_config_overrides``       merged into the config (nested dicts merge key by key),
                                        e.g. ``train_micro_batch_size_per_gpu=16``,
                                        ``zero_optimization={"reduce_bucket_size": 500000}``,
@@ -29,7 +29,7 @@ import torch
 
 from .config import DGCConfigError, parse_dgc_config
 
-PRECISION_POLICIES = ("int4", "fp8")
+PRECISION_POLICIES = {"int4": "int4", "fp8": "fp8_e4m3"}
 TOPOLOGIES = {"flat": "flat", "hybrid_ring": "hierarchical"}
 
 BASE_CONFIG: Dict[str, Any] = {
@@ -55,14 +55,14 @@ class HybridTrainer:
     """DeepSpeed ZeRO-3 with compressed gradient communication, configured by a few names.
 
     Args:
-        precision_policy: ``"int4"`` (``"fp8"`` is reserved for FP8 gradients, not built yet).
+        precision_policy: ``"int4"`` or ``"fp8"`` (FP8 e4m3 with group scales) for the gradient values sent.
         topology: ``"flat"`` or ``"hybrid_ring"`` (the hierarchical topology).
-        sparse_threshold: fraction of each tensor's elements sent per step, float in (0, 1]
-            (``"auto"`` is reserved for adaptive density, not built yet).
+        sparse_threshold: fraction of each tensor's elements sent per step, float in (0, 1], or ``"auto"``
+            (``dgc.density = "auto"``: chosen per bucket from the gradient distribution).
         **deepspeed_config_overrides: top-level DeepSpeed config keys, merged into the base config.
 
     Raises:
-        DGCConfigError: an unknown or not-yet-built value, naming the argument and the allowed values; a
+        DGCConfigError: an unknown value, naming the argument and the allowed values; a
             ``dgc`` override of a key the named arguments set (``enabled``, ``quantization``,
             ``topology``, ``density``).
 
@@ -82,25 +82,20 @@ class HybridTrainer:
                  sparse_threshold: Union[str, float] = 0.01,
                  **deepspeed_config_overrides: Any):
         if precision_policy not in PRECISION_POLICIES:
-            raise DGCConfigError("HybridTrainer: precision_policy must be 'int4' ('fp8' is reserved for FP8 gradients, "
-                                 f"not built yet), got {precision_policy!r}")
-        if precision_policy == "fp8":
-            raise DGCConfigError("HybridTrainer: precision_policy='fp8' needs FP8 gradient quantization, which is not "
-                                 "built yet; use 'int4'")
+            raise DGCConfigError(f"HybridTrainer: precision_policy must be one of {', '.join(PRECISION_POLICIES)}, got "
+                                 f"{precision_policy!r}")
         if topology not in TOPOLOGIES:
             raise DGCConfigError(f"HybridTrainer: topology must be one of {', '.join(TOPOLOGIES)}, got {topology!r}")
-        if sparse_threshold == "auto":
-            raise DGCConfigError("HybridTrainer: sparse_threshold='auto' needs adaptive density, which is not built "
-                                 "yet; give the fraction of elements to send, a float in (0, 1]")
-        if isinstance(sparse_threshold, bool) or not isinstance(sparse_threshold, (int, float)) or not (
-                0.0 < float(sparse_threshold) <= 1.0):
+        if sparse_threshold != "auto" and (isinstance(sparse_threshold, bool) or not isinstance(
+                sparse_threshold, (int, float)) or not (0.0 < float(sparse_threshold) <= 1.0)):
             raise DGCConfigError("HybridTrainer: sparse_threshold must be a float in (0, 1] (the fraction of each "
-                                 f"tensor's elements sent), got {sparse_threshold!r}")
+                                 f"tensor's elements sent) or 'auto', got {sparse_threshold!r}")
         clash = sorted(set(deepspeed_config_overrides.get("dgc", {})) & {"enabled", "quantization", "topology", "density"})
         if clash:
             raise DGCConfigError(f"HybridTrainer: dgc override(s) {', '.join(clash)} clash with the named arguments "
                                  "(enabled is always true; use precision_policy, topology and sparse_threshold)")
-        dgc = {"quantization": precision_policy, "topology": TOPOLOGIES[topology], "density": float(sparse_threshold)}
+        dgc = {"quantization": PRECISION_POLICIES[precision_policy], "topology": TOPOLOGIES[topology],
+               "density": sparse_threshold if sparse_threshold == "auto" else float(sparse_threshold)}
         self.config = _merge(_merge(BASE_CONFIG, {"dgc": dgc}), deepspeed_config_overrides)
         parse_dgc_config(self.config)  # a bad "dgc" override fails here, naming the key
         self.engine = None

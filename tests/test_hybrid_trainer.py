@@ -18,13 +18,14 @@ def test_names_map_onto_dgc_keys():
     assert t.config["zero_optimization"] == {"stage": 3, "reduce_bucket_size": 1000}  # merged, not replaced
     assert t.config["train_micro_batch_size_per_gpu"] == 4
     assert HybridTrainer(topology="flat").config["dgc"]["topology"] == "flat"
+    fp8_auto = HybridTrainer(precision_policy="fp8", sparse_threshold="auto").config["dgc"]
+    assert (fp8_auto["quantization"], fp8_auto["density"]) == ("fp8_e4m3", "auto")
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(precision_policy="int2"), r"precision_policy must be 'int4' \('fp8' is reserved"),
-    (dict(precision_policy="fp8"), "FP8 gradient quantization, which is not built yet"),
+    (dict(precision_policy="int2"), "precision_policy must be one of int4, fp8"),
     (dict(topology="ring"), "topology must be one of flat, hybrid_ring"),
-    (dict(sparse_threshold="auto"), "adaptive density, which is not built yet"),
+    (dict(sparse_threshold="Auto"), r"float in \(0, 1\]"),
     (dict(sparse_threshold=0.0), r"float in \(0, 1\]"),
     (dict(sparse_threshold=1.5), r"float in \(0, 1\]"),
     (dict(sparse_threshold=True), r"float in \(0, 1\]"),
