@@ -38,7 +38,7 @@ def save_state(state, ckpt_dir: str, tag: str, world_size: int) -> str:
         "dp_rank": state.dp_rank,
         "config": state.cfg.model_dump(mode="json"),
         "residual_layout": residual_layout(state),
-        "residuals": {int(k): v.detach().cpu() for k, v in state.memory.residuals().items()},
+        "residuals": {int(k): state.memory.get(k).detach().cpu() for k in state.memory.committed},
         "generators": {dev: g.get_state() for dev, g in state.reducer._generators.items()},
         "stats": state.stats.totals(),
         "momentum": _momentum_payload(state),
@@ -141,6 +141,10 @@ def load_state(state, ckpt_dir: str, tag: str, world_size: int, device: torch.de
             steps_done = side["momentum"]["steps_done"]
             if momenta is None:
                 momenta = {int(k): v.double() for k, v in side["momentum"]["momenta"].items()}
+            elif set(momenta) != {int(k) for k in side["momentum"]["momenta"]}:
+                _clear(state)
+                return (f"deepspeed_dgc side-cars in {sdir} hold different local-momentum sets: they cannot be "
+                        f"re-sharded to {world_size} ranks; residuals and momentum restart at zero")
             else:
                 for k, v in side["momentum"]["momenta"].items():
                     momenta[int(k)] += v.double()
@@ -154,6 +158,8 @@ def load_state(state, ckpt_dir: str, tag: str, world_size: int, device: torch.de
             for k, v in res.items():
                 total[int(k)] += v.double()
     state.memory.load({k: (v / world_size).float().to(device) for k, v in total.items()})
+    for f, v in head["stats"].items():  # step counters (the density schedule's clock) are global: rank 0's
+        setattr(state.stats, f, v)
     note = _restore_momentum(state, None if momenta is None else {"momenta": momenta, "steps_done": steps_done}, device,
                              1.0 / world_size)
     return (f"deepspeed_dgc state in {sdir} was saved at data-parallel world size {saved_world}, this run has "
@@ -211,9 +217,11 @@ def wrap_engine_checkpointing(engine, state) -> None:
         if load_path is None:
             return load_path, client_state
         device = engine.device
-        msg = load_state(state, load_dir, _tag_of(load_dir, tag, engine), engine.dp_world_size, device)
         m = state.momentum
-        if m is not None and not m.frozen and m.steps_done >= m.cfg.freeze_step:  # every rank loads: collective
+        if m is not None and m.frozen:  # the loaded optimizer state decides afresh whether Adam is frozen
+            m.unfreeze(engine.optimizer)
+        msg = load_state(state, load_dir, _tag_of(load_dir, tag, engine), engine.dp_world_size, device)
+        if m is not None and m.steps_done >= m.cfg.freeze_step:  # every rank loads: collective
             m.freeze(engine.optimizer, engine.optimizer.dp_process_group)
         (logger.info if msg.startswith("restored") else logger.warning)(f"[deepspeed_dgc] rank {state.global_rank}: {msg}")
         return load_path, client_state

@@ -190,7 +190,8 @@ def install(engine, opt, cfg: DGCConfig) -> DGCState:
     state = DGCState(cfg, engine.global_rank, ranks_per_node)
     state.reducer.steps_done = lambda: state.stats.steps  # the density schedule's clock
     if cfg.compressed_momentum is not None:
-        beta1 = check_optimizer(opt.optimizer, engine.gradient_accumulation_steps())
+        beta1 = check_optimizer(opt.optimizer, engine.gradient_accumulation_steps(), engine.fp16_enabled(),
+                                bool(getattr(opt, "offload_optimizer", False)))
         state.momentum = CompressedMomentum(cfg.compressed_momentum, beta1)
         state.reducer.momentum = state.momentum
     failure = ""

@@ -72,7 +72,8 @@ class CompressJob:
         value_format: format of quantized values (``compressor.VALUE_BITS``), default ``"int4"``.
         rounding_generator: stochastic rounding from this generator (INT4/INT2), None: to nearest.
         index_coding: ``"varint"`` gaps or a ``"bitmap"`` over the real elements of sparse tensors.
-        threshold: keep the elements of sparse tensors with ``|acc| >= threshold`` instead of top-k (None: top-k).
+        threshold: keep the elements of sparse tensors with ``|acc| >= threshold * loss_scale`` (the threshold is in
+            unscaled gradient units) instead of top-k (None: top-k).
     """
     srcs: List[torch.Tensor]
     offsets: List[int]
@@ -195,7 +196,8 @@ class ReferenceOps:
             real = real_m[:, col:col + c]
             if finite and job.sparse[i] and (job.threshold is not None or k < int(real.sum())):
                 mag = acc_m[:, col:col + c].abs()
-                threshold = job.threshold if job.threshold is not None else topk_threshold(mag[real], k, job.samples[i])
+                threshold = (job.threshold * job.loss_scale
+                             if job.threshold is not None else topk_threshold(mag[real], k, job.samples[i]))
                 mask_m[:, col:col + c] = (mag >= threshold) & real
             col += c
         payloads, sent_m = self._encode_rows(job, acc_m, mask_m, real_m)
@@ -293,7 +295,7 @@ class FusedCPUOps(ReferenceOps):
 
     def decode_add(self, out, values, scales, index_bytes, kept, n_indexed, seg_real, chunks, sparse, group_size,
                    quantize, value_dtype, value_format="int4", index_coding="varint") -> None:
-        if value_format != "int4" or index_coding != "varint":
+        if not quantize or value_format != "int4" or index_coding != "varint":
             return ReferenceOps.decode_add(self, out, values, scales, index_bytes, kept, n_indexed, seg_real, chunks,
                                            sparse, group_size, quantize, value_dtype, value_format, index_coding)
         self.op.decode_add(out, values.contiguous(), scales.contiguous(), index_bytes.contiguous(), kept, n_indexed,
@@ -325,7 +327,7 @@ class FusedCUDAOps(ReferenceOps):
 
     def decode_add(self, out, values, scales, index_bytes, kept, n_indexed, seg_real, chunks, sparse, group_size,
                    quantize, value_dtype, value_format="int4", index_coding="varint") -> None:
-        if value_format != "int4" or index_coding != "varint":
+        if not quantize or value_format != "int4" or index_coding != "varint":
             return ReferenceOps.decode_add(self, out, values, scales, index_bytes, kept, n_indexed, seg_real, chunks,
                                            sparse, group_size, quantize, value_dtype, value_format, index_coding)
         pos, counts = _decode_positions(out.numel(), index_bytes, kept, n_indexed, seg_real, chunks, sparse)
@@ -346,8 +348,8 @@ class FusedCUDAOps(ReferenceOps):
 
 def fused_can_code(job: CompressJob) -> bool:
     """Whether the fused ops code this job themselves: INT4 to nearest with varint positions."""
-    return (job.value_format == "int4" and job.rounding_generator is None and job.index_coding == "varint"
-            and job.threshold is None)
+    return (job.quantize and job.value_format == "int4" and job.rounding_generator is None
+            and job.index_coding == "varint" and job.threshold is None)
 
 
 def _stream() -> int:

@@ -101,7 +101,10 @@ class ErrorFeedback:
         """L2 norm over all committed residuals (unscaled gradient units); one pass over them."""
         if not self.committed:
             return 0.0
-        sq = sum(float(torch.dot(r, r)) for r in self.residuals().values())
+        sq = 0.0
+        for stored in self.committed.values():  # one decoded residual at a time
+            r = self._decode(stored)
+            sq += float(torch.dot(r, r))
         return sq**0.5
 
     def state_bytes(self) -> int:

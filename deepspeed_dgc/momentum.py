@@ -46,14 +46,21 @@ def _decoupled_weight_decay(optimizer) -> bool:
     return bool(getattr(optimizer, "adam_w_mode", getattr(optimizer, "adamw_mode", True)))
 
 
-def check_optimizer(optimizer, gradient_accumulation_steps: int) -> float:
+def check_optimizer(optimizer, gradient_accumulation_steps: int, fp16: bool = False, offload: bool = False) -> float:
     """Check that the owners' optimizer is Adam-like and the job fits; returns Adam's beta1.
 
     Raises:
         DGCConfigError: another optimizer, L2 (not decoupled) weight decay, gradient accumulation,
-            or param groups with different beta1.
+            param groups with different beta1, fp16 (the update, about 1 per element, times the loss
+            scale would overflow ZeRO-3's fp16 gradient partitions) or optimizer offload.
     """
     name = type(optimizer).__name__
+    if fp16:
+        raise DGCConfigError("'dgc.compressed_momentum' does not support 'fp16' engines (after the freeze the "
+                             "partitions carry the update times the loss scale, which overflows fp16); use bf16 or fp32")
+    if offload:
+        raise DGCConfigError("'dgc.compressed_momentum' does not support 'zero_optimization.offload_optimizer' "
+                             "(the frozen preconditioner lives with the gradients)")
     if name not in ADAM_TYPES:
         raise DGCConfigError(f"'dgc.compressed_momentum' needs an Adam optimizer ({', '.join(ADAM_TYPES)}), got {name}")
     if gradient_accumulation_steps != 1:
@@ -84,6 +91,8 @@ class CompressedMomentum:
         self.owner_inv: Dict[int, torch.Tensor] = {}  # id(fp32 flat partition) -> fp32 1 / (sqrt(v_hat) + eps)
         self.steps_done = 0  # optimizer steps applied
         self.frozen = False
+        self._clip_grad = 0.0
+        self._flats: List[torch.Tensor] = []
 
     def update(self, key: int, grad: torch.Tensor, world: int, loss_scale: float) -> torch.Tensor:
         """Stage ``m = b1 m + (1 - b1) g / (W * loss_scale)`` for ``key``; returns it (fp32, shape ``(n,)``)."""
@@ -116,15 +125,30 @@ class CompressedMomentum:
             group: data-parallel process group.
         """
         basic = opt.optimizer
+        missing = [i for i, flat in enumerate(opt.fp32_partitioned_groups_flat)
+                   if "exp_avg_sq" not in basic.state.get(flat, {})]
+        if missing:
+            raise DGCConfigError(f"'dgc.compressed_momentum': cannot freeze Adam's second moment, sub-group(s) {missing} "
+                                 "have no 'exp_avg_sq' (optimizer state not loaded or not Adam)")
         params, parts = self._owner_inv_denominator(opt)
         if self.cfg.precondition:
             self.inv_denominator = self._gather(params, parts, group)
         else:
             self.owner_inv = {id(opt.fp32_partitioned_groups_flat[i]): inv for i, inv in enumerate(self._flats)}
         self._flats = []
+        self._clip_grad = opt.clip_grad
         opt.clip_grad = 0.0  # after the freeze the "gradient" is the update; clipping it would rescale steps
         basic.step = functools.partial(frozen_variance_step, basic, self.owner_inv, _decoupled_weight_decay(basic))
         self.frozen = True
+
+    def unfreeze(self, opt) -> None:
+        """Undo :meth:`freeze` (before a checkpoint is loaded): Adam's own step and the gradient clipping come
+        back, the preconditioners are dropped."""
+        if not self.frozen:
+            return
+        opt.optimizer.__dict__.pop("step", None)  # the instance attribute set by freeze; the class's step again
+        opt.clip_grad = self._clip_grad
+        self.inv_denominator, self.owner_inv, self.frozen = {}, {}, False
 
     def _owner_inv_denominator(self, opt):
         """This owner's ``1 / (sqrt(max(v_hat, floor)) + eps)`` per parameter partition, from Adam's state.

@@ -193,10 +193,15 @@ class CompressedReduceScatter:
         ])
         return zlib.crc32(desc.encode()) & 0x7FFFFFFF
 
+    def threshold_active(self) -> bool:
+        """Whether this step keeps by the fixed ``threshold``: set, and neither a dense warm-up step nor the
+        momentum phase."""
+        return (self.cfg.threshold is not None and not (self.momentum is not None and self.momentum.frozen)
+                and self.steps_done() >= self.cfg.warmup_dense_steps)
+
     def is_sparse(self, numel: int) -> bool:
         """Whether a tensor of ``numel`` elements is top-k sparsified (else sent whole, still quantized)."""
-        threshold = self.cfg.threshold is not None and not (self.momentum is not None and self.momentum.frozen)
-        return (self.codec()[0] < 1.0 or threshold) and numel >= self.cfg.min_numel
+        return (self.codec()[0] < 1.0 or self.threshold_active()) and numel >= self.cfg.min_numel
 
     def reduce_scatter(self,
                        grads: Sequence[torch.Tensor],
@@ -295,7 +300,8 @@ class CompressedReduceScatter:
         """The :class:`~deepspeed_dgc.kernels.CompressJob` of one exchange, with this rank's residuals
         and threshold samples (drawn from this rank's generator in tensor order)."""
         density, quantization, group_size = self.codec()
-        ef = self.cfg.error_feedback and not (density >= 1.0 and quantization == "none")
+        threshold = self.cfg.threshold if self.threshold_active() else None
+        ef = self.cfg.error_feedback and not (density >= 1.0 and quantization == "none" and threshold is None)
         job = CompressJob(srcs=srcs,
                           offsets=offsets,
                           row_strides=strides,
@@ -316,7 +322,7 @@ class CompressedReduceScatter:
                           want_residual=ef,
                           value_format=quantization if quantization != "none" else "int4",
                           index_coding=self.cfg.index_coding_for(density),
-                          threshold=None if self.momentum is not None and self.momentum.frozen else self.cfg.threshold)
+                          threshold=threshold)
         job.samples = draw_samples([sum(job.real_counts(i)) for i in range(len(numels))], sparse, density,
                                    self._generator(device), device)
         if self.cfg.stochastic_rounding and quantization in ("int4", "int2"):

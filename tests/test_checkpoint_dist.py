@@ -150,3 +150,19 @@ def test_sidecar_at_another_world_size_flat_reshards_hierarchical_drops(tmp_path
     os.unlink(tmp_path / "tag" / "dgc_state_dp_rank_00001.pt")  # a side-car missing: nothing half-loaded
     msg = load_state(fresh, str(tmp_path), "tag", world_size=3, device=torch.device("cpu"))
     assert "is missing" in msg and fresh.memory.committed == {}
+
+
+def test_resume_with_compressed_momentum_is_bit_identical():
+    """compressed_momentum frozen after step 3, saved at step 5, resumed in new processes: losses, parameters,
+    residuals and local momenta equal the uninterrupted run's bit for bit, and the resumed run is frozen again."""
+    out = tempfile.mkdtemp()
+    full, _ = run("resume_full_momentum", tempfile.mkdtemp())
+    run("resume_first_momentum", out)
+    second, _ = run("resume_second_momentum", out)
+    for r in range(2):
+        assert second[r]["losses"] == full[r]["losses"][5:]
+        assert all(torch.equal(a, b) for a, b in zip(second[r]["params"], full[r]["params"]))
+        assert second[r]["frozen"] and full[r]["frozen"]
+        assert second[r]["momenta"].keys() == full[r]["momenta"].keys() and second[r]["momenta"]
+        assert all(torch.equal(second[r]["momenta"][k], full[r]["momenta"][k]) for k in full[r]["momenta"])
+        assert all(torch.equal(second[r]["residuals"][k], full[r]["residuals"][k]) for k in full[r]["residuals"])

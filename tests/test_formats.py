@@ -124,7 +124,7 @@ def test_payloads_decode_to_what_was_sent(fmt, index_coding):
         vals = payload[off:off + packed_bytes(kept, fmt)]
         index = payload[off + packed_bytes(kept, fmt):off + packed_bytes(kept, fmt) + n_index]
         if index_coding == "bitmap":
-            assert n_index == math.ceil(500 / 8) if o == 0 else math.ceil(499 / 8)
+            assert n_index == (math.ceil(500 / 8) if o == 0 else math.ceil(499 / 8))
         row = torch.zeros(500)
         REFERENCE.decode_add(row, vals, scales, index, kept, kept, [500 if o == 0 else 499], [500], [True], 16, True,
                              torch.float32, fmt, index_coding)

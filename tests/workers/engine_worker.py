@@ -21,6 +21,7 @@ Usage: engine_worker.py MODE OUT_DIR [STEPS]. MODE is one of
   resume_full, resume_first, resume_second
                            DGC on, 10 steps uninterrupted; or the first 5 then save_checkpoint to
                            OUT_DIR/ckpt; or load_checkpoint from there (at any world size) and run 5 more
+                           (suffix _momentum: with compressed_momentum frozen after step 3)
 """
 
 import copy
@@ -171,6 +172,18 @@ BAD = {
     "mpi4py_missing": {"dgc": {"enabled": True, "comm_backend": "mpi"}},
     "kernels_value": {"dgc": {"enabled": True, "kernels": "fast"}},
     "fused_missing_on_rank1": {"dgc": {"enabled": True, "kernels": "fused"}},
+    "momentum_sgd": {"dgc": {"enabled": True, "compressed_momentum": {"freeze_step": 2}},
+                     "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
+                     "zero_allow_untested_optimizer": True},
+    "momentum_gas": {"dgc": {"enabled": True, "compressed_momentum": {"freeze_step": 2}},
+                     "gradient_accumulation_steps": 2},
+    "momentum_hierarchical": {"dgc": {"enabled": True, "topology": "hierarchical",
+                                      "compressed_momentum": {"freeze_step": 2}}},
+    "sr_with_fp8": {"dgc": {"enabled": True, "quantization": "fp8_e4m3", "stochastic_rounding": True}},
+    "density_auto_typo": {"dgc": {"enabled": True, "density": "Auto"}},
+    "residual_dtype_value": {"dgc": {"enabled": True, "residual_dtype": "fp16"}},
+    "momentum_fp16": {"dgc": {"enabled": True, "compressed_momentum": {"freeze_step": 2}},
+                      "fp16": {"enabled": True}},
 }
 
 
@@ -196,6 +209,8 @@ def bad_configs():
             sys.modules["mpi4py"] = None  # import mpi4py now raises ImportError, as if not installed
         if name == "fused_missing_on_rank1" and int(os.environ["RANK"]) == 1:
             hide_fused_op()
+        if name == "momentum_fp16":  # let DeepSpeed's CPU accelerator accept fp16, so our check is what refuses
+            get_accelerator().is_fp16_supported = lambda: True
         try:
             make_engine(cfg)
             messages[name] = None
@@ -229,9 +244,13 @@ def mismatch(rank, what="density"):
 def resume(mode, rank, out_dir):
     """resume_full: 10 steps; resume_first: 5 steps then save; resume_second: load, 5 more;
     resume_second_nodgc: the same with DGC off (a DGC checkpoint loaded into a stock run)."""
+    momentum = mode.endswith("_momentum")  # compressed_momentum frozen after step 3: the checkpoint is past the freeze
+    mode = mode.removesuffix("_momentum")
     cfg = copy.deepcopy(BASE)
     if mode != "resume_second_nodgc":
         cfg["dgc"] = SPARSE
+        if momentum:
+            cfg["dgc"] = dict(SPARSE, compressed_momentum={"freeze_step": 3, "quantization": "int2"})
     if mode == "resume_second_universal":  # a universal checkpoint (ds_to_universal), any world size
         cfg["checkpoint"] = {"load_universal": True}
     engine = make_engine(cfg)
@@ -259,6 +278,9 @@ def resume(mode, rank, out_dir):
     state = engine._dgc_state
     record["residuals"] = {k: v.clone() for k, v in state.memory.committed.items()}
     record["stats_steps"] = deepspeed_dgc.get_stats(engine).steps
+    if state.momentum is not None:
+        record["frozen"] = state.momentum.frozen
+        record["momenta"] = {k: v.clone() for k, v in state.momentum.store.committed.items()}
     return record
 
 
