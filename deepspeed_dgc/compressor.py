@@ -123,6 +123,9 @@ def int4_group_ids(segment_counts: torch.Tensor, group_size: int) -> Tuple[torch
         ``sum(ceil(count / group_size))``.
     """
     counts = segment_counts.long()
+    if counts.numel() == 1:  # one segment (weights, dense buckets of one tensor): consecutive runs, no shifts
+        m = int(counts.sum())
+        return torch.arange(m, device=counts.device).div_(group_size, rounding_mode="floor"), -(-m // group_size)
     groups = (counts + group_size - 1) // group_size
     n_groups = int(groups.sum())
     m = int(counts.sum())

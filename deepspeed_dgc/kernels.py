@@ -295,7 +295,7 @@ class FusedCPUOps(ReferenceOps):
 
     def decode_add(self, out, values, scales, index_bytes, kept, n_indexed, seg_real, chunks, sparse, group_size,
                    quantize, value_dtype, value_format="int4", index_coding="varint") -> None:
-        if not quantize or value_format != "int4" or index_coding != "varint":
+        if not quantize or value_format != "int4" or (index_coding != "varint" and any(sparse)):
             return ReferenceOps.decode_add(self, out, values, scales, index_bytes, kept, n_indexed, seg_real, chunks,
                                            sparse, group_size, quantize, value_dtype, value_format, index_coding)
         self.op.decode_add(out, values.contiguous(), scales.contiguous(), index_bytes.contiguous(), kept, n_indexed,
@@ -327,7 +327,7 @@ class FusedCUDAOps(ReferenceOps):
 
     def decode_add(self, out, values, scales, index_bytes, kept, n_indexed, seg_real, chunks, sparse, group_size,
                    quantize, value_dtype, value_format="int4", index_coding="varint") -> None:
-        if not quantize or value_format != "int4" or index_coding != "varint":
+        if not quantize or value_format != "int4" or (index_coding != "varint" and any(sparse)):
             return ReferenceOps.decode_add(self, out, values, scales, index_bytes, kept, n_indexed, seg_real, chunks,
                                            sparse, group_size, quantize, value_dtype, value_format, index_coding)
         pos, counts = _decode_positions(out.numel(), index_bytes, kept, n_indexed, seg_real, chunks, sparse)
@@ -349,7 +349,7 @@ class FusedCUDAOps(ReferenceOps):
 def fused_can_code(job: CompressJob) -> bool:
     """Whether the fused ops code this job themselves: INT4 to nearest with varint positions."""
     return (job.quantize and job.value_format == "int4" and job.rounding_generator is None
-            and job.index_coding == "varint" and job.threshold is None)
+            and (job.index_coding == "varint" or not any(job.sparse)) and job.threshold is None)
 
 
 def _stream() -> int:

@@ -188,3 +188,20 @@ def test_bits_per_kept_element_at_density_001(n):
     bits = 8 * sum(p.numel() for p in out.payloads) / out.kept
     assert 0.009 * n <= out.kept <= 0.011 * n
     assert bits <= 20, bits
+
+
+@pytest.mark.parametrize("m, g", [(0, 4), (1, 4), (127, 128), (1000, 128), (4097, 256)])
+def test_one_segment_group_ids_match_the_general_path(m, g):
+    from deepspeed_dgc.compressor import int4_group_ids
+    fast, n_fast = int4_group_ids(torch.tensor([m]), g)
+    general, n_general = int4_group_ids(torch.tensor([m, 0]), g)  # two segments: the general formula
+    assert torch.equal(fast, general) and n_fast == n_general
+
+
+def test_dense_jobs_stay_on_the_fused_op_whatever_the_index_coding():
+    """Positions are never sent when no tensor is sparse, so a dense job with "bitmap" is still fused work."""
+    job = _job(_values(100, 1), "int4", "bitmap", density=1.0)
+    job.sparse = [False]
+    assert fused_can_code(job)
+    job.sparse = [True]
+    assert not fused_can_code(job)
