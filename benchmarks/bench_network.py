@@ -110,6 +110,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out-dir", type=Path, default=Path("runs/bench_network"))
     parser.add_argument("--json", type=Path, help="write all results here too")
     parser.add_argument("--launch-timeout-s", type=float, default=1800.0, help="kill a launch that runs longer")
+    parser.add_argument("--reuse-convergence", type=Path, metavar="DIR",
+                        help="take the convergence runs from DIR/converge_<configuration>.json of an earlier run "
+                        "(same --converge-steps, model and seed) instead of training them again")
     args = parser.parse_args(argv)
     unknown = [name for name in args.configs if name not in BY_NAME]
     if unknown:
@@ -231,6 +234,20 @@ def launch(ns: Namespace, config: BenchConfig, args: argparse.Namespace, steps: 
     if result.returncode != 0 or not summary_path.exists():
         raise RuntimeError(f"{tag} failed with exit code {result.returncode} (log: {log_path})")
     return json.loads(summary_path.read_text())
+
+
+def reused(args: argparse.Namespace, config: BenchConfig) -> dict:
+    """The convergence summary of ``config`` from ``--reuse-convergence``; SystemExit if it is missing or was
+    made with other steps or seed (the model size is the caller's to keep the same)."""
+    path = args.reuse_convergence / f"converge_{config.name}.json"
+    if not path.is_file():
+        raise SystemExit(f"bench_network.py: --reuse-convergence: no {path}")
+    s = json.loads(path.read_text())
+    if s.get("steps") != args.converge_steps or s.get("seed") != args.seed:
+        raise SystemExit(f"bench_network.py: {path} has steps {s.get('steps')} and seed {s.get('seed')}, this run "
+                         f"{args.converge_steps} and {args.seed}")
+    print(f"  converge_{config.name}: reusing {path}", flush=True)
+    return s
 
 
 def timed(summary: dict, warmup_steps: int) -> tuple[float, float]:
@@ -391,8 +408,9 @@ def main(argv=None) -> int:
     with Namespace(f"dgcbench{os.getpid()}") as ns:
         ns.set_rate(None)
         print(f"convergence: {args.converge_steps} steps each, unlimited link", flush=True)
-        convergence = {c.name: launch(ns, c, args, args.converge_steps, args.eval_interval, args.eval_batches,
-                                      f"converge_{c.name}") for c in configs}
+        convergence = {c.name: reused(args, c) if args.reuse_convergence else
+                       launch(ns, c, args, args.converge_steps, args.eval_interval, args.eval_batches,
+                              f"converge_{c.name}") for c in configs}
         timing = {}
         for rate in args.rates + [UNLIMITED]:
             ns.set_rate(None if rate == UNLIMITED else rate)
