@@ -14,7 +14,7 @@ of 0.8M parameters, Adam, 16 x 64 characters per rank per step) and a ``"dgc"`` 
   ``sqrt(v_hat)``, at the same densities with INT4 values, and dense at INT2 and at 1 bit;
 - the residual stored in fp8 instead of fp32 for the two best settings.
 
-All run ``--steps`` steps; stock and the three best run ``--long-steps`` as well ("best": the largest
+All run ``--steps`` steps; stock and the ``--long-best`` (3) best run ``--long-steps`` as well ("best": the largest
 compression ratio among those within 1% of stock's validation loss, then the smallest gaps).
 Columns: final validation loss, gap to stock, compression ratio of the gradient traffic over the
 whole run (warm-up included) against fp32, the extension's state in bytes per parameter per rank, and
@@ -61,6 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--long-steps", type=int, default=1000, help="0: no long runs")
+    parser.add_argument("--long-best", type=int, default=3, help="how many of the best settings also run --long-steps")
     parser.add_argument("--freeze-step", type=int, default=60, help="Adam-aware settings: steps before the freeze")
     parser.add_argument("--only", nargs="+", help="run only these settings (stock is always run)")
     parser.add_argument("--fp8-residual-best", type=int, default=2, help="also run the best N with residual_dtype fp8")
@@ -76,8 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         unknown = [n for n in args.only if n not in known]
         if unknown:
             parser.error(f"--only: unknown {unknown}; choose from {list(known)}")
-    if args.steps < 1 or args.long_steps < 0 or args.freeze_step < 1 or args.fp8_residual_best < 0:
-        parser.error("--steps and --freeze-step must be >= 1, --long-steps and --fp8-residual-best >= 0")
+    if args.steps < 1 or args.long_steps < 0 or args.freeze_step < 1 or min(args.fp8_residual_best, args.long_best) < 0:
+        parser.error("--steps and --freeze-step must be >= 1, --long-steps, --long-best and --fp8-residual-best >= 0")
     return args
 
 
@@ -191,7 +192,7 @@ def main(argv=None) -> int:
         summaries[(f"{name}_rfp8", args.steps)] = run(f"{name}_rfp8", fp8, args.steps, args)
         rows.append(row(f"{name}_rfp8", family, f"{label}, fp8 residual", summaries[(f"{name}_rfp8", args.steps)], stock))
     if args.long_steps:
-        long_names = ["stock"] + best(rows, 3)
+        long_names = ["stock"] + best(rows, args.long_best)
         long_stock = run("stock", None, args.long_steps, args)
         for name in long_names:
             s = long_stock if name == "stock" else run(name, known[name][2], args.long_steps, args)
