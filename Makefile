@@ -28,7 +28,7 @@ test: install
 demo: install
 	$(PY) examples/compare.py --max-steps $(STEPS) --seed $(SEED)
 
-# as root: a private network namespace with a tc-limited loopback (100 Mbit/s, 1 Gbit/s, unlimited), about 45 min
+# as root: a private network namespace with a tc-limited loopback (100 Mbit/s, 1 Gbit/s, unlimited), about 80 min
 bench: install
 	$(PY) benchmarks/bench_network.py --json runs/bench_network/results.json
 
