@@ -174,6 +174,9 @@ class DGCConfig(BaseModel):
             raise ValueError(f"'dgc.density_min' ({self.density_min}) is above 'dgc.density_max' ({self.density_max})")
         if self.threshold is not None and self.density == "auto":
             raise ValueError("'dgc.threshold' and 'dgc.density' = \"auto\" both choose what is kept: set one of them")
+        if self.topology == "hierarchical" and (self.density == "auto" or self.residual_dtype != "fp32"):
+            raise ValueError("'dgc.density' = \"auto\" and 'dgc.residual_dtype' other than \"fp32\" are not supported "
+                             "with 'dgc.topology' = \"hierarchical\" yet (use the flat topology)")
         if self.compressed_momentum is not None and self.topology != "flat":
             raise ValueError("'dgc.compressed_momentum' needs 'dgc.topology' = \"flat\" (got \"hierarchical\")")
         return self

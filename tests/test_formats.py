@@ -104,7 +104,8 @@ def _job(values, fmt, index_coding, density=0.3, generator=None):
     c = -(-n // 2)
     return CompressJob(srcs=[values], offsets=[0], row_strides=[c], numels=[n], chunks=[c], sparse=[True],
                        row_owner=[0, 1], residuals=[None], residual_numels=[n], divisor=2.0, loss_scale=1.0,
-                       density=density, samples=draw_samples([n], [True], density, None, "cpu"), group_size=16,
+                       density=density, samples=draw_samples([n], [True], density, torch.Generator().manual_seed(n), "cpu"),
+                       group_size=16,
                        quantize=True, value_dtype=torch.float32, fingerprint=7, want_residual=True, value_format=fmt,
                        rounding_generator=generator, index_coding=index_coding)
 
@@ -181,12 +182,12 @@ def test_residual_storage_round_trip_and_bytes(storage, rel):
 @pytest.mark.parametrize("n", [1_000_000, 4_000_000])
 def test_bits_per_kept_element_at_density_001(n):
     """INT4 at density 0.01 on a tensor of a million elements or more: everything on the wire (values, varint
-    positions, scales, headers) costs at most 20 bits per kept element (the issue's budget); 16.3 here."""
+    positions, scales, headers) costs at most 20 bits per kept element (the issue's budget); 16.3 to 16.8 here."""
     values = torch.randn(n, generator=torch.Generator().manual_seed(n))
     job = _job(values, "int4", "varint", density=0.01)
     out = get_ops("auto", "cpu", True).compress(job)
     bits = 8 * sum(p.numel() for p in out.payloads) / out.kept
-    assert 0.009 * n <= out.kept <= 0.011 * n
+    assert 0.8 * 0.01 * n <= out.kept <= 1.3 * 0.01 * n  # DGC's threshold correction keeps k within [0.8 k, 1.3 k]
     assert bits <= 20, bits
 
 

@@ -18,7 +18,10 @@ import torch
 
 from dist_launch import free_port, launch_mpirun
 from deepspeed_dgc.compressor import target_count
-from workers.reduce_worker import CASES, SIZES, STEPS
+from workers.reduce_worker import CASES as ALL_CASES, SIZES, STEPS
+
+# the hierarchical topology refuses density "auto" and bf16/fp8 residual storage (config error): not run there
+CASES = {k: v for k, v in ALL_CASES.items() if v.get("density") != "auto" and "residual_dtype" not in v}
 
 L = 2  # ranks per node in the hierarchical run
 
@@ -36,8 +39,8 @@ def _assert_backends_equal(out, world, run_a="torch", run_b="mpi"):
     for rank in range(world):
         a = torch.load(f"{out}/rank{rank}_{run_a}.pt")
         b = torch.load(f"{out}/rank{rank}_{run_b}.pt")
-        assert a.keys() == b.keys() == CASES.keys()
-        for case in CASES:
+        assert a.keys() == b.keys() and set(CASES) <= a.keys() <= set(ALL_CASES)
+        for case in a:
             for sa, sb in zip(a[case]["steps"], b[case]["steps"], strict=True):
                 for x, y in zip(sa["outputs"], sb["outputs"], strict=True):
                     assert x.dtype == y.dtype and torch.equal(x, y), f"rank {rank} {case}: outputs differ"
@@ -77,8 +80,8 @@ def _assert_ops(out, world):
     for rank in range(world):
         fused = torch.load(f"{out}/rank{rank}_torch.pt")
         ref = torch.load(f"{out}/rank{rank}_torch:reference.pt")
-        for case, kw in CASES.items():
-            assert fused[case]["ops"] == ("fused-cpu" if kw["quantization"] == "int4" else "reference"), case
+        for case, kw in CASES.items():  # the fused op takes every quantized job (and hands what it cannot code on)
+            assert fused[case]["ops"] == ("fused-cpu" if kw["quantization"] != "none" else "reference"), case
             assert ref[case]["ops"] == "reference"
 
 

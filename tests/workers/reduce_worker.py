@@ -40,7 +40,10 @@ STEPS = 4
 def run_cases(rank: int, **settings) -> dict:
     results = {}
     for ci, (name, kw) in enumerate(CASES.items()):
-        cfg = DGCConfig(enabled=True, **settings, **kw)
+        try:
+            cfg = DGCConfig(enabled=True, **settings, **kw)
+        except ValueError:  # a case this topology refuses (e.g. density "auto" with the hierarchical one)
+            continue
         memory = ErrorFeedback(cfg.residual_dtype)
         reducer = CompressedReduceScatter(cfg, memory, seed=rank)
         gen = torch.Generator().manual_seed(1000 * ci + 17 * rank + 1)
