@@ -295,7 +295,7 @@ class FusedCPUOps(ReferenceOps):
 
     def decode_add(self, out, values, scales, index_bytes, kept, n_indexed, seg_real, chunks, sparse, group_size,
                    quantize, value_dtype, value_format="int4", index_coding="varint") -> None:
-        if not quantize or value_format != "int4" or (index_coding != "varint" and any(sparse)):
+        if not fused_can_decode(quantize, value_format, index_coding, sparse):
             return ReferenceOps.decode_add(self, out, values, scales, index_bytes, kept, n_indexed, seg_real, chunks,
                                            sparse, group_size, quantize, value_dtype, value_format, index_coding)
         self.op.decode_add(out, values.contiguous(), scales.contiguous(), index_bytes.contiguous(), kept, n_indexed,
@@ -327,7 +327,7 @@ class FusedCUDAOps(ReferenceOps):
 
     def decode_add(self, out, values, scales, index_bytes, kept, n_indexed, seg_real, chunks, sparse, group_size,
                    quantize, value_dtype, value_format="int4", index_coding="varint") -> None:
-        if not quantize or value_format != "int4" or (index_coding != "varint" and any(sparse)):
+        if not fused_can_decode(quantize, value_format, index_coding, sparse):
             return ReferenceOps.decode_add(self, out, values, scales, index_bytes, kept, n_indexed, seg_real, chunks,
                                            sparse, group_size, quantize, value_dtype, value_format, index_coding)
         pos, counts = _decode_positions(out.numel(), index_bytes, kept, n_indexed, seg_real, chunks, sparse)
@@ -346,10 +346,15 @@ class FusedCUDAOps(ReferenceOps):
         return pack_nibbles(nibbles), scales, decoded
 
 
+def fused_can_decode(quantize: bool, value_format: str, index_coding: str, sparse: Sequence[bool]) -> bool:
+    """Whether the fused ops decode such a payload: INT4 values with varint positions (or none sent)."""
+    return quantize and value_format == "int4" and (index_coding == "varint" or not any(sparse))
+
+
 def fused_can_code(job: CompressJob) -> bool:
-    """Whether the fused ops code this job themselves: INT4 to nearest with varint positions."""
-    return (job.quantize and job.value_format == "int4" and job.rounding_generator is None
-            and (job.index_coding == "varint" or not any(job.sparse)) and job.threshold is None)
+    """Whether the fused ops code this job themselves: what they decode, rounded to nearest, top-k selected."""
+    return (fused_can_decode(job.quantize, job.value_format, job.index_coding, job.sparse)
+            and job.rounding_generator is None and job.threshold is None)
 
 
 def _stream() -> int:
