@@ -63,7 +63,7 @@ class BenchConfig:
     grads_only: bool = False  # compresses gradients only (weights gathered as stock)
 
 
-def _dgc(density: float, error_feedback: bool = True, weights: str | None = None) -> dict:
+def _dgc(density: float | str, error_feedback: bool = True, weights: str | None = None) -> dict:
     section = {"enabled": True, "density": density, "quantization": "int4", "group_size": 128,
                "error_feedback": error_feedback, "min_numel": 2048, "stats_interval": 1000000}
     if weights:
@@ -78,6 +78,7 @@ CONFIGS = [
                 grads_only=True),
     BenchConfig("int4_ef_wint4", "dense INT4 gradients + error feedback, INT4 weights", _dgc(1.0, weights="int4")),
     BenchConfig("dgc_d001", "DGC gradients (top-k 0.01, INT4)", _dgc(0.01), grads_only=True),
+    BenchConfig("dgc_auto", "DGC gradients (top-k auto, INT4)", _dgc("auto"), grads_only=True),
     BenchConfig("dgc_d001_wint8", "DGC gradients (0.01) + INT8 weights", _dgc(0.01, weights="int8")),
     BenchConfig("dgc_d001_wfp8", "DGC gradients (0.01) + FP8 e4m3 weights", _dgc(0.01, weights="fp8_e4m3")),
     BenchConfig("dgc_d001_wint4", "DGC gradients (0.01) + INT4 weights", _dgc(0.01, weights="int4")),
@@ -86,7 +87,6 @@ CONFIGS = [
 ]
 BY_NAME = {c.name: c for c in CONFIGS}
 UNLIMITED = "unlimited"
-NOT_AVAILABLE = {"dgc_auto": "density \"auto\" is not built yet (issue 3)"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -112,12 +112,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--launch-timeout-s", type=float, default=1800.0, help="kill a launch that runs longer")
     parser.add_argument("--reuse-convergence", type=Path, metavar="DIR",
                         help="take the convergence runs from DIR/converge_<configuration>.json of an earlier run "
-                        "(same --converge-steps, model and seed) instead of training them again")
+                        "(same --converge-steps, model and seed) instead of training them again; configurations it lacks are trained")
     args = parser.parse_args(argv)
     unknown = [name for name in args.configs if name not in BY_NAME]
     if unknown:
-        parser.error(f"--configs: unknown {unknown}; choose from {list(BY_NAME)}"
-                     + "".join(f" ({n}: {NOT_AVAILABLE[n]})" for n in unknown if n in NOT_AVAILABLE))
+        parser.error(f"--configs: unknown {unknown}; choose from {list(BY_NAME)}")
     args.configs = [c.name for c in CONFIGS if c.name in set(args.configs) | {"stock_fp32", "stock_bf16"}]
     for rate in args.rates:
         if parse_rate_bits(rate) is None:
@@ -236,12 +235,14 @@ def launch(ns: Namespace, config: BenchConfig, args: argparse.Namespace, steps: 
     return json.loads(summary_path.read_text())
 
 
-def reused(args: argparse.Namespace, config: BenchConfig) -> dict:
-    """The convergence summary of ``config`` from ``--reuse-convergence``; SystemExit if it is missing or was
-    made with other steps or seed (the model size is the caller's to keep the same)."""
+def reused(args: argparse.Namespace, config: BenchConfig) -> dict | None:
+    """The convergence summary of ``config`` from ``--reuse-convergence`` (None when that run has none: it is
+    then trained); SystemExit if it was made with other steps or seed (the model size is the caller's to keep
+    the same)."""
     path = args.reuse_convergence / f"converge_{config.name}.json"
     if not path.is_file():
-        raise SystemExit(f"bench_network.py: --reuse-convergence: no {path}")
+        print(f"  converge_{config.name}: not in {args.reuse_convergence}, training it", flush=True)
+        return None
     s = json.loads(path.read_text())
     if s.get("steps") != args.converge_steps or s.get("seed") != args.seed:
         raise SystemExit(f"bench_network.py: {path} has steps {s.get('steps')} and seed {s.get('seed')}, this run "
@@ -402,15 +403,14 @@ def main(argv=None) -> int:
         return 2
     args.out_dir.mkdir(parents=True, exist_ok=True)
     configs = [BY_NAME[n] for n in args.configs]
-    print(f"configurations: {', '.join(args.configs)}; not run: "
-          + "; ".join(f"{n} ({why})" for n, why in NOT_AVAILABLE.items()), flush=True)
+    print(f"configurations: {', '.join(args.configs)}", flush=True)
     started = time.time()
     with Namespace(f"dgcbench{os.getpid()}") as ns:
         ns.set_rate(None)
         print(f"convergence: {args.converge_steps} steps each, unlimited link", flush=True)
-        convergence = {c.name: reused(args, c) if args.reuse_convergence else
-                       launch(ns, c, args, args.converge_steps, args.eval_interval, args.eval_batches,
-                              f"converge_{c.name}") for c in configs}
+        convergence = {c.name: (args.reuse_convergence and reused(args, c))
+                       or launch(ns, c, args, args.converge_steps, args.eval_interval, args.eval_batches,
+                                 f"converge_{c.name}") for c in configs}
         timing = {}
         for rate in args.rates + [UNLIMITED]:
             ns.set_rate(None if rate == UNLIMITED else rate)

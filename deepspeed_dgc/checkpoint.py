@@ -63,7 +63,7 @@ def _restore_momentum(state, saved, device, world_scale: float = 1.0) -> str:
     m.store.staged = {}
     if not saved:
         m.store.committed, m.steps_done = {}, 0
-        return "; no saved momentum: compressed momentum restarts its warm-up"
+        return "; no saved momentum: the local momentum restarts at zero (compressed momentum: its warm-up too)"
     m.store.committed = {int(k): (v.double() * world_scale).float().to(device) for k, v in saved["momenta"].items()}
     m.steps_done = int(saved["steps_done"])
     return f"; local momentum of {len(m.store.committed)} tensors, {m.steps_done} steps done"
@@ -221,7 +221,7 @@ def wrap_engine_checkpointing(engine, state) -> None:
         if m is not None and m.frozen:  # the loaded optimizer state decides afresh whether Adam is frozen
             m.unfreeze(engine.optimizer)
         msg = load_state(state, load_dir, _tag_of(load_dir, tag, engine), engine.dp_world_size, device)
-        if m is not None and m.steps_done >= m.cfg.freeze_step:  # every rank loads: collective
+        if m is not None and m.freeze_due():  # every rank loads: collective
             m.freeze(engine.optimizer, engine.optimizer.dp_process_group)
         (logger.info if msg.startswith("restored") else logger.warning)(f"[deepspeed_dgc] rank {state.global_rank}: {msg}")
         return load_path, client_state

@@ -124,6 +124,19 @@ class DGCConfig(BaseModel):
       of the extension; a rank whose peer died or hangs raises ``DGCTimeoutError`` instead of waiting.
     - ``compressed_momentum`` (:class:`CompressedMomentumConfig` or null): 1-bit-Adam-style
       compression of Adam's momentum after a warm-up.
+    - ``momentum_correction`` (bool, default false): DGC's momentum correction for momentum SGD (Lin et al.
+      2018, section 3.1): every rank keeps its own velocity ``u = m u + g / W`` and error feedback
+      accumulates and sends ``u`` instead of ``g``; the owners then step ``p -= lr (u_sum + wd-term)``
+      without applying momentum again (:class:`deepspeed_dgc.momentum.MomentumCorrection`). Needs
+      ``torch.optim.SGD`` (ds_config ``"SGD"``) with momentum > 0, no Nesterov, no dampening,
+      ``gradient_accumulation_steps`` 1, not fp16, the flat topology and fp32 residuals. DeepSpeed's
+      ``gradient_clipping`` (default 1.0) would clip the summed velocity and is switched off, with a
+      warning; ``local_clip_norm`` is DGC's clipping.
+    - ``momentum_factor_masking`` (bool, default true): with ``momentum_correction``, zero the velocity of
+      the elements just sent by top-k (section 3.3), so stale momentum does not push them again.
+    - ``local_clip_norm`` (float > 0 or null, default null): with ``momentum_correction``, clip each
+      tensor's local gradient on each rank to this L2 norm before it enters the velocity (local gradient
+      clipping, section 3.2; the paper scales the global threshold by ``W ** -0.5``).
     - ``kernels`` (``"auto"``, ``"fused"`` or ``"reference"``, default ``"auto"``): who compresses.
       ``"auto"`` uses the fused op (C++/OpenMP on CPU, CUDA on GPU; prebuilt, or JIT-built on first
       use) where it loads and else the PyTorch reference, with a one-time warning saying why;
@@ -161,6 +174,9 @@ class DGCConfig(BaseModel):
     timeout_s: float = Field(600.0, ge=0.001, le=7 * 24 * 3600.0, allow_inf_nan=False)
     kernels: Literal["auto", "fused", "reference"] = "auto"
     compressed_momentum: Optional[CompressedMomentumConfig] = None
+    momentum_correction: bool = False
+    momentum_factor_masking: bool = True
+    local_clip_norm: Optional[float] = Field(None, gt=0.0, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _fused_needs_int4(self):
@@ -179,6 +195,17 @@ class DGCConfig(BaseModel):
                              "with 'dgc.topology' = \"hierarchical\" yet (use the flat topology)")
         if self.compressed_momentum is not None and self.topology != "flat":
             raise ValueError("'dgc.compressed_momentum' needs 'dgc.topology' = \"flat\" (got \"hierarchical\")")
+        if self.local_clip_norm is not None and not self.momentum_correction:
+            raise ValueError("'dgc.local_clip_norm' is part of DGC's momentum correction: set 'dgc.momentum_correction' "
+                             "= true as well")
+        if self.momentum_correction:
+            if self.compressed_momentum is not None:
+                raise ValueError("'dgc.momentum_correction' (momentum SGD) and 'dgc.compressed_momentum' (Adam) "
+                                 "exclude each other: set one of them")
+            if self.topology != "flat" or self.residual_dtype != "fp32" or not self.error_feedback:
+                raise ValueError("'dgc.momentum_correction' needs 'dgc.topology' = \"flat\", 'dgc.residual_dtype' = "
+                                 "\"fp32\" and 'dgc.error_feedback' = true (the velocity is accumulated by error "
+                                 f"feedback; got {self.topology!r}, {self.residual_dtype!r}, {self.error_feedback})")
         return self
 
     def index_coding_for(self, density: float) -> str:

@@ -27,7 +27,7 @@ from .comm import DGCBackendError, check_mpi_world
 from .config import DGCConfig, DGCConfigError, check_engine_compatible, parse_dgc_config
 from .kernels import DGCKernelError
 from .memory import ErrorFeedback
-from .momentum import CompressedMomentum, check_optimizer
+from .momentum import CompressedMomentum, MomentumCorrection, check_optimizer, check_sgd_optimizer, dgc_sgd_step
 from .reducer import CompressedReduceScatter
 from .telemetry import DGCStats, log_step
 from .topology import resolve_ranks_per_node
@@ -118,7 +118,7 @@ def _wrap_step(opt, state: DGCState):
             if momentum is not None:
                 momentum.store.commit()
                 momentum.steps_done += 1
-                if momentum.steps_done == momentum.cfg.freeze_step and not momentum.frozen:
+                if momentum.freeze_due():
                     # the gradient phase's residuals are in gradient units: the momentum phase starts clean
                     state.memory.committed, state.memory.staged = {}, {}
                     momentum.freeze(opt, opt.dp_process_group)
@@ -194,6 +194,17 @@ def install(engine, opt, cfg: DGCConfig) -> DGCState:
                                 bool(getattr(opt, "offload_optimizer", False)))
         state.momentum = CompressedMomentum(cfg.compressed_momentum, beta1)
         state.reducer.momentum = state.momentum
+    elif cfg.momentum_correction:
+        m = check_sgd_optimizer(opt.optimizer, engine.gradient_accumulation_steps(), engine.fp16_enabled(),
+                                bool(getattr(opt, "offload_optimizer", False)))
+        state.momentum = MomentumCorrection(cfg, m)
+        state.reducer.momentum = state.momentum
+        opt.optimizer.step = functools.partial(dgc_sgd_step, opt.optimizer)  # the senders applied the momentum
+        if opt.clip_grad and engine.global_rank == 0:
+            logger.warning("deepspeed_dgc: 'gradient_clipping' = %s is switched off under 'dgc.momentum_correction' "
+                           "(it would clip the summed velocity); DGC clips each rank's gradient instead: "
+                           "'dgc.local_clip_norm' (now %s)", opt.clip_grad, cfg.local_clip_norm)
+        opt.clip_grad = 0.0
     failure = ""
     try:
         ops = state.reducer.ops_for(get_accelerator().device_name())  # "fused" that cannot load fails here

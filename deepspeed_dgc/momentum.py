@@ -29,7 +29,7 @@ from typing import Dict, List, Optional
 import torch
 from deepspeed import comm as dist
 
-from .config import CompressedMomentumConfig, DGCConfigError
+from .config import CompressedMomentumConfig, DGCConfig, DGCConfigError
 from .memory import ErrorFeedback
 
 # optimizers whose state holds Adam's "exp_avg_sq" and whose param groups hold lr, betas, eps, weight_decay
@@ -78,6 +78,10 @@ def check_optimizer(optimizer, gradient_accumulation_steps: int, fp16: bool = Fa
 class CompressedMomentum:
     """This rank's local momentum (staged and committed like residuals) and the frozen preconditioner.
 
+    The reducer's interface (shared with :class:`MomentumCorrection`): ``sending`` (whether this
+    step sends the momentum instead of the gradient), :meth:`update`, :meth:`to_send`,
+    :meth:`after_exchange` and ``store`` (committed with the residuals, rolled back with them).
+
     Args:
         cfg: the ``compressed_momentum`` section.
         beta1: Adam's beta1.
@@ -101,6 +105,18 @@ class CompressedMomentum:
         m_new = g.mul_(1.0 - self.beta1) if m is None else m.mul(self.beta1).add_(g, alpha=1.0 - self.beta1)
         self.store.stage(key, m_new)
         return m_new
+
+    @property
+    def sending(self) -> bool:
+        """After the freeze the momentum is sent instead of the gradient."""
+        return self.frozen
+
+    def freeze_due(self) -> bool:
+        """True when ``freeze_step`` steps are done and Adam is not frozen yet (the freeze comes next)."""
+        return self.steps_done >= self.cfg.freeze_step and not self.frozen
+
+    def after_exchange(self, keys, sent_from, sparse, residuals_before, memory) -> None:
+        """Nothing to do after an exchange (momentum is never masked here)."""
 
     def to_send(self, key: int, m: torch.Tensor) -> torch.Tensor:
         """What is compressed after the freeze: ``m / (sqrt(v_hat) + eps)`` with ``precondition``, else ``m``."""
@@ -213,6 +229,150 @@ def frozen_variance_step(optimizer, owner_inv: Dict[int, torch.Tensor], decouple
             if wd and decoupled:
                 p.mul_(1.0 - lr * wd)
             p.add_(u, alpha=-lr)
+
+
+def check_sgd_optimizer(optimizer, gradient_accumulation_steps: int, fp16: bool = False, offload: bool = False) -> float:
+    """Check that the owners' optimizer is momentum SGD and the job fits ``momentum_correction``; returns the momentum.
+
+    Raises:
+        DGCConfigError: another optimizer (naming it), momentum 0, Nesterov, dampening, param groups
+            with different momenta, gradient accumulation, fp16 or optimizer offload.
+    """
+    name = type(optimizer).__name__
+    if name != "SGD":
+        raise DGCConfigError(f"'dgc.momentum_correction' is DGC's correction for momentum SGD and needs the SGD "
+                             f"optimizer (torch.optim.SGD, ds_config \"SGD\") with momentum > 0, got {name}; for Adam use "
+                             "'dgc.compressed_momentum'")
+    momenta = {float(g.get("momentum", 0.0)) for g in optimizer.param_groups}
+    if len(momenta) != 1 or next(iter(momenta)) <= 0.0:
+        raise DGCConfigError(f"'dgc.momentum_correction' needs SGD with one momentum > 0 for all param groups, got "
+                             f"{sorted(momenta)}")
+    if any(g.get("nesterov") or g.get("dampening", 0.0) for g in optimizer.param_groups):
+        raise DGCConfigError("'dgc.momentum_correction' supports SGD without Nesterov and with dampening 0")
+    if gradient_accumulation_steps != 1:
+        raise DGCConfigError("'dgc.momentum_correction' needs 'gradient_accumulation_steps' = 1 (got "
+                             f"{gradient_accumulation_steps})")
+    if fp16:
+        raise DGCConfigError("'dgc.momentum_correction' does not support 'fp16' engines; use bf16 or fp32")
+    if offload:
+        raise DGCConfigError("'dgc.momentum_correction' does not support 'zero_optimization.offload_optimizer'")
+    return next(iter(momenta))
+
+
+class MomentumCorrection:
+    """DGC's momentum correction, momentum factor masking and local gradient clipping for momentum SGD.
+
+    Lin et al., "Deep Gradient Compression", ICLR 2018, sections 3.1-3.3. Sparse updates with
+    plain error feedback accumulate gradients, and the owners' momentum then acts on a different
+    sequence than dense SGD's. Instead every rank r keeps its own velocity (full parameter shape,
+    fp32, 4 bytes per parameter, in gradient units divided by W)::
+
+        u_r <- m u_r + clip(g_r) / W          (clip: local_clip_norm per tensor, section 3.2)
+        v_r <- v_r + u_r                      (the error-feedback residual accumulates the velocity)
+        send top-k of v_r; v_r keeps the rest (and the quantization error)
+        u_r[kept] <- 0                        (momentum factor masking, section 3.3; sparse tensors only)
+
+    and the owners apply ``p <- p - lr (sum_r sent_r + b)`` with ``b <- m b + wd p`` the momentum of
+    the weight-decay term alone (:func:`dgc_sgd_step`). At density 1 without quantization this is
+    exactly momentum SGD. Tensors sent whole (dense steps, tensors under ``min_numel``) are not
+    masked: every element is sent each step and masking would erase the momentum.
+
+    Args:
+        cfg: the ``"dgc"`` config (``momentum_factor_masking``, ``local_clip_norm``).
+        momentum: SGD's momentum m.
+    """
+
+    frozen = False  # the top-level codec throughout (no freeze, unlike CompressedMomentum)
+    sending = True
+
+    def __init__(self, cfg: DGCConfig, momentum: float):
+        self.masking = cfg.momentum_factor_masking
+        self.clip_norm = cfg.local_clip_norm
+        self.momentum = momentum
+        self.store = ErrorFeedback()  # velocity per ds_id, fp32, full shape, unscaled, units of g / W
+        self.steps_done = 0  # optimizer steps applied
+
+    @staticmethod
+    def freeze_due() -> bool:
+        """Never: nothing is frozen."""
+        return False
+
+    def unfreeze(self, opt) -> None:
+        """Nothing is frozen (the owners' step stays :func:`dgc_sgd_step`)."""
+
+    def update(self, key: int, grad: torch.Tensor, world: int, loss_scale: float) -> torch.Tensor:
+        """Stage ``u = m u + clip(g / loss_scale) / W`` for ``key``; returns it (fp32, shape ``(n,)``)."""
+        g = grad.reshape(-1).float() / loss_scale
+        if self.clip_norm is not None:
+            norm = float(torch.linalg.vector_norm(g))
+            if norm > self.clip_norm:  # also false for NaN: a non-finite gradient stays non-finite
+                g.mul_(self.clip_norm / norm)
+        g.div_(world)
+        u = self.store.committed.get(key)
+        u_new = g if u is None else u.mul(self.momentum).add_(g)
+        self.store.stage(key, u_new)
+        return u_new
+
+    @staticmethod
+    def to_send(key: int, u: torch.Tensor) -> torch.Tensor:
+        """The velocity itself is sent (accumulated by error feedback)."""
+        return u
+
+    def after_exchange(self, keys, sent_from, sparse, residuals_before, memory) -> None:
+        """Momentum factor masking: zero the staged velocity where top-k kept an element.
+
+        Args:
+            keys: ds_ids of the bucket.
+            sent_from: the velocities the job accumulated (``to_send`` of each key), fp32 ``(n,)``.
+            sparse: whether each tensor was top-k sparsified.
+            residuals_before: each key's residual before the job (None: none yet).
+            memory: the :class:`~deepspeed_dgc.memory.ErrorFeedback` holding the job's new residuals.
+
+        A kept element is one whose new residual differs from the accumulator ``u + v`` (an unsent
+        element keeps it exactly: the job's accumulator and residual are exact at divisor and loss
+        scale 1); an element whose quantized value is 0 counts as not sent.
+        """
+        if not self.masking:
+            return
+        for key, u, is_sparse, before in zip(keys, sent_from, sparse, residuals_before):
+            if not is_sparse:
+                continue
+            acc = u if before is None else u + before
+            kept = memory.staged[key].ne(acc)
+            self.store.staged[key] = self.store.staged[key].masked_fill(kept, 0.0)
+
+    def state_bytes(self) -> int:
+        """Bytes held between steps: the committed velocities."""
+        return self.store.state_bytes()
+
+
+@torch.no_grad()
+def dgc_sgd_step(optimizer, closure=None):
+    """The owners' SGD step under ``momentum_correction``: ``p <- p - lr (u + b)`` with ``b <- m b + wd p``.
+
+    ``p.grad`` holds ``u``, the sum over ranks of what they sent (momentum already applied by the
+    senders); the weight-decay term gets its own momentum buffer (``state[p]["momentum_buffer"]``),
+    so with every element sent the update equals ``torch.optim.SGD``'s (DGC's reference optimizer,
+    Lin et al. 2018, applies the same split).
+    """
+    if closure is not None:
+        with torch.enable_grad():
+            closure()
+    for group in optimizer.param_groups:
+        lr, wd, m = group["lr"], group.get("weight_decay", 0.0), group["momentum"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            d_p = p.grad
+            if wd:
+                state = optimizer.state[p]
+                buf = state.get("momentum_buffer")
+                if buf is None:
+                    buf = state["momentum_buffer"] = p.detach().mul(wd)
+                else:
+                    buf.mul_(m).add_(p, alpha=wd)
+                d_p = d_p.add(buf)
+            p.add_(d_p, alpha=-lr)
 
 
 def momentum_of(state) -> Optional[CompressedMomentum]:

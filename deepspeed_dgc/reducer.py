@@ -247,9 +247,9 @@ class CompressedReduceScatter:
         # Stock casts to the communication dtype and pre-divides by W (the division is in the job).
         srcs = [g.reshape(-1).to(comm_dtype) for g in grads]
         divisor, job_loss_scale = float(world), loss_scale
-        if self.momentum is not None:  # every step updates the local momentum; after the freeze it is sent
+        if self.momentum is not None:  # every step updates the local momentum; once it is sent, it replaces g
             momenta = [self.momentum.update(k, g, world, loss_scale) for k, g in zip(keys, grads)]
-            if frozen:  # unscaled fp32 values, already divided by W
+            if self.momentum.sending:  # unscaled fp32 values, already divided by W
                 srcs = [self.momentum.to_send(k, m) for k, m in zip(keys, momenta)]
                 divisor, job_loss_scale = 1.0, 1.0
         if density == "auto" or density is None:
@@ -268,7 +268,10 @@ class CompressedReduceScatter:
         else:
             job = self._job(srcs, [0] * len(srcs), chunks, numels, chunks, sparse, list(range(world)), keys, numels,
                             divisor, job_loss_scale, comm_dtype, fingerprint, device)
+            before = list(job.residuals)
             out, finite, kept = self._compress_exchange(job, keys, comms.flat, rank)
+            if self.momentum is not None and self.momentum.sending and finite:
+                self.momentum.after_exchange(keys, srcs, sparse, before, self.memory)
             sent = comms.flat.last_sent_bytes
             intra_bytes = sum(b for d, b in enumerate(sent) if comms.dest_nodes[d] == comms.dest_nodes[rank])
             inter_bytes = sum(sent) - intra_bytes

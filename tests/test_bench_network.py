@@ -105,7 +105,7 @@ def test_without_root_it_says_so_and_exits_2(monkeypatch, capsys, tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--rates", "fast"], "not a tc rate"),
     (["--rates", "0mbit"], "not a tc rate"),
-    (["--configs", "dgc_auto"], "issue 3"),
+    (["--configs", "dgc_autox"], "unknown"),
     (["--configs", "nope"], "unknown"),
     (["--warmup-steps", "1"], "--warmup-steps must be >= 2"),
     (["--repeats", "0"], "--repeats must be >= 1"),
@@ -118,6 +118,7 @@ def test_bad_arguments_are_named(argv, message, capsys):
 
 def test_stock_baselines_are_always_run():
     assert bn.parse_args(["--configs", "dgc_d001"]).configs == ["stock_fp32", "stock_bf16", "dgc_d001"]
+    assert bn.BY_NAME["dgc_auto"].dgc["density"] == "auto"
     assert bn.parse_rate_bits("100mbit") == 1e8 and bn.parse_rate_bits("1gbit") == 1e9
 
 
@@ -148,3 +149,13 @@ def test_analysis_takes_medians_of_same_round_ratios_and_the_time_to_the_stock_l
     assert results["configs"]["int4_ef_wint4"]["val_gap_pct"] == pytest.approx(100 * (2.35 - 2.4) / 2.4)
     table = bn.markdown(args, results, {"date": "today", "machine": "here", "n_params": 1000})
     assert "| 5.00x | 3.50x |" in table and "not reached" in table
+
+
+def test_reuse_convergence_takes_matching_runs_and_trains_the_missing(tmp_path):
+    args = bn.parse_args(["--reuse-convergence", str(tmp_path), "--converge-steps", "80"])
+    (tmp_path / "converge_stock_fp32.json").write_text(json.dumps({"steps": 80, "seed": 1234, "final_val_loss": 2.5}))
+    (tmp_path / "converge_stock_bf16.json").write_text(json.dumps({"steps": 40, "seed": 1234}))
+    assert bn.reused(args, bn.BY_NAME["stock_fp32"])["final_val_loss"] == 2.5
+    assert bn.reused(args, bn.BY_NAME["dgc_auto"]) is None  # not in that run: trained
+    with pytest.raises(SystemExit, match="steps 40"):
+        bn.reused(args, bn.BY_NAME["stock_bf16"])

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 
+import pytest
 import torch
 
 from dist_launch import check_ok, launch
@@ -152,17 +153,23 @@ def test_sidecar_at_another_world_size_flat_reshards_hierarchical_drops(tmp_path
     assert "is missing" in msg and fresh.memory.committed == {}
 
 
-def test_resume_with_compressed_momentum_is_bit_identical():
-    """compressed_momentum frozen after step 3, saved at step 5, resumed in new processes: losses, parameters,
-    residuals and local momenta equal the uninterrupted run's bit for bit, and the resumed run is frozen again."""
+@pytest.mark.parametrize("suffix", ["_momentum", "_mc"])
+def test_resume_with_local_momentum_is_bit_identical(suffix):
+    """Saved at step 5, resumed in new processes: losses, parameters, residuals and the local momenta equal the
+    uninterrupted run's bit for bit. ``_momentum``: compressed_momentum frozen after step 3, and the resumed run is
+    frozen again. ``_mc``: SGD with DGC's momentum correction (density 0.1, INT4, masking, local clipping, weight
+    decay): the velocities are in the side-car, the weight-decay momentum in the optimizer state."""
     out = tempfile.mkdtemp()
-    full, _ = run("resume_full_momentum", tempfile.mkdtemp())
-    run("resume_first_momentum", out)
-    second, _ = run("resume_second_momentum", out)
+    full, _ = run("resume_full" + suffix, tempfile.mkdtemp())
+    run("resume_first" + suffix, out)
+    second, _ = run("resume_second" + suffix, out)
     for r in range(2):
         assert second[r]["losses"] == full[r]["losses"][5:]
         assert all(torch.equal(a, b) for a, b in zip(second[r]["params"], full[r]["params"]))
-        assert second[r]["frozen"] and full[r]["frozen"]
         assert second[r]["momenta"].keys() == full[r]["momenta"].keys() and second[r]["momenta"]
         assert all(torch.equal(second[r]["momenta"][k], full[r]["momenta"][k]) for k in full[r]["momenta"])
         assert all(torch.equal(second[r]["residuals"][k], full[r]["residuals"][k]) for k in full[r]["residuals"])
+        if suffix == "_momentum":
+            assert second[r]["frozen"] and full[r]["frozen"]
+        else:  # momentum factor masking happened
+            assert any(bool((v == 0).any()) for v in full[r]["momenta"].values())

@@ -77,6 +77,12 @@ def test_config_defaults_and_lossless():
     ({"ranks_per_node": 2.0}, "'dgc.ranks_per_node'"),
     ({"timeout_s": 0}, "'dgc.timeout_s'"),
     ({"timeout_s": -5.0}, "'dgc.timeout_s'"),
+    ({"local_clip_norm": 0.0}, "'dgc.local_clip_norm'"),
+    ({"local_clip_norm": 1.0}, "'dgc.local_clip_norm' is part of DGC's momentum correction"),
+    ({"momentum_correction": True, "residual_dtype": "bf16"}, "'dgc.momentum_correction' needs"),
+    ({"momentum_correction": True, "topology": "hierarchical"}, "'dgc.momentum_correction' needs"),
+    ({"momentum_correction": True, "error_feedback": False}, "'dgc.momentum_correction' needs"),
+    ({"momentum_correction": "yes"}, "'dgc.momentum_correction'"),
 ])
 def test_config_errors_name_the_key(section, needle):
     with pytest.raises(DGCConfigError, match=needle.replace(".", r"\.")):

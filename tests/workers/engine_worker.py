@@ -12,6 +12,11 @@ Usage: engine_worker.py MODE OUT_DIR [STEPS]. MODE is one of
                            gas 1, 6 steps: stock ZeRO-3, or lossless DGC with compressed_momentum frozen
                            after step 3, sent raw (no quantization, no preconditioning); also each rank's
                            local full gradients and the optimizer's settings
+  stock_sgd, mc_dense, mc_sparse
+                           gas 1, 6 steps, SGD with momentum 0.9: stock ZeRO-3 (weight decay 0.01), or
+                           DGC's momentum_correction lossless (dense, no quantization, the same decay), or
+                           at density 0.1 without quantization, masking on, local_clip_norm 0.05, no decay;
+                           also local gradients, velocities and residuals per step
   bad_config               initialize with invalid "dgc" settings; record each error message
   die, hang                rank 1 is killed, or hangs, inside its reduce-scatter of step 3 (timeout_s 8);
                            rank 0 saves the error it got and the time to OUT_DIR/rank0_error.pt
@@ -21,7 +26,8 @@ Usage: engine_worker.py MODE OUT_DIR [STEPS]. MODE is one of
   resume_full, resume_first, resume_second
                            DGC on, 10 steps uninterrupted; or the first 5 then save_checkpoint to
                            OUT_DIR/ckpt; or load_checkpoint from there (at any world size) and run 5 more
-                           (suffix _momentum: with compressed_momentum frozen after step 3)
+                           (suffix _momentum: with compressed_momentum frozen after step 3; suffix _mc: SGD
+                           with momentum_correction)
 """
 
 import copy
@@ -84,7 +90,16 @@ def train(mode, rank, steps, out_dir):
     cfg = copy.deepcopy(BASE)
     dtype = torch.float32
     gas = 1
-    if mode in ("stock_adam", "momentum_exact"):
+    if mode in ("stock_sgd", "mc_dense", "mc_sparse"):
+        cfg["optimizer"] = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9,
+                                                      "weight_decay": 0.0 if mode == "mc_sparse" else 0.01}}
+        cfg["zero_allow_untested_optimizer"] = True
+        cfg["gradient_clipping"] = 0.0  # momentum_correction switches DeepSpeed's clipping off; stock too, to compare
+        if mode == "mc_dense":
+            cfg["dgc"] = dict(LOSSLESS, momentum_correction=True)
+        elif mode == "mc_sparse":
+            cfg["dgc"] = dict(SPARSE, quantization="none", momentum_correction=True, local_clip_norm=0.05)
+    elif mode in ("stock_adam", "momentum_exact"):
         if mode == "momentum_exact":
             cfg["dgc"] = dict(LOSSLESS, compressed_momentum={"freeze_step": 3, "quantization": "none",
                                                              "precondition": False})
@@ -116,8 +131,11 @@ def train(mode, rank, steps, out_dir):
                   stats=None, local_grads=[], momenta=[])
     basic = engine.optimizer.optimizer
     record["optimizer"] = dict(type=type(basic).__name__, gradient_clipping=engine.gradient_clipping(),
-                               **{k: basic.param_groups[0][k] for k in ("lr", "betas", "eps", "weight_decay")})
-    if mode in ("stock_adam", "momentum_exact"):  # capture this rank's full local gradient of every param
+                               **{k: basic.param_groups[0].get(k) for k in ("lr", "betas", "eps", "weight_decay",
+                                                                            "momentum")})
+    record["ds_ids"] = [p.ds_id for p in engine.module.parameters()]
+    local_grad_modes = ("stock_adam", "momentum_exact", "stock_sgd", "mc_dense", "mc_sparse")
+    if mode in local_grad_modes:  # capture this rank's full local gradient of every param
         names = {p.ds_id: i for i, p in enumerate(engine.module.parameters())}
         local = {}
         for p in engine.module.parameters():
@@ -132,7 +150,7 @@ def train(mode, rank, steps, out_dir):
             record["losses"].append(float(loss))
             if m == len(micro_batches) - 1:
                 record["grads"].append([safe_get_full_grad(p).float().clone() for p in engine.module.parameters()])
-                if mode in ("stock_adam", "momentum_exact"):
+                if mode in local_grad_modes:
                     record["local_grads"].append([local[i] for i in range(len(local))])
             engine.step()
         record["params"].append(full_params(engine))
@@ -184,6 +202,15 @@ BAD = {
     "residual_dtype_value": {"dgc": {"enabled": True, "residual_dtype": "fp16"}},
     "momentum_fp16": {"dgc": {"enabled": True, "compressed_momentum": {"freeze_step": 2}},
                       "fp16": {"enabled": True}},
+    "mc_with_adam": {"dgc": {"enabled": True, "momentum_correction": True}},
+    "mc_sgd_no_momentum": {"dgc": {"enabled": True, "momentum_correction": True},
+                           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_allow_untested_optimizer": True},
+    "mc_nesterov": {"dgc": {"enabled": True, "momentum_correction": True},
+                    "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9, "nesterov": True}},
+                    "zero_allow_untested_optimizer": True},
+    "mc_and_compressed_momentum": {"dgc": {"enabled": True, "momentum_correction": True,
+                                           "compressed_momentum": {"freeze_step": 2}}},
+    "local_clip_without_mc": {"dgc": {"enabled": True, "local_clip_norm": 1.0}},
 }
 
 
@@ -245,12 +272,17 @@ def resume(mode, rank, out_dir):
     """resume_full: 10 steps; resume_first: 5 steps then save; resume_second: load, 5 more;
     resume_second_nodgc: the same with DGC off (a DGC checkpoint loaded into a stock run)."""
     momentum = mode.endswith("_momentum")  # compressed_momentum frozen after step 3: the checkpoint is past the freeze
-    mode = mode.removesuffix("_momentum")
+    mc = mode.endswith("_mc")  # momentum SGD with DGC's momentum correction: the velocities are state
+    mode = mode.removesuffix("_momentum").removesuffix("_mc")
     cfg = copy.deepcopy(BASE)
     if mode != "resume_second_nodgc":
         cfg["dgc"] = SPARSE
         if momentum:
             cfg["dgc"] = dict(SPARSE, compressed_momentum={"freeze_step": 3, "quantization": "int2"})
+        if mc:
+            cfg["dgc"] = dict(SPARSE, momentum_correction=True, local_clip_norm=1.0)
+            cfg["optimizer"] = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.01}}
+            cfg["zero_allow_untested_optimizer"] = True
     if mode == "resume_second_universal":  # a universal checkpoint (ds_to_universal), any world size
         cfg["checkpoint"] = {"load_universal": True}
     engine = make_engine(cfg)
