@@ -11,11 +11,13 @@ of 0.8M parameters, Adam, 16 x 64 characters per rank per step) and a ``"dgc"`` 
 - *plain error feedback*: top-k gradients at density 0.3, 0.1, 0.03, 0.01 and ``"auto"``, INT4 values;
 - *Adam-aware* (``compressed_momentum``, 1-bit Adam's recipe, see ``deepspeed_dgc/momentum.py``):
   dense INT4 gradients for ``--freeze-step`` steps, then the momentum, preconditioned by the frozen
-  ``sqrt(v_hat)``, at the same densities with INT4 values, and dense at INT2 and at 1 bit;
+  ``sqrt(v_hat)``, at the same densities with INT4 values, and dense at INT2 and at 1 bit (``adam_int1_w2``:
+  the 1-bit setting with dense INT2 gradients in the warm-up);
 - the residual stored in fp8 instead of fp32 for the two best settings.
 
 All run ``--steps`` steps; stock and the ``--long-best`` (3) best run ``--long-steps`` as well ("best": the largest
-compression ratio among those within 1% of stock's validation loss, then the smallest gaps).
+compression ratio among those within 1% of stock's validation loss, then the smallest gaps), or the settings
+named by ``--long``. ``--jobs N`` runs N launches at once (results are the same; only wall time changes).
 Columns: final validation loss, gap to stock, compression ratio of the gradient traffic over the
 whole run (warm-up included) against fp32, the extension's state in bytes per parameter per rank, and
 wire bits per kept element. Outputs: ``<out-dir>/<setting>_<steps>.json`` per run (reused when present
@@ -25,7 +27,9 @@ copies of both as ``DIR/study_convergence.{md,png}``.
 """
 
 import argparse
+import concurrent.futures
 import json
+import queue
 import shutil
 import subprocess
 import sys
@@ -54,6 +58,9 @@ def settings(freeze_step: int) -> dict:
     for q in ("int2", "int1"):
         out[f"adam_{q}"] = ("Adam-aware", f"compressed momentum, dense {q.upper()}",
                             dict(base, density=1.0, compressed_momentum={"freeze_step": freeze_step, "quantization": q}))
+    out["adam_int1_w2"] = ("Adam-aware", "compressed momentum, dense INT1, INT2 warm-up",
+                           dict(base, density=1.0, quantization="int2",
+                                compressed_momentum={"freeze_step": freeze_step, "quantization": "int1"}))
     return out
 
 
@@ -62,6 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--long-steps", type=int, default=1000, help="0: no long runs")
     parser.add_argument("--long-best", type=int, default=3, help="how many of the best settings also run --long-steps")
+    parser.add_argument("--long", nargs="+", metavar="SETTING", help="run these at --long-steps instead of the best")
+    parser.add_argument("--jobs", type=int, default=1, help="launches at once (each on its own port; 2 ranks each)")
     parser.add_argument("--freeze-step", type=int, default=60, help="Adam-aware settings: steps before the freeze")
     parser.add_argument("--only", nargs="+", help="run only these settings (stock is always run)")
     parser.add_argument("--fp8-residual-best", type=int, default=2, help="also run the best N with residual_dtype fp8")
@@ -73,16 +82,41 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--fresh", action="store_true", help="rerun settings whose summary already exists")
     args = parser.parse_args(argv)
     known = settings(args.freeze_step)
-    if args.only:
-        unknown = [n for n in args.only if n not in known]
+    for option in ("only", "long"):
+        unknown = [n for n in getattr(args, option) or [] if n not in known]
         if unknown:
-            parser.error(f"--only: unknown {unknown}; choose from {list(known)}")
+            parser.error(f"--{option}: unknown {unknown}; choose from {list(known)}")
     if args.steps < 1 or args.long_steps < 0 or args.freeze_step < 1 or min(args.fp8_residual_best, args.long_best) < 0:
         parser.error("--steps and --freeze-step must be >= 1, --long-steps, --long-best and --fp8-residual-best >= 0")
+    if args.jobs < 1:
+        parser.error("--jobs must be >= 1")
     return args
 
 
-def run(name: str, dgc: dict | None, steps: int, args: argparse.Namespace) -> dict:
+def run_all(jobs: list[tuple[str, dict | None, int]], args: argparse.Namespace) -> dict:
+    """Run every ``(name, dgc, steps)`` of ``jobs``, ``--jobs`` at a time (each launch on its own master port);
+    returns ``{(name, steps): summary}``. Results do not depend on what runs beside them (CPU runs are
+    deterministic); only their wall time does.
+
+    Raises RuntimeError when a run fails.
+    """
+    ports = queue.Queue()
+    for i in range(args.jobs):
+        ports.put(29720 + i)
+
+    def one(job):
+        port = ports.get()
+        try:
+            return run(*job, args, port=port)
+        finally:
+            ports.put(port)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        summaries = list(pool.map(one, jobs))
+    return {(name, steps): s for (name, _, steps), s in zip(jobs, summaries)}
+
+
+def run(name: str, dgc: dict | None, steps: int, args: argparse.Namespace, port: int = 29720) -> dict:
     """Train one setting for ``steps`` (or reuse its summary); returns the summary dict.
 
     Raises RuntimeError when the run fails.
@@ -102,7 +136,7 @@ def run(name: str, dgc: dict | None, steps: int, args: argparse.Namespace) -> di
             return summary
     config_path.write_text(text)
     summary_path.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.num_gpus), "--master_port", "29720",
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.num_gpus), "--master_port", str(port),
            str(TRAIN_SCRIPT), "--deepspeed_config", str(config_path), "--max-steps", str(steps), "--seed", str(args.seed),
            "--eval-interval", str(max(1, steps // 10)), "--summary-json", str(summary_path)]
     log_path = args.out_dir / "logs" / f"{tag}.log"
@@ -180,23 +214,22 @@ def main(argv=None) -> int:
     names = ["stock"] + [n for n in known if n != "stock" and (not args.only or n in args.only)]
     started = time.time()
     summaries, rows = {}, []
-    print(f"{len(names)} settings x {args.steps} steps", flush=True)
-    for name in names:
-        summaries[(name, args.steps)] = run(name, known[name][2], args.steps, args)
+    print(f"{len(names)} settings x {args.steps} steps, {args.jobs} at a time", flush=True)
+    summaries.update(run_all([(n, known[n][2], args.steps) for n in names], args))
     stock = summaries[("stock", args.steps)]
     rows = [row(n, known[n][0], known[n][1], summaries[(n, args.steps)], stock) for n in names]
+    fp8_names = []
     for name in best(rows, args.fp8_residual_best):
         family, label, dgc = known[name]
-        fp8 = dict(dgc, residual_dtype="fp8")
-        known[f"{name}_rfp8"] = (family, f"{label}, fp8 residual", fp8)
-        summaries[(f"{name}_rfp8", args.steps)] = run(f"{name}_rfp8", fp8, args.steps, args)
-        rows.append(row(f"{name}_rfp8", family, f"{label}, fp8 residual", summaries[(f"{name}_rfp8", args.steps)], stock))
+        known[f"{name}_rfp8"] = (family, f"{label}, fp8 residual", dict(dgc, residual_dtype="fp8"))
+        fp8_names.append(f"{name}_rfp8")
+    summaries.update(run_all([(n, known[n][2], args.steps) for n in fp8_names], args))
+    rows += [row(n, known[n][0], known[n][1], summaries[(n, args.steps)], stock) for n in fp8_names]
     if args.long_steps:
-        long_names = ["stock"] + best(rows, args.long_best)
-        long_stock = run("stock", None, args.long_steps, args)
-        for name in long_names:
-            s = long_stock if name == "stock" else run(name, known[name][2], args.long_steps, args)
-            rows.append(row(name, known[name][0], known[name][1], s, long_stock))
+        long_names = ["stock"] + (args.long or best(rows, args.long_best))
+        summaries.update(run_all([(n, known[n][2], args.long_steps) for n in long_names], args))
+        long_stock = summaries[("stock", args.long_steps)]
+        rows += [row(n, known[n][0], known[n][1], summaries[(n, args.long_steps)], long_stock) for n in long_names]
     meta = {"date": time.strftime("%Y-%m-%d", time.gmtime(started)), "seed": args.seed, "n_params": stock["n_params"],
             "machine": f"{__import__('os').cpu_count()} CPU cores, gloo", "elapsed_s": time.time() - started,
             "freeze_step": args.freeze_step}

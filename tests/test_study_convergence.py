@@ -1,0 +1,53 @@
+"""The convergence study's driver: settings, argument errors and parallel launches (no training here)."""
+
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import study_convergence as sc  # noqa: E402
+
+
+def test_settings_hold_what_their_names_say():
+    known = sc.settings(60)
+    assert known["stock"][2] is None
+    w2 = known["adam_int1_w2"][2]
+    assert w2["quantization"] == "int2" and w2["density"] == 1.0
+    assert w2["compressed_momentum"] == {"freeze_step": 60, "quantization": "int1"}
+    assert known["ef_d0.1"][2]["density"] == 0.1 and "compressed_momentum" not in known["ef_d0.1"][2]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--long", "nope"], "--long: unknown ['nope']"),
+    (["--only", "adam_int3"], "--only: unknown"),
+    (["--jobs", "0"], "--jobs must be >= 1"),
+    (["--steps", "0"], "--steps and --freeze-step must be >= 1"),
+])
+def test_bad_arguments_are_named(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        sc.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_run_all_runs_jobs_at_a_time_on_distinct_ports(monkeypatch):
+    lock, active, seen = threading.Lock(), set(), []
+
+    def fake_run(name, dgc, steps, args, port):
+        with lock:
+            assert port not in active, "two launches on one master port"
+            active.add(port)
+            seen.append((name, steps, port, len(active)))
+        time.sleep(0.05)
+        with lock:
+            active.discard(port)
+        return {"name": name, "steps": steps}
+
+    monkeypatch.setattr(sc, "run", fake_run)
+    args = sc.parse_args(["--jobs", "2"])
+    jobs = [(f"s{i}", None, 300 + i) for i in range(5)]
+    out = sc.run_all(jobs, args)
+    assert out == {(f"s{i}", 300 + i): {"name": f"s{i}", "steps": 300 + i} for i in range(5)}
+    assert {p for _, _, p, _ in seen} <= {29720, 29721} and max(n for *_, n in seen) == 2
