@@ -13,6 +13,7 @@ of 0.8M parameters, Adam, 16 x 64 characters per rank per step) and a ``"dgc"`` 
   dense INT4 gradients for ``--freeze-step`` steps, then the momentum, preconditioned by the frozen
   ``sqrt(v_hat)``, at the same densities with INT4 values, and dense at INT2 and at 1 bit (``adam_int1_w2``:
   the 1-bit setting with dense INT2 gradients in the warm-up);
+- ``*_zlib``: a setting with ``entropy_coding: "zlib"`` (lossless: the same losses, fewer bytes);
 - the residual stored in fp8 instead of fp32 for the two best settings.
 
 All run ``--steps`` steps; stock and the ``--long-best`` (3) best run ``--long-steps`` as well ("best": the largest
@@ -61,6 +62,10 @@ def settings(freeze_step: int) -> dict:
     out["adam_int1_w2"] = ("Adam-aware", "compressed momentum, dense INT1, INT2 warm-up",
                            dict(base, density=1.0, quantization="int2",
                                 compressed_momentum={"freeze_step": freeze_step, "quantization": "int1"}))
+    out["adam_int2_zlib"] = ("Adam-aware", "compressed momentum, dense INT2, zlib-coded",
+                             dict(out["adam_int2"][2], entropy_coding="zlib"))
+    out["int4_dense_zlib"] = ("plain EF", "dense INT4 + error feedback, zlib-coded",
+                              dict(out["int4_dense"][2], entropy_coding="zlib"))
     return out
 
 

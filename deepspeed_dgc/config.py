@@ -101,6 +101,9 @@ class DGCConfig(BaseModel):
     - ``index_coding`` (``"auto"``, ``"varint"`` or ``"bitmap"``, default ``"auto"``): positions of the
       kept values as varint gaps (about 8 bits each down to density 1/128) or as a bitmap (1 bit per
       element); ``"auto"`` takes the bitmap when the density is above 1/8, where it is smaller.
+    - ``entropy_coding`` (``"none"`` or ``"zlib"``, default ``"none"``): ``"zlib"`` DEFLATE-codes every
+      payload after quantization and index coding (lossless: the training is bit-identical, only the
+      bytes on the wire change; see :func:`deepspeed_dgc.reducer.deflate`). Runs on the host.
     - ``group_size`` (int >= 2, even, default 128): kept values per scale.
     - ``error_feedback`` (bool, default true): carry what was not sent (unselected values and
       quantization error) to the next micro-step.
@@ -161,6 +164,7 @@ class DGCConfig(BaseModel):
     quantization: Literal["int4", "int2", "int1", "fp8_e4m3", "fp8_e5m2", "none"] = "int4"
     stochastic_rounding: bool = False
     index_coding: Literal["auto", "varint", "bitmap"] = "auto"
+    entropy_coding: Literal["none", "zlib"] = "none"
     group_size: int = Field(128, ge=2, le=1 << 20, multiple_of=2)
     error_feedback: bool = True
     residual_dtype: Literal["fp32", "bf16", "fp8"] = "fp32"

@@ -72,6 +72,41 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1).view(torch.uint8)
 
 
+ZLIB_LEVEL = 1  # DEFLATE's fastest level: the Huffman stage, which is what codes skewed INT2/INT4 codes, is the same
+
+
+def deflate(payload: torch.Tensor) -> torch.Tensor:
+    """Entropy-code one uint8 payload with DEFLATE (zlib, RFC 1950/1951: LZ77 then Huffman codes), lossless.
+
+    Quantized codes of gradients are far from uniform (most values fall in the inner levels of an
+    absmax-scaled grid), so Huffman coding of their bytes saves about a quarter of INT2 and an
+    eighth to a quarter of INT4 payloads; random-looking parts (fp32 scales, INT1 signs) pass through
+    at about their size. Runs on the host: a GPU payload is copied there and back.
+
+    Args:
+        payload: 1-D uint8 tensor (any device).
+
+    Returns:
+        1-D uint8 tensor on the same device holding the zlib stream.
+    """
+    data = zlib.compress(payload.cpu().numpy().tobytes(), ZLIB_LEVEL)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(payload.device)
+
+
+def inflate(stream: torch.Tensor, src: int) -> torch.Tensor:
+    """Undo :func:`deflate` for what rank ``src`` sent.
+
+    Raises:
+        DGCProtocolError: the bytes are not a zlib stream (the sender does not entropy-code: configs differ).
+    """
+    try:
+        data = zlib.decompress(stream.cpu().numpy().tobytes())
+    except zlib.error as err:
+        raise DGCProtocolError(f"rank {src} sent a payload that is not a zlib stream ({err}): 'dgc.entropy_coding' "
+                               "differs between ranks") from None
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(stream.device)
+
+
 def _take(buf: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype) -> Tuple[torch.Tensor, int]:
     """View ``nbytes`` of uint8 ``buf`` at ``offset`` as ``dtype``; return it and the next offset."""
     if offset + nbytes > buf.numel():
@@ -365,7 +400,10 @@ class CompressedReduceScatter:
             this rank's input was finite (it sends nothing otherwise); values it sent.
         """
         result = self.ops_for(job.srcs[0].device.type).compress(job)
-        received = comm.all_to_all(result.payloads)
+        if self.cfg.entropy_coding == "zlib":
+            received = [inflate(b, src) for src, b in enumerate(comm.all_to_all([deflate(p) for p in result.payloads]))]
+        else:
+            received = comm.all_to_all(result.payloads)
         seg_real = [job.real_counts(i)[my_row] for i in range(len(job.numels))]
         out = self._sum_received(received, job, seg_real)
         if result.residuals is not None:

@@ -206,3 +206,19 @@ def test_dense_jobs_stay_on_the_fused_op_whatever_the_index_coding():
     assert fused_can_code(job)
     job.sparse = [True]
     assert not fused_can_code(job)
+
+
+@pytest.mark.parametrize("fmt, at_most", [("int2", 0.85), ("int4", 0.95), ("int1", 1.01)])
+def test_deflate_round_trip_and_what_it_saves(fmt, at_most):
+    """DEFLATE of quantized codes of heavy-tailed values (Student t, 3 degrees of freedom, like gradients) is
+    lossless, saves at least 15% of INT2 and 5% of INT4 codes, and does not grow INT1 signs (random bits) by more
+    than 1%; a stream that is not zlib is named as a config mismatch."""
+    from deepspeed_dgc.reducer import DGCProtocolError, deflate, inflate
+    torch.manual_seed(7)  # StudentT samples from the global generator
+    x = torch.distributions.StudentT(3.0).sample((1 << 18, )) * 0.01
+    codes = [t for t in quantize_values(x, fmt, 128) if t.dtype == torch.uint8][0]
+    stream = deflate(codes)
+    assert torch.equal(inflate(stream, 0), codes)
+    assert stream.numel() <= at_most * codes.numel(), (fmt, stream.numel() / codes.numel())
+    with pytest.raises(DGCProtocolError, match="rank 3 .*'dgc.entropy_coding' differs"):
+        inflate(codes[:64], 3)

@@ -83,6 +83,21 @@ def test_delivered_equals_sent_and_conserves_gradients(run, case):
                                    atol=1e-4 * float(grad_sum.abs().max()) + 1.01 * lost)
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c.endswith("_zlib")])
+def test_entropy_coding_is_lossless_and_changes_only_the_bytes(run, case):
+    """entropy_coding "zlib" gives bit-identical outputs and residuals to the same case without it, on the same
+    inputs; only the bytes on the wire differ (the zlib streams were really sent)."""
+    world, ranks = run
+    twin = case.removesuffix("_zlib")
+    for r in range(world):
+        for a, b in zip(ranks[r][case]["steps"], ranks[r][twin]["steps"]):
+            assert all(torch.equal(x, y) for x, y in zip(a["inputs"], b["inputs"]))
+            assert all(torch.equal(x, y) for x, y in zip(a["outputs"], b["outputs"]))
+            assert a["residuals"].keys() == b["residuals"].keys()
+            assert all(torch.equal(a["residuals"][k], b["residuals"][k]) for k in a["residuals"])
+            assert a["kept"] == b["kept"] and a["wire_bytes"] != b["wire_bytes"]
+
+
 def test_residual_storage_is_really_rounded(run):
     """The bf16 and fp8 cases store residuals in their dtype (so the bound above is not vacuous)."""
     world, ranks = run

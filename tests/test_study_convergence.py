@@ -18,6 +18,7 @@ def test_settings_hold_what_their_names_say():
     assert w2["quantization"] == "int2" and w2["density"] == 1.0
     assert w2["compressed_momentum"] == {"freeze_step": 60, "quantization": "int1"}
     assert known["ef_d0.1"][2]["density"] == 0.1 and "compressed_momentum" not in known["ef_d0.1"][2]
+    assert known["adam_int2_zlib"][2] == dict(known["adam_int2"][2], entropy_coding="zlib")
 
 
 @pytest.mark.parametrize("argv, message", [

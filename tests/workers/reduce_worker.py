@@ -33,6 +33,9 @@ CASES = {
     "fixed_threshold": dict(density=0.1, threshold=0.6, quantization="int4", group_size=16, min_numel=0),
     "bf16_residual": dict(density=0.1, quantization="int4", group_size=16, min_numel=0, residual_dtype="bf16"),
     "fp8_residual": dict(density=0.1, quantization="int4", group_size=16, min_numel=0, residual_dtype="fp8"),
+    # the same inputs as the case without the suffix (entropy coding is lossless)
+    "sparse_int4_zlib": dict(density=0.1, quantization="int4", group_size=16, min_numel=0, entropy_coding="zlib"),
+    "int1_dense_zlib": dict(density=1.0, quantization="int1", group_size=16, min_numel=0, entropy_coding="zlib"),
 }
 STEPS = 4
 
@@ -46,7 +49,8 @@ def run_cases(rank: int, **settings) -> dict:
             continue
         memory = ErrorFeedback(cfg.residual_dtype)
         reducer = CompressedReduceScatter(cfg, memory, seed=rank)
-        gen = torch.Generator().manual_seed(1000 * ci + 17 * rank + 1)
+        twin = list(CASES).index(name.removesuffix("_zlib"))  # a _zlib case draws its twin's inputs
+        gen = torch.Generator().manual_seed(1000 * twin + 17 * rank + 1)
         steps = []
         for step in range(STEPS):
             grads = [torch.randn(n, generator=gen) * (1 + 10 * step) for n in SIZES]
