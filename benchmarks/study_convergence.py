@@ -19,6 +19,7 @@ of 0.8M parameters, Adam, 16 x 64 characters per rank per step) and a ``"dgc"`` 
 All run ``--steps`` steps; stock and the ``--long-best`` (3) best run ``--long-steps`` as well ("best": the largest
 compression ratio among those within 1% of stock's validation loss, then the smallest gaps), or the settings
 named by ``--long``. ``--jobs N`` runs N launches at once (results are the same; only wall time changes).
+``--merge JSON...`` adds the rows of earlier runs (same seed) for what this run did not run, marked with their date.
 Columns: final validation loss, gap to stock, compression ratio of the gradient traffic over the
 whole run (warm-up included) against fp32, the extension's state in bytes per parameter per rank, and
 wire bits per kept element. Outputs: ``<out-dir>/<setting>_<steps>.json`` per run (reused when present
@@ -75,6 +76,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--long-steps", type=int, default=1000, help="0: no long runs")
     parser.add_argument("--long-best", type=int, default=3, help="how many of the best settings also run --long-steps")
     parser.add_argument("--long", nargs="+", metavar="SETTING", help="run these at --long-steps instead of the best")
+    parser.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
+                        help="add the rows of earlier runs' --json for settings and steps this run does not have "
+                        "(same seed and main job; marked with their run's date in the table)")
     parser.add_argument("--jobs", type=int, default=1, help="launches at once (each on its own port; 2 ranks each)")
     parser.add_argument("--freeze-step", type=int, default=60, help="Adam-aware settings: steps before the freeze")
     parser.add_argument("--only", nargs="+", help="run only these settings (stock is always run)")
@@ -165,6 +169,25 @@ def row(name: str, family: str, label: str, s: dict, stock: dict) -> dict:
             "bits_per_kept_element": s.get("bits_per_kept_element"), "skipped_steps": s["skipped_steps"]}
 
 
+def merged_rows(rows: list[dict], paths: list[Path], seed: int) -> list[dict]:
+    """``rows`` plus the rows of each earlier results JSON in ``paths`` whose (setting, steps) is not in them yet,
+    each tagged ``"run": <that run's date>``; SystemExit when a file is missing or was made with another seed."""
+    have = {(r["name"], r["steps"]) for r in rows}
+    out = list(rows)
+    for path in paths:
+        if not path.is_file():
+            raise SystemExit(f"study_convergence.py: --merge: no {path}")
+        earlier = json.loads(path.read_text())
+        if earlier["meta"]["seed"] != seed:
+            raise SystemExit(f"study_convergence.py: --merge: {path} was made with seed {earlier['meta']['seed']}, "
+                             f"this run with {seed}")
+        for r in earlier["rows"]:
+            if (r["name"], r["steps"]) not in have:
+                have.add((r["name"], r["steps"]))
+                out.append(dict(r, run=r.get("run") or earlier["meta"]["date"] + " (earlier run)"))
+    return out
+
+
 def best(rows: list[dict], n: int) -> list[str]:
     """Names of the n best compressed settings: within the gap target by ratio, then the rest by gap."""
     cands = [r for r in rows if r["family"] != "stock"]
@@ -179,9 +202,10 @@ def markdown(rows: list[dict], meta: dict) -> str:
              f"(warm-up included); state = the extension's bytes per parameter per rank after the last step.", "",
              "| setting | family | steps | final val loss | gap vs stock | compression vs fp32 | state B/param "
              "| bits per kept element |", "|---|---|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
+    for r in sorted(rows, key=lambda r: r["steps"]):
         bits = "" if not r["bits_per_kept_element"] else f"{r['bits_per_kept_element']:.1f}"
-        lines.append(f"| {r['label']} (`{r['name']}`) | {r['family']} | {r['steps']} | {r['val_loss']:.4f} "
+        mark = f" [{r['run']}]" if r.get("run") else ""
+        lines.append(f"| {r['label']} (`{r['name']}`){mark} | {r['family']} | {r['steps']} | {r['val_loss']:.4f} "
                      f"| {r['gap_pct']:+.2f}% | {r['compression_ratio']:.1f}x | {r['state_bytes_per_param']:.2f} | {bits} |")
     return "\n".join(lines) + "\n"
 
@@ -235,6 +259,8 @@ def main(argv=None) -> int:
         summaries.update(run_all([(n, known[n][2], args.long_steps) for n in long_names], args))
         long_stock = summaries[("stock", args.long_steps)]
         rows += [row(n, known[n][0], known[n][1], summaries[(n, args.long_steps)], long_stock) for n in long_names]
+    if args.merge:
+        rows = merged_rows(rows, args.merge, args.seed)
     meta = {"date": time.strftime("%Y-%m-%d", time.gmtime(started)), "seed": args.seed, "n_params": stock["n_params"],
             "machine": f"{__import__('os').cpu_count()} CPU cores, gloo", "elapsed_s": time.time() - started,
             "freeze_step": args.freeze_step}

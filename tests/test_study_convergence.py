@@ -1,5 +1,6 @@
 """The convergence study's driver: settings, argument errors and parallel launches (no training here)."""
 
+import json
 import sys
 import threading
 import time
@@ -52,3 +53,18 @@ def test_run_all_runs_jobs_at_a_time_on_distinct_ports(monkeypatch):
     out = sc.run_all(jobs, args)
     assert out == {(f"s{i}", 300 + i): {"name": f"s{i}", "steps": 300 + i} for i in range(5)}
     assert {p for _, _, p, _ in seen} <= {29720, 29721} and max(n for *_, n in seen) == 2
+
+
+def test_merge_adds_only_what_this_run_lacks_and_refuses_another_seed(tmp_path):
+    this = [{"name": "stock", "steps": 300, "val_loss": 2.0}, {"name": "adam_int2_zlib", "steps": 300, "val_loss": 2.1}]
+    earlier = {"meta": {"seed": 1234, "date": "2026-11-29"},
+               "rows": [{"name": "stock", "steps": 300, "val_loss": 9.9}, {"name": "ef_d0.1", "steps": 300, "val_loss": 2.2}]}
+    path = tmp_path / "earlier.json"
+    path.write_text(json.dumps(earlier))
+    rows = sc.merged_rows(this, [path], 1234)
+    assert [(r["name"], r["val_loss"], r.get("run")) for r in rows] == [
+        ("stock", 2.0, None), ("adam_int2_zlib", 2.1, None), ("ef_d0.1", 2.2, "2026-11-29 (earlier run)")]
+    with pytest.raises(SystemExit, match="seed 1234, this run with 7"):
+        sc.merged_rows(this, [path], 7)
+    with pytest.raises(SystemExit, match="no "):
+        sc.merged_rows(this, [tmp_path / "missing.json"], 1234)
