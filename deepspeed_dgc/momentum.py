@@ -24,7 +24,7 @@ correction of ``m`` (1 - b1^T is 1 to within b1^T).
 """
 
 import functools
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 from deepspeed import comm as dist
@@ -373,8 +373,3 @@ def dgc_sgd_step(optimizer, closure=None):
                     buf.mul_(m).add_(p, alpha=wd)
                 d_p = d_p.add(buf)
             p.add_(d_p, alpha=-lr)
-
-
-def momentum_of(state) -> Optional[CompressedMomentum]:
-    """The engine's :class:`CompressedMomentum`, or None."""
-    return getattr(state, "momentum", None)
