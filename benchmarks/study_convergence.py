@@ -67,6 +67,10 @@ def settings(freeze_step: int) -> dict:
                              dict(out["adam_int2"][2], entropy_coding="zlib"))
     out["int4_dense_zlib"] = ("plain EF", "dense INT4 + error feedback, zlib-coded",
                               dict(out["int4_dense"][2], entropy_coding="zlib"))
+    for g in (512, 1024):  # fewer scales after the freeze: preconditioned momenta share one magnitude
+        dgc = out["adam_int2_zlib"][2]
+        out[f"adam_int2_zlib_g{g}"] = ("Adam-aware", f"compressed momentum, dense INT2 in groups of {g}, zlib-coded",
+                                       dict(dgc, compressed_momentum=dict(dgc["compressed_momentum"], group_size=g)))
     return out
 
 
@@ -80,6 +84,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="add the rows of earlier runs' --json for settings and steps this run does not have "
                         "(same seed and main job; marked with their run's date in the table)")
     parser.add_argument("--jobs", type=int, default=1, help="launches at once (each on its own port; 2 ranks each)")
+    parser.add_argument("--master-port", type=int, default=29720, help="first master port (launch i uses it + i)")
     parser.add_argument("--freeze-step", type=int, default=60, help="Adam-aware settings: steps before the freeze")
     parser.add_argument("--only", nargs="+", help="run only these settings (stock is always run)")
     parser.add_argument("--fp8-residual-best", type=int, default=2, help="also run the best N with residual_dtype fp8")
@@ -111,7 +116,7 @@ def run_all(jobs: list[tuple[str, dict | None, int]], args: argparse.Namespace) 
     """
     ports = queue.Queue()
     for i in range(args.jobs):
-        ports.put(29720 + i)
+        ports.put(args.master_port + i)
 
     def one(job):
         port = ports.get()

@@ -20,6 +20,8 @@ def test_settings_hold_what_their_names_say():
     assert w2["compressed_momentum"] == {"freeze_step": 60, "quantization": "int1"}
     assert known["ef_d0.1"][2]["density"] == 0.1 and "compressed_momentum" not in known["ef_d0.1"][2]
     assert known["adam_int2_zlib"][2] == dict(known["adam_int2"][2], entropy_coding="zlib")
+    g512 = known["adam_int2_zlib_g512"][2]
+    assert g512["compressed_momentum"]["group_size"] == 512 and g512["group_size"] == 128  # the warm-up keeps 128
 
 
 @pytest.mark.parametrize("argv, message", [
