@@ -174,9 +174,10 @@ def row(name: str, family: str, label: str, s: dict, stock: dict) -> dict:
             "bits_per_kept_element": s.get("bits_per_kept_element"), "skipped_steps": s["skipped_steps"]}
 
 
-def merged_rows(rows: list[dict], paths: list[Path], seed: int) -> list[dict]:
+def merged_rows(rows: list[dict], paths: list[Path], seed: int, freeze_step: int = 60) -> list[dict]:
     """``rows`` plus the rows of each earlier results JSON in ``paths`` whose (setting, steps) is not in them yet,
-    each tagged ``"run": <that run's date>``; SystemExit when a file is missing or was made with another seed."""
+    each tagged ``"run": "<that run's date>, <file name>"``; an Adam-aware row of a run with another ``--freeze-step`` is renamed
+    ``<name>_f<step>`` (its label says the step). SystemExit when a file is missing or has another seed."""
     have = {(r["name"], r["steps"]) for r in rows}
     out = list(rows)
     for path in paths:
@@ -186,10 +187,13 @@ def merged_rows(rows: list[dict], paths: list[Path], seed: int) -> list[dict]:
         if earlier["meta"]["seed"] != seed:
             raise SystemExit(f"study_convergence.py: --merge: {path} was made with seed {earlier['meta']['seed']}, "
                              f"this run with {seed}")
+        other_freeze = earlier["meta"].get("freeze_step", freeze_step)
         for r in earlier["rows"]:
+            if r["family"] == "Adam-aware" and other_freeze != freeze_step:
+                r = dict(r, name=f"{r['name']}_f{other_freeze}", label=f"{r['label']}, frozen after step {other_freeze}")
             if (r["name"], r["steps"]) not in have:
                 have.add((r["name"], r["steps"]))
-                out.append(dict(r, run=r.get("run") or earlier["meta"]["date"] + " (earlier run)"))
+                out.append(dict(r, run=r.get("run") or f"{earlier['meta']['date']}, {path.name}"))
     return out
 
 
@@ -265,7 +269,7 @@ def main(argv=None) -> int:
         long_stock = summaries[("stock", args.long_steps)]
         rows += [row(n, known[n][0], known[n][1], summaries[(n, args.long_steps)], long_stock) for n in long_names]
     if args.merge:
-        rows = merged_rows(rows, args.merge, args.seed)
+        rows = merged_rows(rows, args.merge, args.seed, args.freeze_step)
     meta = {"date": time.strftime("%Y-%m-%d", time.gmtime(started)), "seed": args.seed, "n_params": stock["n_params"],
             "machine": f"{__import__('os').cpu_count()} CPU cores, gloo", "elapsed_s": time.time() - started,
             "freeze_step": args.freeze_step}

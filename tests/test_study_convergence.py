@@ -58,14 +58,21 @@ def test_run_all_runs_jobs_at_a_time_on_distinct_ports(monkeypatch):
 
 
 def test_merge_adds_only_what_this_run_lacks_and_refuses_another_seed(tmp_path):
-    this = [{"name": "stock", "steps": 300, "val_loss": 2.0}, {"name": "adam_int2_zlib", "steps": 300, "val_loss": 2.1}]
-    earlier = {"meta": {"seed": 1234, "date": "2026-11-29"},
-               "rows": [{"name": "stock", "steps": 300, "val_loss": 9.9}, {"name": "ef_d0.1", "steps": 300, "val_loss": 2.2}]}
+    this = [{"name": "stock", "steps": 300, "val_loss": 2.0, "family": "stock"},
+            {"name": "adam_int2_zlib", "steps": 300, "val_loss": 2.1, "family": "Adam-aware"}]
+    earlier = {"meta": {"seed": 1234, "date": "2026-11-29", "freeze_step": 60},
+               "rows": [{"name": "stock", "steps": 300, "val_loss": 9.9, "family": "stock"},
+                        {"name": "ef_d0.1", "steps": 300, "val_loss": 2.2, "family": "plain EF"}]}
     path = tmp_path / "earlier.json"
     path.write_text(json.dumps(earlier))
     rows = sc.merged_rows(this, [path], 1234)
     assert [(r["name"], r["val_loss"], r.get("run")) for r in rows] == [
-        ("stock", 2.0, None), ("adam_int2_zlib", 2.1, None), ("ef_d0.1", 2.2, "2026-11-29 (earlier run)")]
+        ("stock", 2.0, None), ("adam_int2_zlib", 2.1, None), ("ef_d0.1", 2.2, "2026-11-29, earlier.json")]
+    other = {"meta": {"seed": 1234, "date": "2026-11-30", "freeze_step": 200},
+             "rows": [{"name": "adam_int2_zlib", "steps": 300, "val_loss": 2.3, "family": "Adam-aware", "label": "x"}]}
+    path.write_text(json.dumps(other))
+    renamed = sc.merged_rows(this, [path], 1234)[-1]
+    assert renamed["name"] == "adam_int2_zlib_f200" and renamed["label"] == "x, frozen after step 200"
     with pytest.raises(SystemExit, match="seed 1234, this run with 7"):
         sc.merged_rows(this, [path], 7)
     with pytest.raises(SystemExit, match="no "):
