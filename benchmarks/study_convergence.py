@@ -264,7 +264,7 @@ def main(argv=None) -> int:
     summaries.update(run_all([(n, known[n][2], args.steps) for n in fp8_names], args))
     rows += [row(n, known[n][0], known[n][1], summaries[(n, args.steps)], stock) for n in fp8_names]
     if args.long_steps:
-        long_names = ["stock"] + (args.long or best(rows, args.long_best))
+        long_names = list(dict.fromkeys(["stock"] + (args.long or best(rows, args.long_best))))  # once each
         summaries.update(run_all([(n, known[n][2], args.long_steps) for n in long_names], args))
         long_stock = summaries[("stock", args.long_steps)]
         rows += [row(n, known[n][0], known[n][1], summaries[(n, args.long_steps)], long_stock) for n in long_names]

@@ -59,6 +59,9 @@ def _restore_momentum(state, saved, device, world_scale: float = 1.0) -> str:
     """Put saved local momenta back (``world_scale`` rescales re-sharded ones); returns a note for the log."""
     m = getattr(state, "momentum", None)
     if m is None:
+        if saved and saved.get("momenta"):
+            return (f"; its {len(saved['momenta'])} saved local momenta are IGNORED: this run has neither "
+                    "'dgc.momentum_correction' nor 'dgc.compressed_momentum', so that momentum is lost")
         return ""
     m.store.staged = {}
     if not saved:
@@ -194,7 +197,8 @@ def wrap_plain_engine_loading(engine) -> None:
             if found:  # any rank's side-car: the world size may have changed
                 logger.warning(f"[deepspeed_dgc] rank {engine.global_rank}: checkpoint {load_path} holds deepspeed_dgc "
                                f"state ({len(found)} dgc_state_dp_rank_*.pt files in {sdir}, saved with DGC on); this run "
-                               "has DGC off, so its error-feedback residuals are ignored. DeepSpeed's weights and "
+                               "has DGC off, so its error-feedback residuals (and any local momenta of "
+                               "'momentum_correction' or 'compressed_momentum') are ignored. DeepSpeed's weights and "
                                "optimizer state loaded as usual")
         return load_path, client_state
 
@@ -223,7 +227,7 @@ def wrap_engine_checkpointing(engine, state) -> None:
         msg = load_state(state, load_dir, _tag_of(load_dir, tag, engine), engine.dp_world_size, device)
         if m is not None and m.freeze_due():  # every rank loads: collective
             m.freeze(engine.optimizer, engine.optimizer.dp_process_group)
-        (logger.info if msg.startswith("restored") else logger.warning)(f"[deepspeed_dgc] rank {state.global_rank}: {msg}")
+        (logger.info if msg.startswith("restored") and "IGNORED" not in msg else logger.warning)(f"[deepspeed_dgc] rank {state.global_rank}: {msg}")
         return load_path, client_state
 
     save_checkpoint.__doc__ = save.__doc__

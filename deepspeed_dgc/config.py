@@ -139,7 +139,8 @@ class DGCConfig(BaseModel):
       the elements just sent by top-k (section 3.3), so stale momentum does not push them again.
     - ``local_clip_norm`` (float > 0 or null, default null): with ``momentum_correction``, clip each
       tensor's local gradient on each rank to this L2 norm before it enters the velocity (local gradient
-      clipping, section 3.2; the paper scales the global threshold by ``W ** -0.5``).
+      clipping, section 3.2). Per tensor, as DGC's reference code does: the paper's threshold (the global
+      clipping norm times ``W ** -0.5``) is for the whole model's norm, so a per-tensor value is smaller.
     - ``kernels`` (``"auto"``, ``"fused"`` or ``"reference"``, default ``"auto"``): who compresses.
       ``"auto"`` uses the fused op (C++/OpenMP on CPU, CUDA on GPU; prebuilt, or JIT-built on first
       use) where it loads and else the PyTorch reference, with a one-time warning saying why;
@@ -199,9 +200,10 @@ class DGCConfig(BaseModel):
                              "with 'dgc.topology' = \"hierarchical\" yet (use the flat topology)")
         if self.compressed_momentum is not None and self.topology != "flat":
             raise ValueError("'dgc.compressed_momentum' needs 'dgc.topology' = \"flat\" (got \"hierarchical\")")
-        if self.local_clip_norm is not None and not self.momentum_correction:
-            raise ValueError("'dgc.local_clip_norm' is part of DGC's momentum correction: set 'dgc.momentum_correction' "
-                             "= true as well")
+        for key in ("local_clip_norm", "momentum_factor_masking"):
+            if key in self.model_fields_set and not self.momentum_correction:
+                raise ValueError(f"'dgc.{key}' is part of DGC's momentum correction: set 'dgc.momentum_correction' "
+                                 "= true as well")
         if self.momentum_correction:
             if self.compressed_momentum is not None:
                 raise ValueError("'dgc.momentum_correction' (momentum SGD) and 'dgc.compressed_momentum' (Adam) "
@@ -209,7 +211,8 @@ class DGCConfig(BaseModel):
             if self.topology != "flat" or self.residual_dtype != "fp32" or not self.error_feedback:
                 raise ValueError("'dgc.momentum_correction' needs 'dgc.topology' = \"flat\", 'dgc.residual_dtype' = "
                                  "\"fp32\" and 'dgc.error_feedback' = true (the velocity is accumulated by error "
-                                 f"feedback; got {self.topology!r}, {self.residual_dtype!r}, {self.error_feedback})")
+                                 f"feedback; got topology {self.topology!r}, residual_dtype {self.residual_dtype!r}, "
+                                 f"error_feedback {self.error_feedback})")
         return self
 
     def index_coding_for(self, density: float) -> str:

@@ -10,6 +10,7 @@ commits or rolls back error feedback (see ../shared/deepspeed-0.19.8-seams.md, s
 
 import functools
 import logging
+import types
 from typing import List, Optional
 
 import torch
@@ -60,7 +61,7 @@ class DGCState:
         self.dp_rank = 0
         self.monitor = None
         self.engine_samples = lambda: 0
-        self.momentum: Optional[CompressedMomentum] = None  # with dgc.compressed_momentum
+        self.momentum = None  # CompressedMomentum (dgc.compressed_momentum) or MomentumCorrection (dgc.momentum_correction)
 
 
 def check_seam() -> None:
@@ -189,6 +190,9 @@ def install(engine, opt, cfg: DGCConfig) -> DGCState:
     _check_hpz_nodes(engine, cfg, ranks_per_node, source)
     state = DGCState(cfg, engine.global_rank, ranks_per_node)
     state.reducer.steps_done = lambda: state.stats.steps  # the density schedule's clock
+    if (cfg.compressed_momentum is not None or cfg.momentum_correction) and engine.torch_autocast_enabled():
+        raise DGCConfigError("'dgc.compressed_momentum' and 'dgc.momentum_correction' do not support 'torch_autocast' "
+                             "(its loss scaling skips steps the extension does not see); use 'bf16' or fp32")
     if cfg.compressed_momentum is not None:
         beta1 = check_optimizer(opt.optimizer, engine.gradient_accumulation_steps(), engine.fp16_enabled(),
                                 bool(getattr(opt, "offload_optimizer", False)))
@@ -199,7 +203,8 @@ def install(engine, opt, cfg: DGCConfig) -> DGCState:
                                 bool(getattr(opt, "offload_optimizer", False)))
         state.momentum = MomentumCorrection(cfg, m)
         state.reducer.momentum = state.momentum
-        opt.optimizer.step = functools.partial(dgc_sgd_step, opt.optimizer)  # the senders applied the momentum
+        # a bound method, as torch's own (LR schedulers wrap optimizer.step.__func__): the senders applied the momentum
+        opt.optimizer.step = types.MethodType(dgc_sgd_step, opt.optimizer)
         if opt.clip_grad and engine.global_rank == 0:
             logger.warning("deepspeed_dgc: 'gradient_clipping' = %s is switched off under 'dgc.momentum_correction' "
                            "(it would clip the summed velocity); DGC clips each rank's gradient instead: "

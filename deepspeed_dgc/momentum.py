@@ -23,7 +23,7 @@ owner's ``sqrt(v_hat) + eps``); ``v_hat = v_T / (1 - b2^T)`` at the freeze step 
 correction of ``m`` (1 - b1^T is 1 to within b1^T).
 """
 
-import functools
+import types
 from typing import Dict, List
 
 import torch
@@ -154,7 +154,12 @@ class CompressedMomentum:
         self._flats = []
         self._clip_grad = opt.clip_grad
         opt.clip_grad = 0.0  # after the freeze the "gradient" is the update; clipping it would rescale steps
-        basic.step = functools.partial(frozen_variance_step, basic, self.owner_inv, _decoupled_weight_decay(basic))
+        owner_inv, decoupled = self.owner_inv, _decoupled_weight_decay(basic)
+
+        def step(optimizer, closure=None):
+            return frozen_variance_step(optimizer, owner_inv, decoupled, closure)
+
+        basic.step = types.MethodType(step, basic)  # a bound method, as torch's (LR schedulers wrap step.__func__)
         self.frozen = True
 
     def unfreeze(self, opt) -> None:
@@ -214,10 +219,12 @@ def frozen_variance_step(optimizer, owner_inv: Dict[int, torch.Tensor], decouple
     ``p.grad`` holds ``u``, the sum over ranks of their compressed momenta: already preconditioned
     when ``owner_inv`` is empty, else multiplied here by this owner's frozen ``1 / (sqrt(v_hat) + eps)``
     (``owner_inv[id(p)]``). Adam's state (``exp_avg``, ``exp_avg_sq``, ``step``) stays as at the freeze.
+    Returns the closure's loss, or None.
     """
+    loss = None
     if closure is not None:
         with torch.enable_grad():
-            closure()
+            loss = closure()
     for group in optimizer.param_groups:
         lr, wd = group["lr"], group.get("weight_decay", 0.0)
         for p in group["params"]:
@@ -229,14 +236,22 @@ def frozen_variance_step(optimizer, owner_inv: Dict[int, torch.Tensor], decouple
             if wd and decoupled:
                 p.mul_(1.0 - lr * wd)
             p.add_(u, alpha=-lr)
+    return loss
 
 
 def check_sgd_optimizer(optimizer, gradient_accumulation_steps: int, fp16: bool = False, offload: bool = False) -> float:
     """Check that the owners' optimizer is momentum SGD and the job fits ``momentum_correction``; returns the momentum.
 
+    Args:
+        optimizer: the owners' basic optimizer (``zero_optimizer.optimizer``).
+        gradient_accumulation_steps: the engine's.
+        fp16: whether the engine runs fp16 with loss scaling.
+        offload: whether the optimizer is offloaded.
+
     Raises:
-        DGCConfigError: another optimizer (naming it), momentum 0, Nesterov, dampening, param groups
-            with different momenta, gradient accumulation, fp16 or optimizer offload.
+        DGCConfigError: another optimizer (naming it), momentum 0, Nesterov, dampening, ``maximize``,
+            param groups with different momenta, gradient accumulation, fp16 or optimizer offload; the
+            message names the ds_config key.
     """
     name = type(optimizer).__name__
     if name != "SGD":
@@ -245,10 +260,13 @@ def check_sgd_optimizer(optimizer, gradient_accumulation_steps: int, fp16: bool 
                              "'dgc.compressed_momentum'")
     momenta = {float(g.get("momentum", 0.0)) for g in optimizer.param_groups}
     if len(momenta) != 1 or next(iter(momenta)) <= 0.0:
-        raise DGCConfigError(f"'dgc.momentum_correction' needs SGD with one momentum > 0 for all param groups, got "
-                             f"{sorted(momenta)}")
-    if any(g.get("nesterov") or g.get("dampening", 0.0) for g in optimizer.param_groups):
-        raise DGCConfigError("'dgc.momentum_correction' supports SGD without Nesterov and with dampening 0")
+        raise DGCConfigError(f"'dgc.momentum_correction' needs 'optimizer.params.momentum' > 0, the same for all param "
+                             f"groups, got {sorted(momenta)}")
+    for key in ("nesterov", "dampening", "maximize"):
+        bad = sorted({g.get(key) for g in optimizer.param_groups if g.get(key)})
+        if bad:
+            raise DGCConfigError(f"'dgc.momentum_correction' supports SGD without 'optimizer.params.{key}' "
+                                 f"(got {bad[0]!r}): plain momentum only")
     if gradient_accumulation_steps != 1:
         raise DGCConfigError("'dgc.momentum_correction' needs 'gradient_accumulation_steps' = 1 (got "
                              f"{gradient_accumulation_steps})")
@@ -301,7 +319,15 @@ class MomentumCorrection:
         """Nothing is frozen (the owners' step stays :func:`dgc_sgd_step`)."""
 
     def update(self, key: int, grad: torch.Tensor, world: int, loss_scale: float) -> torch.Tensor:
-        """Stage ``u = m u + clip(g / loss_scale) / W`` for ``key``; returns it (fp32, shape ``(n,)``)."""
+        """Stage ``u = m u + clip(g / loss_scale) / W`` for ``key``; returns it (fp32, shape ``(n,)``).
+
+        Args:
+            key: the parameter's ``ds_id``.
+            grad: this rank's full local gradient of it, any shape (n elements), any float dtype, scaled by
+                ``loss_scale``.
+            world: W, ranks of the data-parallel group.
+            loss_scale: the engine's current loss scale (1 for bf16 and fp32).
+        """
         g = grad.reshape(-1).float() / loss_scale
         if self.clip_norm is not None:
             norm = float(torch.linalg.vector_norm(g))
@@ -350,14 +376,23 @@ class MomentumCorrection:
 def dgc_sgd_step(optimizer, closure=None):
     """The owners' SGD step under ``momentum_correction``: ``p <- p - lr (u + b)`` with ``b <- m b + wd p``.
 
-    ``p.grad`` holds ``u``, the sum over ranks of what they sent (momentum already applied by the
-    senders); the weight-decay term gets its own momentum buffer (``state[p]["momentum_buffer"]``),
-    so with every element sent the update equals ``torch.optim.SGD``'s (DGC's reference optimizer,
-    Lin et al. 2018, applies the same split).
+    Installed as the bound ``step`` of the owners' ``torch.optim.SGD``. Each ``p`` is a flat fp32
+    partition (ZeRO-3's sub-group); ``p.grad`` holds ``u``, the sum over ranks of what they sent for
+    it, unscaled (the momentum already applied by the senders); the weight-decay term gets its own
+    momentum buffer (``state[p]["momentum_buffer"]``), so with every element sent the update equals
+    ``torch.optim.SGD``'s (DGC's reference optimizer, Lin et al. 2018, applies the same split).
+
+    Args:
+        optimizer: the SGD optimizer (its param groups give lr, momentum and weight_decay).
+        closure: optional, re-evaluates the loss.
+
+    Returns:
+        The closure's loss, or None.
     """
+    loss = None
     if closure is not None:
         with torch.enable_grad():
-            closure()
+            loss = closure()
     for group in optimizer.param_groups:
         lr, wd, m = group["lr"], group.get("weight_decay", 0.0), group["momentum"]
         for p in group["params"]:
@@ -373,3 +408,4 @@ def dgc_sgd_step(optimizer, closure=None):
                     buf.mul_(m).add_(p, alpha=wd)
                 d_p = d_p.add(buf)
             p.add_(d_p, alpha=-lr)
+    return loss

@@ -79,9 +79,10 @@ def deflate(payload: torch.Tensor) -> torch.Tensor:
     """Entropy-code one uint8 payload with DEFLATE (zlib, RFC 1950/1951: LZ77 then Huffman codes), lossless.
 
     Quantized codes of gradients are far from uniform (most values fall in the inner levels of an
-    absmax-scaled grid), so Huffman coding of their bytes saves about a quarter of INT2 and an
-    eighth to a quarter of INT4 payloads; random-looking parts (fp32 scales, INT1 signs) pass through
-    at about their size. Runs on the host: a GPU payload is copied there and back.
+    absmax-scaled grid), so Huffman coding of their bytes saves 25-35% of INT2 and 10-25% of INT4
+    codes of heavy-tailed values (Gaussian to Student-t); random-looking parts (fp32 scales, INT1
+    signs) pass through at about their size. In the convergence study: 20% of a dense-INT2-momentum
+    run's bytes and 14% of a dense-INT4 run's. Runs on the host: a GPU payload is copied there and back.
 
     Args:
         payload: 1-D uint8 tensor (any device).
@@ -95,6 +96,13 @@ def deflate(payload: torch.Tensor) -> torch.Tensor:
 
 def inflate(stream: torch.Tensor, src: int) -> torch.Tensor:
     """Undo :func:`deflate` for what rank ``src`` sent.
+
+    Args:
+        stream: 1-D uint8 tensor (any device), a zlib stream.
+        src: the sender's rank in the communicator (named in the error).
+
+    Returns:
+        1-D uint8 tensor on the same device: the payload as it was before :func:`deflate`.
 
     Raises:
         DGCProtocolError: the bytes are not a zlib stream (the sender does not entropy-code: configs differ).
@@ -142,7 +150,7 @@ class CompressedReduceScatter:
         self.ops = ops
         self._generators = {}
         self._comms = {}
-        self.momentum = None  # a momentum.CompressedMomentum with dgc.compressed_momentum
+        self.momentum = None  # momentum.CompressedMomentum or momentum.MomentumCorrection (see their shared interface)
         self.steps_done = lambda: 0  # optimizer steps completed so far (the engine's integration sets it)
         self._density = cfg.density if isinstance(cfg.density, float) else cfg.density_max
 

@@ -102,8 +102,10 @@ def test_bad_config_fails_on_every_rank_naming_the_key():
         "residual_dtype_value": "dgc.residual_dtype",
         "momentum_fp16": "'fp16'",
         "mc_with_adam": "needs the SGD optimizer",
-        "mc_sgd_no_momentum": "momentum > 0",
-        "mc_nesterov": "without Nesterov",
+        "mc_sgd_no_momentum": "'optimizer.params.momentum' > 0",
+        "mc_nesterov": "'optimizer.params.nesterov'",
+        "mc_maximize": "'optimizer.params.maximize'",
+        "momentum_autocast": "'torch_autocast'",
         "mc_and_compressed_momentum": "exclude each other",
         "local_clip_without_mc": "dgc.local_clip_norm",
     }
@@ -232,13 +234,14 @@ def test_momentum_correction_dense_equals_stock_momentum_sgd():
 
 
 def test_momentum_correction_masks_the_sent_velocity_and_the_owner_applies_only_what_was_sent():
-    """density 0.1, no quantization, local_clip_norm 0.05, 2 ranks, 6 steps, checked in float64 from what each rank
-    recorded: the velocity is u = 0.9 u + clip(g) / 2 (each tensor's local gradient clipped to norm 0.05); error
-    feedback accumulates u; where top-k sent an element its residual and its velocity are 0 (momentum factor
-    masking), elsewhere both carry on; and every parameter moves by exactly -lr times the sum over ranks of what
-    they sent (the owner adds no momentum of its own)."""
+    """density 0.1, no quantization, local_clip_norm 0.05, weight decay 0.01, 2 ranks, 6 steps, checked in float64
+    from what each rank recorded: the velocity is u = 0.9 u + clip(g) / 2 (each tensor's local gradient clipped to
+    norm 0.05); error feedback accumulates u; where top-k sent an element its residual and its velocity are 0
+    (momentum factor masking), elsewhere both carry on; and every parameter moves by exactly -lr (sum over ranks
+    of what they sent + b), b = 0.9 b + wd p (the owner adds momentum to the weight-decay term only)."""
     ranks = run("mc_sparse", timeout_s=300, steps=6)
-    lr, m, clip = 0.05, 0.9, 0.05
+    lr, m, clip, wd = 0.05, 0.9, 0.05, 0.01
+    wd_buf = None
     ids = ranks[0]["ds_ids"]
     shapes = [p.shape for p in ranks[0]["params"][0]]
     clipped = kept_total = 0
@@ -270,8 +273,9 @@ def test_momentum_correction_masks_the_sent_velocity_and_the_owner_applies_only_
                     torch.testing.assert_close(u, u_pre, rtol=1e-5, atol=1e-7)
                     assert torch.all(e == 0)
                 sent_sum[i] += acc - e
+        before = [p.double().reshape(-1) for p in ranks[0]["params"][t]]
+        wd_buf = [wd * p for p in before] if wd_buf is None else [m * b + wd * p for b, p in zip(wd_buf, before)]
         for i in range(len(ids)):
-            before = ranks[0]["params"][t][i].double().reshape(-1)
             after = ranks[0]["params"][t + 1][i].double().reshape(-1)
-            torch.testing.assert_close(after, before - lr * sent_sum[i], rtol=1e-5, atol=2e-6)
+            torch.testing.assert_close(after, before[i] - lr * (sent_sum[i] + wd_buf[i]), rtol=1e-5, atol=2e-6)
     assert clipped > 0 and kept_total > 0

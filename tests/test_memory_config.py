@@ -79,6 +79,7 @@ def test_config_defaults_and_lossless():
     ({"timeout_s": -5.0}, "'dgc.timeout_s'"),
     ({"local_clip_norm": 0.0}, "'dgc.local_clip_norm'"),
     ({"local_clip_norm": 1.0}, "'dgc.local_clip_norm' is part of DGC's momentum correction"),
+    ({"momentum_factor_masking": False}, "'dgc.momentum_factor_masking' is part of DGC's momentum correction"),
     ({"momentum_correction": True, "residual_dtype": "bf16"}, "'dgc.momentum_correction' needs"),
     ({"momentum_correction": True, "topology": "hierarchical"}, "'dgc.momentum_correction' needs"),
     ({"momentum_correction": True, "error_feedback": False}, "'dgc.momentum_correction' needs"),

@@ -15,7 +15,7 @@ Usage: engine_worker.py MODE OUT_DIR [STEPS]. MODE is one of
   stock_sgd, mc_dense, mc_sparse
                            gas 1, 6 steps, SGD with momentum 0.9: stock ZeRO-3 (weight decay 0.01), or
                            DGC's momentum_correction lossless (dense, no quantization, the same decay), or
-                           at density 0.1 without quantization, masking on, local_clip_norm 0.05, no decay;
+                           at density 0.1 without quantization, masking on, local_clip_norm 0.05, the same decay;
                            also local gradients, velocities and residuals per step
   bad_config               initialize with invalid "dgc" settings; record each error message
   die, hang                rank 1 is killed, or hangs, inside its reduce-scatter of step 3 (timeout_s 8);
@@ -92,11 +92,12 @@ def train(mode, rank, steps, out_dir):
     gas = 1
     if mode in ("stock_sgd", "mc_dense", "mc_sparse"):
         cfg["optimizer"] = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9,
-                                                      "weight_decay": 0.0 if mode == "mc_sparse" else 0.01}}
+                                                      "weight_decay": 0.01}}
         cfg["zero_allow_untested_optimizer"] = True
-        cfg["gradient_clipping"] = 0.0  # momentum_correction switches DeepSpeed's clipping off; stock too, to compare
+        cfg["gradient_clipping"] = 0.0  # stock without clipping: momentum_correction switches it off (mc_dense: 1.0)
         if mode == "mc_dense":
             cfg["dgc"] = dict(LOSSLESS, momentum_correction=True)
+            cfg["gradient_clipping"] = 1.0  # must be switched off, else this run would differ from stock
         elif mode == "mc_sparse":
             cfg["dgc"] = dict(SPARSE, quantization="none", momentum_correction=True, local_clip_norm=0.05)
     elif mode in ("stock_adam", "momentum_exact"):
@@ -127,6 +128,8 @@ def train(mode, rank, steps, out_dir):
             cfg["csv_monitor"] = {"enabled": True, "output_path": out_dir, "job_name": "monitor"}
             dtype = torch.bfloat16
     engine = make_engine(cfg)
+    if mode.startswith("mc_"):  # a torch LR scheduler wraps the owners' optimizer.step (needs a bound method)
+        torch.optim.lr_scheduler.LambdaLR(engine.optimizer.optimizer, lambda s: 1.0)
     record = dict(losses=[], grads=[], params=[full_params(engine)], skipped=[], residuals=[], loss_scale=[],
                   stats=None, local_grads=[], momenta=[])
     basic = engine.optimizer.optimizer
@@ -161,6 +164,8 @@ def train(mode, rank, steps, out_dir):
             if state.momentum is not None:
                 record["momenta"].append({k: v.clone() for k, v in state.momentum.store.committed.items()})
         record["loss_scale"].append(float(engine.optimizer.loss_scale))
+    if mode == "momentum_exact":  # frozen now: the frozen-variance step is a bound method too
+        torch.optim.lr_scheduler.LambdaLR(engine.optimizer.optimizer, lambda s: 1.0)
     stats = deepspeed_dgc.get_stats(engine)
     record["stats"] = None if stats is None else stats.to_dict()
     return record
@@ -205,6 +210,11 @@ BAD = {
     "mc_with_adam": {"dgc": {"enabled": True, "momentum_correction": True}},
     "mc_sgd_no_momentum": {"dgc": {"enabled": True, "momentum_correction": True},
                            "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_allow_untested_optimizer": True},
+    "momentum_autocast": {"dgc": {"enabled": True, "compressed_momentum": {"freeze_step": 2}},
+                          "torch_autocast": {"enabled": True, "dtype": "bfloat16"}},
+    "mc_maximize": {"dgc": {"enabled": True, "momentum_correction": True},
+                    "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9, "maximize": True}},
+                    "zero_allow_untested_optimizer": True},
     "mc_nesterov": {"dgc": {"enabled": True, "momentum_correction": True},
                     "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9, "nesterov": True}},
                     "zero_allow_untested_optimizer": True},
