@@ -197,8 +197,8 @@ def wrap_plain_engine_loading(engine) -> None:
             if found:  # any rank's side-car: the world size may have changed
                 logger.warning(f"[deepspeed_dgc] rank {engine.global_rank}: checkpoint {load_path} holds deepspeed_dgc "
                                f"state ({len(found)} dgc_state_dp_rank_*.pt files in {sdir}, saved with DGC on); this run "
-                               "has DGC off, so its error-feedback residuals (and any local momenta of "
-                               "'momentum_correction' or 'compressed_momentum') are ignored. DeepSpeed's weights and "
+                               "has DGC off, so its error-feedback residuals are ignored (and so are any local momenta "
+                               "of 'momentum_correction' or 'compressed_momentum'). DeepSpeed's weights and "
                                "optimizer state loaded as usual")
         return load_path, client_state
 
