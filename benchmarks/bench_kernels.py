@@ -4,8 +4,10 @@ For each size n (fp32 elements) one rank's bucket of one tensor, split between `
 density 0.01, INT4 (group 128), with an error-feedback residual, is compressed by the reference
 path and by the fused op (same threshold sample, so both must give the same bytes; the table says
 whether they did), one owner's payload is decoded and scatter-added into a dense fp32 row, and the
-same input buffer is cloned. Every timing is the median of ``--repeats`` runs, the variants
-interleaved in each repeat. GB/s counts the fp32 input bytes (4 n) per second.
+same input buffer is cloned. "reused" rows compress the same bucket with the threshold the fused op
+just estimated, as ``threshold_reuse_steps`` does between estimates (no sample, no counting rounds).
+Every timing is the median of ``--repeats`` runs, the variants interleaved in each repeat. GB/s counts
+the fp32 input bytes (4 n) per second.
 
 Usage::
 
@@ -84,18 +86,27 @@ def decode_fn(ops, job, payload):
                                   job.group_size, True, torch.float32)
 
 
+def _same(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.payloads, b.payloads)) and all(
+        torch.equal(x, y) for x, y in zip(a.residuals, b.residuals))
+
+
 def bench(n: int, args, fused) -> dict:
     job = make_job(n, args.world, args.device, args.seed)
     ref_out = REFERENCE.compress(job)
     fused_out = fused.compress(job)
-    same = all(torch.equal(a, b) for a, b in zip(ref_out.payloads, fused_out.payloads)) and all(
-        torch.equal(a, b) for a, b in zip(ref_out.residuals, fused_out.residuals))
-    times = {"reference": [], "fused": [], "decode": [], "clone": []}
+    reuse = make_job(n, args.world, args.device, args.seed)
+    reuse.reuse_thresholds, reuse.samples = list(fused_out.thresholds), [None]
+    same = all(_same(ops_a.compress(a), ops_b.compress(b))
+               for ops_a, a, ops_b, b in ((REFERENCE, job, fused, job), (REFERENCE, reuse, fused, reuse)))
+    times = {"reference": [], "fused": [], "reference_reused": [], "fused_reused": [], "decode": [], "clone": []}
     dec = decode_fn(fused, job, fused_out.payloads[0])
     src = job.srcs[0]
     for _ in range(args.repeats):
         times["reference"].append(timed(lambda: REFERENCE.compress(job), args.device))
         times["fused"].append(timed(lambda: fused.compress(job), args.device))
+        times["reference_reused"].append(timed(lambda: REFERENCE.compress(reuse), args.device))
+        times["fused_reused"].append(timed(lambda: fused.compress(reuse), args.device))
         times["decode"].append(timed(dec, args.device))
         times["clone"].append(timed(lambda: src.clone(), args.device))
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -128,14 +139,15 @@ def main(argv=None) -> int:
                    gpu=torch.cuda.get_device_name() if args.device == "cuda" else None)
     print(f"# bench_kernels: {args.device}, {machine['threads']} threads, density 0.01, INT4 group 128, "
           f"{args.world} owners, median of {args.repeats}")
-    print("| n | reference ms | fused ms | decode ms | clone ms | fused GB/s | clone GB/s | fused speed-up | "
-          "fused / clone | same bytes |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| n | reference ms | fused ms | reference reused ms | fused reused ms | decode ms | clone ms | fused GB/s "
+          "| clone GB/s | fused speed-up | fused / clone | same bytes |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ms, gbs = r["ms"], r["gb_per_s"]
-        print(f"| {r['n'] / (1 << 20):.4g}M | {ms['reference']:.2f} | {ms['fused']:.2f} | {ms['decode']:.3f} | "
-              f"{ms['clone']:.2f} | {gbs['fused']:.2f} | {gbs['clone']:.2f} | {r['fused_speedup_vs_reference']:.1f}x | "
-              f"{r['fused_vs_clone']:.2f}x | {'yes' if r['same_bytes'] else 'NO'} |")
+        print(f"| {r['n'] / (1 << 20):.4g}M | {ms['reference']:.2f} | {ms['fused']:.2f} | {ms['reference_reused']:.2f} "
+              f"| {ms['fused_reused']:.2f} | {ms['decode']:.3f} | {ms['clone']:.2f} | {gbs['fused']:.2f} "
+              f"| {gbs['clone']:.2f} | {r['fused_speedup_vs_reference']:.1f}x | {r['fused_vs_clone']:.2f}x "
+              f"| {'yes' if r['same_bytes'] else 'NO'} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(machine=machine, args=vars(args), rows=rows), f, indent=1)

@@ -1,9 +1,9 @@
 """Checkpoint side-car: the extension's per-rank state next to DeepSpeed's per-rank files.
 
 ``engine.save_checkpoint(dir, tag)`` also writes ``dir/tag/dgc_state_dp_rank_{r:05d}.pt`` on every
-rank: committed residuals (keyed by ``ds_id``), the threshold-sampling generators and the
-telemetry totals. ``engine.load_checkpoint`` reads it back, so a resumed run continues exactly
-as an uninterrupted one. DeepSpeed's own files are untouched (``zero_to_fp32`` keeps working);
+rank: committed residuals (keyed by ``ds_id``), the threshold-sampling generators, the reused top-k
+thresholds (``threshold_reuse_steps``), local momenta and the telemetry totals.
+``engine.load_checkpoint`` reads it back, so a resumed run continues exactly as an uninterrupted one. DeepSpeed's own files are untouched (``zero_to_fp32`` keeps working);
 the side-car loads with ``torch.load(weights_only=True)``.
 """
 
@@ -40,6 +40,7 @@ def save_state(state, ckpt_dir: str, tag: str, world_size: int) -> str:
         "residual_layout": residual_layout(state),
         "residuals": {int(k): state.memory.get(k).detach().cpu() for k in state.memory.committed},
         "generators": {dev: g.get_state() for dev, g in state.reducer._generators.items()},
+        "thresholds": {int(k): list(v) for k, v in state.reducer.thresholds.items()},
         "stats": state.stats.totals(),
         "momentum": _momentum_payload(state),
     }
@@ -85,6 +86,7 @@ def _sidecar_dir(ckpt_dir: str, tag: str) -> str:
 
 def _clear(state) -> None:
     state.memory.committed, state.memory.staged = {}, {}
+    state.reducer.thresholds = {}
     _restore_momentum(state, None, "cpu")
 
 
@@ -120,6 +122,7 @@ def load_state(state, ckpt_dir: str, tag: str, world_size: int, device: torch.de
         state.memory.load({int(k): v.to(device) for k, v in payload["residuals"].items()})
         for dev, gen_state in payload["generators"].items():
             state.reducer._generator(torch.device(dev)).set_state(gen_state)
+        state.reducer.thresholds = {int(k): list(v) for k, v in payload.get("thresholds", {}).items()}
         for f, v in payload["stats"].items():
             setattr(state.stats, f, v)
         note = _restore_momentum(state, payload.get("momentum"), device)
@@ -161,6 +164,7 @@ def load_state(state, ckpt_dir: str, tag: str, world_size: int, device: torch.de
             for k, v in res.items():
                 total[int(k)] += v.double()
     state.memory.load({k: (v / world_size).float().to(device) for k, v in total.items()})
+    state.reducer.thresholds = {}  # each rank's own: estimated afresh on the new ranks
     for f, v in head["stats"].items():  # step counters (the density schedule's clock) are global: rank 0's
         setattr(state.stats, f, v)
     note = _restore_momentum(state, None if momenta is None else {"momenta": momenta, "steps_done": steps_done}, device,

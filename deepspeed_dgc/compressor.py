@@ -78,9 +78,34 @@ def topk_threshold(mag: torch.Tensor, k: int, sample: Optional[torch.Tensor]) ->
         threshold = threshold * LOWER_FACTOR
         count = int((mag >= threshold).sum())
         rounds += 1
+    return _cap_upper(mag, k, threshold, count)
+
+
+def _cap_upper(mag: torch.Tensor, k: int, threshold: torch.Tensor, count: int) -> torch.Tensor:
+    """DGC's upper correction: more than 1.3 k kept (``count``) becomes the k-th largest of the kept."""
     if count > UPPER_SLACK * k:
         threshold = torch.topk(mag[mag >= threshold], k, sorted=False).values.min()
     return threshold
+
+
+def reused_threshold(mag: torch.Tensor, k: int, threshold: float) -> torch.Tensor:
+    """A threshold estimated at an earlier step, reused (Ok-Topk's threshold reuse: Li and Hoefler, PPoPP 2022,
+    "Near-Optimal Sparse Allreduce for Distributed Deep Learning", section 3.1.3).
+
+    The count it keeps may differ from k; no lowering rounds run (error feedback carries what stays below it to
+    the next step), but if it keeps more than 1.3 k it becomes the k-th largest of the kept, as in
+    :func:`topk_threshold`, so a payload never grows past that bound. The fused CPU op computes the same.
+
+    Args:
+        mag: 1-D fp32 tensor of m >= 1 finite magnitudes.
+        k: target count, ``1 <= k < m``.
+        threshold: the reused threshold, in the units of ``mag`` (>= 0); rounded to fp32.
+
+    Returns:
+        0-d fp32 tensor: keep the elements with ``mag >= threshold``.
+    """
+    t = torch.tensor(threshold, dtype=torch.float32, device=mag.device)
+    return _cap_upper(mag, k, t, int((mag >= t).sum()))
 
 
 def select_topk(x: torch.Tensor, density: float, generator: Optional[torch.Generator] = None) -> torch.Tensor:

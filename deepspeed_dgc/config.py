@@ -89,6 +89,13 @@ class DGCConfig(BaseModel):
     - ``energy_budget`` (float in (0, 1), default 0.5): fraction of energy ``"auto"`` may leave in the residual.
     - ``threshold`` (float > 0 or null, default null): keep every element with ``|acc| >= threshold``
       instead of top-k (a fixed absolute threshold; the number kept then varies per rank and step).
+    - ``threshold_reuse_steps`` (int >= 1, default 1): estimate each tensor's top-k threshold (DGC's sampled
+      estimate and its corrections) at one exchange and reuse it for the next ``threshold_reuse_steps - 1``
+      exchanges of that tensor (optimizer steps without gradient accumulation), as Ok-Topk does (Li and Hoefler,
+      PPoPP 2022, section 3.1.3): the gradient's distribution changes slowly, and a reused threshold costs one
+      compare per element instead of a sample, a selection and counting rounds. The number kept then varies
+      around k; above 1.3 k it is cut to the k largest, so payloads stay bounded. A change of density (warm-up,
+      ``"auto"``, the momentum phase) estimates afresh. 1: estimate at every exchange.
     - ``warmup_dense_steps`` (int >= 0, default 0): optimizer steps sent dense (still quantized) first.
     - ``warmup_steps`` (int >= 0, default 0): after those, the density falls geometrically from
       max(0.25, density) to ``density`` over this many steps (DGC's exponential warm-up, Lin et al.
@@ -160,6 +167,7 @@ class DGCConfig(BaseModel):
     density_max: float = Field(0.3, gt=0.0, le=1.0, allow_inf_nan=False)
     energy_budget: float = Field(0.5, gt=0.0, lt=1.0, allow_inf_nan=False)
     threshold: Optional[float] = Field(None, gt=0.0, allow_inf_nan=False)
+    threshold_reuse_steps: int = Field(1, ge=1)
     warmup_dense_steps: int = Field(0, ge=0)
     warmup_steps: int = Field(0, ge=0)
     quantization: Literal["int4", "int2", "int1", "fp8_e4m3", "fp8_e5m2", "none"] = "int4"
@@ -195,6 +203,9 @@ class DGCConfig(BaseModel):
             raise ValueError(f"'dgc.density_min' ({self.density_min}) is above 'dgc.density_max' ({self.density_max})")
         if self.threshold is not None and self.density == "auto":
             raise ValueError("'dgc.threshold' and 'dgc.density' = \"auto\" both choose what is kept: set one of them")
+        if self.threshold is not None and self.threshold_reuse_steps > 1:
+            raise ValueError("'dgc.threshold_reuse_steps' reuses estimated top-k thresholds, but 'dgc.threshold' fixes "
+                             "one and estimates none: set one of them")
         if self.topology == "hierarchical" and (self.density == "auto" or self.residual_dtype != "fp32"):
             raise ValueError("'dgc.density' = \"auto\" and 'dgc.residual_dtype' other than \"fp32\" are not supported "
                              "with 'dgc.topology' = \"hierarchical\" yet (use the flat topology)")

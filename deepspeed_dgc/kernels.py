@@ -34,8 +34,8 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from .compressor import (decode_indices, dequantize_values, encode_indices, int4_group_ids, int4_group_scales,
-                         pack_bits, pack_nibbles, quantize_values, sample_indices, target_count, topk_threshold,
-                         unpack_bits)
+                         pack_bits, pack_nibbles, quantize_values, reused_threshold, sample_indices, target_count,
+                         topk_threshold, unpack_bits)
 
 logger = logging.getLogger("deepspeed_dgc")
 
@@ -74,6 +74,9 @@ class CompressJob:
         index_coding: ``"varint"`` gaps or a ``"bitmap"`` over the real elements of sparse tensors.
         threshold: keep the elements of sparse tensors with ``|acc| >= threshold * loss_scale`` (the threshold is in
             unscaled gradient units) instead of top-k (None: top-k).
+        reuse_thresholds: per tensor, a threshold estimated at an earlier step (unscaled, as ``threshold``) that
+            top-k reuses instead of estimating one from ``samples[i]``
+            (:func:`~deepspeed_dgc.compressor.reused_threshold`), or None; None for the whole list: estimate all.
     """
     srcs: List[torch.Tensor]
     offsets: List[int]
@@ -97,6 +100,7 @@ class CompressJob:
     rounding_generator: Optional[torch.Generator] = None
     index_coding: str = "varint"
     threshold: Optional[float] = None
+    reuse_thresholds: Optional[List[Optional[float]]] = None
 
     @property
     def rows(self) -> int:
@@ -142,11 +146,15 @@ class CompressOutput:
         residuals: new residual per tensor (fp32, unscaled), or None (not finite, or not wanted).
         finite: False when any accumulated value was Inf/NaN (payloads then carry nothing).
         kept: values sent, all rows.
+        thresholds: per tensor, the threshold that selected its kept elements, unscaled (divided by the loss
+            scale; what :attr:`CompressJob.reuse_thresholds` takes), or None where every real element was kept
+            (tensors sent whole, k >= m) or nothing was sent (not finite).
     """
     payloads: List[torch.Tensor]
     residuals: Optional[List[torch.Tensor]]
     finite: bool
     kept: int
+    thresholds: List[Optional[float]]
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -191,14 +199,21 @@ class ReferenceOps:
 
     def _select_encode(self, job: CompressJob, acc_m: torch.Tensor, real_m: torch.Tensor, finite: bool) -> CompressOutput:
         mask_m = real_m.clone() if finite else torch.zeros_like(real_m)
+        thresholds = [None] * len(job.chunks)
         col = 0
         for i, (c, k) in enumerate(zip(job.chunks, job.targets())):
             real = real_m[:, col:col + c]
             if finite and job.sparse[i] and (job.threshold is not None or k < int(real.sum())):
                 mag = acc_m[:, col:col + c].abs()
-                threshold = (job.threshold * job.loss_scale
-                             if job.threshold is not None else topk_threshold(mag[real], k, job.samples[i]))
+                reuse = job.reuse_thresholds[i] if job.reuse_thresholds else None
+                if job.threshold is not None:
+                    threshold = torch.tensor(job.threshold * job.loss_scale, dtype=torch.float32, device=mag.device)
+                elif reuse is not None:
+                    threshold = reused_threshold(mag[real], k, reuse * job.loss_scale)
+                else:
+                    threshold = topk_threshold(mag[real], k, job.samples[i])
                 mask_m[:, col:col + c] = (mag >= threshold) & real
+                thresholds[i] = float(threshold) / job.loss_scale
             col += c
         payloads, sent_m = self._encode_rows(job, acc_m, mask_m, real_m)
         residuals = None
@@ -208,7 +223,7 @@ class ReferenceOps:
             for c, rn in zip(job.chunks, job.residual_numels):
                 residuals.append(res_m[:, col:col + c].reshape(-1)[:rn].clone())
                 col += c
-        return CompressOutput(payloads, residuals, finite, int(mask_m.sum()) if finite else 0)
+        return CompressOutput(payloads, residuals, finite, int(mask_m.sum()) if finite else 0, thresholds)
 
     def _encode_rows(self, job: CompressJob, acc_m, mask_m, real_m) -> Tuple[List[torch.Tensor], torch.Tensor]:
         """Payload of every row, and what was sent (decoded) as an fp32 ``(R, C)`` matrix."""
@@ -285,13 +300,18 @@ class FusedCPUOps(ReferenceOps):
             return ReferenceOps.compress(self, job)
         empty_f = torch.empty(0, dtype=torch.float32)
         empty_l = torch.empty(0, dtype=torch.long)
-        payloads, residuals, finite, kept = self.op.compress_bucket(
+        if job.threshold is not None:
+            fixed = [float(job.threshold)] * len(job.srcs)
+        else:
+            fixed = [-1.0 if t is None else float(t) for t in (job.reuse_thresholds or [None] * len(job.srcs))]
+        payloads, residuals, finite, kept, used = self.op.compress_bucket(
             [s.contiguous() for s in job.srcs], list(job.offsets), list(job.row_strides),
             [empty_f if r is None else r.contiguous() for r in job.residuals], list(job.residual_numels),
             list(job.numels), list(job.chunks), list(job.sparse), list(job.row_owner), job.targets(),
             [empty_l if s is None else s for s in job.samples], float(job.divisor), float(job.loss_scale),
-            job.group_size, job.fingerprint, job.want_residual)
-        return CompressOutput(list(payloads), list(residuals) if finite and job.want_residual else None, finite, kept)
+            job.group_size, job.fingerprint, job.want_residual, fixed, job.threshold is None)
+        return CompressOutput(list(payloads), list(residuals) if finite and job.want_residual else None, finite, kept,
+                              [t if t >= 0 else None for t in used])
 
     def decode_add(self, out, values, scales, index_bytes, kept, n_indexed, seg_real, chunks, sparse, group_size,
                    quantize, value_dtype, value_format="int4", index_coding="varint") -> None:
@@ -352,9 +372,9 @@ def fused_can_decode(quantize: bool, value_format: str, index_coding: str, spars
 
 
 def fused_can_code(job: CompressJob) -> bool:
-    """Whether the fused ops code this job themselves: what they decode, rounded to nearest, top-k selected."""
+    """Whether the fused ops code this job themselves: what they decode, rounded to nearest."""
     return (fused_can_decode(job.quantize, job.value_format, job.index_coding, job.sparse)
-            and job.rounding_generator is None and job.threshold is None)
+            and job.rounding_generator is None)
 
 
 def _stream() -> int:

@@ -153,6 +153,8 @@ class CompressedReduceScatter:
         self.momentum = None  # momentum.CompressedMomentum or momentum.MomentumCorrection (see their shared interface)
         self.steps_done = lambda: 0  # optimizer steps completed so far (the engine's integration sets it)
         self._density = cfg.density if isinstance(cfg.density, float) else cfg.density_max
+        # threshold reuse: key -> [threshold (unscaled), density it was estimated for, exchanges it has served]
+        self.thresholds = {}
 
     def ops_for(self, device_type: str):
         """The compression implementation (fused or reference), chosen once."""
@@ -369,11 +371,32 @@ class CompressedReduceScatter:
                           value_format=quantization if quantization != "none" else "int4",
                           index_coding=self.cfg.index_coding_for(density),
                           threshold=threshold)
-        job.samples = draw_samples([sum(job.real_counts(i)) for i in range(len(numels))], sparse, density,
+        if self.cfg.threshold_reuse_steps > 1 and threshold is None:
+            job.reuse_thresholds = [self._reusable(k, density) for k in keys]
+        estimate = [s and (job.reuse_thresholds is None or job.reuse_thresholds[i] is None) for i, s in enumerate(sparse)]
+        job.samples = draw_samples([sum(job.real_counts(i)) for i in range(len(numels))], estimate, density,
                                    self._generator(device), device)
         if self.cfg.stochastic_rounding and quantization in ("int4", "int2"):
             job.rounding_generator = self._generator(device)
         return job
+
+    def _reusable(self, key: int, density: float) -> Optional[float]:
+        """The stored threshold of ``key`` if it was estimated for ``density`` and has served fewer than
+        ``threshold_reuse_steps`` exchanges, else None (estimate a new one)."""
+        entry = self.thresholds.get(key)
+        if entry is None or entry[1] != density or entry[2] >= self.cfg.threshold_reuse_steps:
+            return None
+        return entry[0]
+
+    def _remember_thresholds(self, job: CompressJob, keys, used: Sequence[Optional[float]]) -> None:
+        """After a finite exchange: store the thresholds just estimated, count one more use of the reused ones."""
+        for i, (key, t) in enumerate(zip(keys, used)):
+            if job.reuse_thresholds[i] is not None:
+                self.thresholds[key][2] += 1
+            elif t is not None:
+                self.thresholds[key] = [t, job.density, 1]
+            else:  # nothing selected by a threshold (sent whole): estimate afresh next time
+                self.thresholds.pop(key, None)
 
     def _reduce_two_hops(self, srcs, chunks, keys, numels, sparse, comms, comm_dtype, loss_scale, fingerprint):
         """Dense reduce-scatter inside the node, then the compressed exchange between nodes."""
@@ -414,6 +437,8 @@ class CompressedReduceScatter:
             received = comm.all_to_all(result.payloads)
         seg_real = [job.real_counts(i)[my_row] for i in range(len(job.numels))]
         out = self._sum_received(received, job, seg_real)
+        if job.reuse_thresholds is not None and result.finite:
+            self._remember_thresholds(job, keys, result.thresholds)
         if result.residuals is not None:
             for key, residual in zip(keys, result.residuals):
                 self.memory.stage(key, residual)

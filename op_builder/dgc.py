@@ -40,6 +40,7 @@ class _DGCBuilderMixin:
     """Out-of-tree paths, prebuilt lookup and a one-line JIT log, shared by both builders."""
 
     SOURCES = ()
+    ABI = 1  # the module's calling convention (its ``ABI`` attribute, 1 where absent)
 
     def absolute_name(self):
         return f"{PREBUILT_PACKAGE}.{self.NAME}"
@@ -76,9 +77,13 @@ class _DGCBuilderMixin:
         if self.name in OpBuilder._loaded_ops:
             return OpBuilder._loaded_ops[self.name]
         module = self.prebuilt_module()
-        if module is not None:
+        if module is not None and getattr(module, "ABI", 1) == self.ABI:
             OpBuilder._loaded_ops[self.name] = module
             return module
+        if module is not None:  # built from older sources (an editable install not reinstalled since)
+            logger.warning("deepspeed_dgc: the prebuilt %s has calling convention %s, these sources need %s; "
+                           "ignoring it (rerun `make install` or `DS_BUILD_DGC=1 pip install -e .` to rebuild it)",
+                           self.name, getattr(module, "ABI", 1), self.ABI)
         ok, why = self.sources_present()
         if not ok:
             raise RuntimeError(f"cannot JIT-build {self.name}: {why}")
@@ -94,6 +99,7 @@ class DGCCPUBuilder(_DGCBuilderMixin, CPUOpBuilder):
     BUILD_VAR = "DS_BUILD_DGC"
     NAME = "dgc_cpu_op"
     SOURCES = ("dgc_cpu.cpp", )
+    ABI = 2  # compress_bucket takes fixed thresholds and returns the thresholds used
 
     def __init__(self):
         super().__init__(name=self.NAME)

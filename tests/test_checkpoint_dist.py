@@ -158,7 +158,8 @@ def test_resume_with_local_momentum_is_bit_identical(suffix):
     """Saved at step 5, resumed in new processes: losses, parameters, residuals and the local momenta equal the
     uninterrupted run's bit for bit. ``_momentum``: compressed_momentum frozen after step 3, and the resumed run is
     frozen again. ``_mc``: SGD with DGC's momentum correction (density 0.1, INT4, masking, local clipping, weight
-    decay): the velocities are in the side-car, the weight-decay momentum in the optimizer state."""
+    decay, thresholds reused for 3 steps): the velocities and the thresholds being reused are in the side-car, the
+    weight-decay momentum in the optimizer state."""
     out = tempfile.mkdtemp()
     full, _ = run("resume_full" + suffix, tempfile.mkdtemp())
     run("resume_first" + suffix, out)

@@ -132,6 +132,44 @@ def test_threshold_corrections_match(fused, which):
         assert 0.8 * k <= kept_big <= 1.3 * k  # lowered until at least 0.8 k
 
 
+@pytest.mark.parametrize("hierarchical", [False, True])
+@pytest.mark.parametrize("numels", SIZES[1:])
+def test_reused_and_fixed_thresholds_match(fused, hierarchical, numels):
+    """Thresholds the fused op returns equal the reference's; reusing them on the next step's values (some
+    tensors reused, some estimated, loss scale 1024) gives the same bytes and bits, as does the fixed-threshold
+    mode; a reused threshold keeping everything is cut to exactly k, one keeping too few is not lowered."""
+    first = _job(numels, 2, hierarchical=hierarchical, loss_scale=1024.0, density=0.1)
+    ref = REFERENCE.compress(first)
+    _assert_same(ref, fu := fused.compress(first))
+    assert fu.thresholds == ref.thresholds
+    assert [t is not None for t in ref.thresholds] == [s and sum(first.real_counts(i)) > k for i, (s, k) in
+                                                        enumerate(zip(first.sparse, first.targets()))]
+    nxt = _job(numels, 2, hierarchical=hierarchical, loss_scale=1024.0, density=0.1)  # the next step: same scales
+    for src in {id(x): x for x in nxt.srcs}.values():
+        src.mul_(torch.rand(src.shape, generator=torch.Generator().manual_seed(7)).add_(0.7).to(src.dtype))
+    nxt.reuse_thresholds = [t if i % 2 == 0 else None for i, t in enumerate(ref.thresholds)]
+    nxt.samples = [s if nxt.reuse_thresholds[i] is None else None for i, s in enumerate(nxt.samples)]
+    ref2 = REFERENCE.compress(nxt)
+    _assert_same(ref2, fu2 := fused.compress(nxt))
+    assert fu2.thresholds == ref2.thresholds
+    reused = [i for i, t in enumerate(nxt.reuse_thresholds) if t is not None]
+    assert any(ref2.thresholds[i] == nxt.reuse_thresholds[i] for i in reused)  # kept what reached it
+    for i in reused:  # or cut to the k largest, when more than 1.3 k reached it
+        assert ref2.thresholds[i] >= nxt.reuse_thresholds[i]
+    n = max(numels)  # one tensor: the kept count is that tensor's
+    for reuse in (0.0, 1e9):
+        job = _job([n], 2, hierarchical=hierarchical, density=0.1, seed=9)
+        job.reuse_thresholds = [reuse]
+        ref3 = REFERENCE.compress(job)
+        _assert_same(ref3, fused.compress(job))
+        assert ref3.kept == (job.targets()[0] if reuse == 0.0 else 0)
+    fixed = _job(numels, 2, hierarchical=hierarchical, loss_scale=1024.0, density=0.1, seed=11)
+    fixed.threshold = 0.3
+    ref4 = REFERENCE.compress(fixed)
+    _assert_same(ref4, fused.compress(fixed))
+    assert all(t == pytest.approx(0.3, rel=1e-7) for t, s in zip(ref4.thresholds, fixed.sparse) if s)
+
+
 def test_mostly_zero_tensor(fused):
     """Most elements exactly 0: the lowering rounds run out; both keep the same elements."""
     job = _job([50_000], 2, density=0.1, residual=False)
@@ -273,6 +311,23 @@ def no_compiler(monkeypatch, tmp_path):
     monkeypatch.setattr(kernels, "_warned", set())
 
 
+def test_stale_prebuilt_op_is_rebuilt_with_a_warning(monkeypatch, caplog):
+    """A prebuilt module of an older calling convention (an editable install not reinstalled after a pull) is
+    not loaded: the builder says so and JIT-builds from the sources instead."""
+    import types
+
+    from deepspeed.ops.op_builder.builder import OpBuilder
+    from op_builder.dgc import DGCCPUBuilder
+    assert load_fused_op("cpu").ABI == DGCCPUBuilder.ABI  # the op built from these sources declares it
+    stale, fresh = types.SimpleNamespace(), types.SimpleNamespace(ABI=DGCCPUBuilder.ABI)  # ABI absent: 1
+    monkeypatch.setattr(OpBuilder, "_loaded_ops", {})
+    monkeypatch.setattr(DGCCPUBuilder, "prebuilt_module", lambda self: stale)
+    monkeypatch.setattr(DGCCPUBuilder, "jit_load", lambda self, verbose=False: fresh)
+    with caplog.at_level("WARNING", logger="deepspeed_dgc"):
+        assert DGCCPUBuilder().load() is fresh
+    assert f"calling convention 1, these sources need {DGCCPUBuilder.ABI}" in caplog.text
+
+
 def test_fused_without_compiler_fails_clearly(no_compiler):
     with pytest.raises(DGCKernelError, match=r"'dgc.kernels' is \"fused\" but the fused cpu op cannot load: .*"
                        r"no C\+\+ compiler \(/nonexistent/c\+\+\)"):
@@ -346,14 +401,41 @@ def test_bad_inputs_raise_instead_of_touching_memory(fused):
     empty_l = torch.empty(0, dtype=torch.long)
     base = dict(srcs=[torch.randn(100)], offsets=[0], strides=[50], residuals=[torch.randn(100)], residual_numels=[100],
                 numels=[100], chunks=[50], sparse=[True], row_owner=[0, 1], ks=[5], samples=[empty_l], divisor=2.0,
-                loss_scale=1.0, group_size=16, fingerprint=1, want_residual=True)
+                loss_scale=1.0, group_size=16, fingerprint=1, want_residual=True, fixed=[-1.0], reuse=False)
     op.compress_bucket(*base.values())  # the valid call works
     for bad, match in ((dict(residuals=[torch.randn(10)], residual_numels=[10]), "residual_numels"),
                        (dict(residuals=[torch.empty(0)], residual_numels=[0]), "residual_numels"),
                        (dict(offsets=[-1000]), "offsets"), (dict(ks=[0]), "ks"), (dict(ks=[-1]), "ks"),
-                       (dict(fingerprint=2**40), "fingerprint"), (dict(strides=[10]), "strides")):
+                       (dict(fingerprint=2**40), "fingerprint"), (dict(strides=[10]), "strides"),
+                       (dict(fixed=[]), "differ in length")):
         with pytest.raises(RuntimeError, match=match):
             op.compress_bucket(*dict(base, **bad).values())
     for k in (0, -1, 11):
         with pytest.raises(RuntimeError, match="k must be in"):
             op.topk_threshold(torch.rand(10), k, empty_l)
+
+
+def test_reducer_reuses_thresholds_every_n_exchanges(fused):
+    """threshold_reuse_steps 3: the reducer estimates (draws a sample) at exchanges 0 and 3, reuses the stored
+    threshold at 1 and 2, and estimates afresh when the density changes (exchange 4), then reuses again."""
+    from deepspeed_dgc.config import DGCConfig
+    from deepspeed_dgc.memory import ErrorFeedback
+    from deepspeed_dgc.reducer import CompressedReduceScatter
+    reducer = CompressedReduceScatter(DGCConfig(enabled=True, density=0.1, threshold_reuse_steps=3, min_numel=0),
+                                      ErrorFeedback("fp32"), ops=fused)
+    g = torch.Generator().manual_seed(3)
+    numels, keys = [5000, 3], [10, 11]
+    chunks = [-(-n // 2) for n in numels]
+    pattern = []
+    for density in [0.1] * 4 + [0.2] * 2:
+        reducer._density = density
+        srcs = [torch.randn(n, generator=g) for n in numels]
+        job = reducer._job(srcs, [0, 0], chunks, numels, chunks, [True, True], [0, 1], keys, numels, 2.0, 1.0,
+                           torch.float32, 1, "cpu")
+        reused = job.reuse_thresholds[0] is not None
+        assert (job.samples[0] is None) == reused  # a sample is drawn only to estimate
+        out = fused.compress(job)
+        reducer._remember_thresholds(job, keys, out.thresholds)
+        pattern.append((reused, reducer.thresholds[10][1:]))
+    assert pattern == [(False, [0.1, 1]), (True, [0.1, 2]), (True, [0.1, 3]), (False, [0.1, 1]), (False, [0.2, 1]),
+                       (True, [0.2, 2])]

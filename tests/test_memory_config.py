@@ -84,6 +84,9 @@ def test_config_defaults_and_lossless():
     ({"momentum_correction": True, "topology": "hierarchical"}, "'dgc.momentum_correction' needs"),
     ({"momentum_correction": True, "error_feedback": False}, "'dgc.momentum_correction' needs"),
     ({"momentum_correction": "yes"}, "'dgc.momentum_correction'"),
+    ({"threshold_reuse_steps": 0}, "'dgc.threshold_reuse_steps'"),
+    ({"threshold_reuse_steps": 2.0}, "'dgc.threshold_reuse_steps'"),
+    ({"threshold_reuse_steps": 4, "threshold": 0.1}, "'dgc.threshold_reuse_steps' reuses estimated top-k"),
 ])
 def test_config_errors_name_the_key(section, needle):
     with pytest.raises(DGCConfigError, match=needle.replace(".", r"\.")):

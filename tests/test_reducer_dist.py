@@ -141,6 +141,46 @@ def test_fixed_threshold_keeps_exactly_what_exceeds_it(run):
                     assert float(res[above].abs().max()) <= bound
 
 
+def test_threshold_reuse_estimates_every_n_steps(run):
+    """threshold_reuse_steps 3: each thresholded tensor's threshold is estimated at steps 0 and 3 and reused at
+    steps 1 and 2, where exactly the elements reaching it are sent (or the k largest, had more than 1.3 k reached
+    it); tensors with k >= n keep everything and store none. Conservation is checked with the other cases."""
+    world, ranks = run
+    for r in range(world):
+        steps = ranks[r]["reuse_threshold"]["steps"]
+        reused_and_not_cut = 0
+        for t, step in enumerate(steps):
+            for i, n in enumerate(SIZES):
+                k = target_count(n, 0.1)
+                if k >= n:
+                    assert i not in step["thresholds"]
+                    continue
+                thr, density, age = step["thresholds"][i]
+                assert density == 0.1 and age == t % 3 + 1
+                if t % 3:
+                    assert thr == steps[t - t % 3]["thresholds"][i][0]
+                else:
+                    assert t == 0 or thr != steps[t - 1]["thresholds"][i][0]  # estimated afresh
+                acc = _acc(ranks, "reuse_threshold", r, t, i, world)
+                res = _residual(ranks, "reuse_threshold", r, t, i)
+                g = step["inputs"][i].reshape(-1).double() / world
+                tol = 1e-6 * (g.abs() + _residual(ranks, "reuse_threshold", r, t - 1, i).abs()) + 1e-12
+                sent = (res - acc).abs() > tol
+                clear = (acc.abs() - thr).abs() > 1e-5 * thr  # not within fp32 rounding of the threshold
+                reaching = int((acc.abs() >= thr).sum())
+                if t % 3 and reaching <= 1.3 * k:
+                    reach = acc.abs() >= thr
+                    assert not bool((sent & ~reach & clear).any())
+                    # reaching but unchanged: only values INT4 rounds to 0 (below half a step of the group absmax / 7)
+                    missed = reach & clear & ~sent
+                    if bool(missed.any()):
+                        assert bool((acc.abs()[missed] <= float(acc.abs()[reach].max()) / 14 * (1 + 1e-5)).all())
+                    reused_and_not_cut += 1
+                else:
+                    assert int(sent.sum()) <= k + 1  # estimated (exact below 1024 elements) or cut to the k largest
+        assert reused_and_not_cut > 0
+
+
 def test_lossless_equals_stock_summation(run):
     """density 1 + no quantization: exactly the fp32 sum of g/W in rank order (stock pre-divides)."""
     world, ranks = run

@@ -269,17 +269,22 @@ float topk_threshold(at::Tensor mag, int64_t k, at::Tensor sample) {
   return thr;
 }
 
-std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t> compress_bucket(
+// fixed[i] >= 0: tensor i (if sparse) keeps |acc| >= fixed[i] * loss_scale instead of estimating a threshold from
+// its sample, without DGC's corrections. reuse: the fixed thresholds are top-k thresholds of an earlier step
+// (Ok-Topk's threshold reuse): they apply only where k < m, and more than 1.3 k kept still becomes the k largest.
+// Returns the payloads, the new residuals, finiteness, the kept count and, per tensor, the threshold that selected
+// it divided by the loss scale (-1: every real element was kept).
+std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std::vector<double>> compress_bucket(
     std::vector<at::Tensor> srcs, std::vector<int64_t> offsets, std::vector<int64_t> strides,
     std::vector<at::Tensor> residuals, std::vector<int64_t> residual_numels, std::vector<int64_t> numels,
     std::vector<int64_t> chunks, std::vector<bool> sparse, std::vector<int64_t> row_owner, std::vector<int64_t> ks,
     std::vector<at::Tensor> samples, double divisor, double loss_scale, int64_t group_size, int64_t fingerprint,
-    bool want_residual) {
+    bool want_residual, std::vector<double> fixed, bool reuse) {
   const size_t T = srcs.size();
   const int64_t R = static_cast<int64_t>(row_owner.size());
   TORCH_CHECK(offsets.size() == T && strides.size() == T && residuals.size() == T && residual_numels.size() == T &&
                   numels.size() == T && chunks.size() == T && sparse.size() == T && ks.size() == T &&
-                  samples.size() == T,
+                  samples.size() == T && fixed.size() == T,
               "compress_bucket: per-tensor lists differ in length");
   TORCH_CHECK(group_size >= 2, "compress_bucket: group_size must be >= 2");
   TORCH_CHECK(fingerprint >= 0 && fingerprint <= INT32_MAX, "compress_bucket: fingerprint must fit in an int31");
@@ -340,10 +345,14 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t> comp
     }
   }
 
-  // 1. thresholds from the samples (tensors sent whole keep every real element)
+  // 1. thresholds: fixed ones, else from the samples (tensors sent whole keep every real element)
   std::vector<float> thr(T, -1.0f);
   for (size_t i = 0; i < T; ++i) {
     Spec& t = specs[i];
+    if (t.sparse && fixed[i] >= 0 && (!reuse || t.k < t.m)) {
+      thr[i] = static_cast<float>(fixed[i] * loss_scale);
+      continue;
+    }
     if (!t.sparse || t.k >= t.m) continue;
     std::vector<float> mags = sample_magnitudes(t, p);
     bool finite = std::all_of(mags.begin(), mags.end(), [](float v) { return std::isfinite(v); });
@@ -364,7 +373,7 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t> comp
   if (nonfinite) {
     std::vector<at::Tensor> payloads;
     for (int64_t r = 0; r < R; ++r) payloads.push_back(header_only_payload(fingerprint));
-    return {payloads, {}, false, 0};
+    return {payloads, {}, false, 0, std::vector<double>(T, -1.0)};
   }
   if (want_residual)  // padding slots of an untrimmed residual (R * c elements) stay exactly 0
     for (auto& t : specs)
@@ -375,10 +384,11 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t> comp
   //    collect again), keep the k largest when more than 1.3 k are
   for (size_t i = 0; i < T; ++i) {
     Spec& t = specs[i];
-    if (!t.sparse || t.k >= t.m) continue;
+    const bool is_fixed = t.sparse && fixed[i] >= 0;
+    if (!t.sparse || t.k >= t.m || (is_fixed && !reuse)) continue;
     int64_t cnt = 0;
     for (auto& kr : kept[i]) cnt += static_cast<int64_t>(kr.j.size());
-    if (cnt < kLowerSlack * t.k) {
+    if (cnt < kLowerSlack * t.k && !is_fixed) {
       float th = thr[i];
       for (int rounds = 0; cnt < kLowerSlack * t.k && rounds < kMaxLowerRounds; ++rounds) {
         th = th * kLowerFactor;
@@ -395,6 +405,7 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t> comp
       for (auto& kr : kept[i])
         for (float a : kr.acc) mags.push_back(std::fabs(a));
       float th = kth_largest(mags, t.k);
+      thr[i] = th;
       for (auto& kr : kept[i]) {
         Kept f;
         for (size_t x = 0; x < kr.j.size(); ++x)
@@ -476,7 +487,10 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t> comp
       }
     }
   });
-  return {payloads, res_out, true, total_kept};
+  std::vector<double> used(T, -1.0);
+  for (size_t i = 0; i < T; ++i)
+    if (thr[i] >= 0) used[i] = static_cast<double>(thr[i]) / loss_scale;
+  return {payloads, res_out, true, total_kept, used};
 }
 
 void decode_add(at::Tensor out, at::Tensor values, at::Tensor scales, at::Tensor index_bytes, int64_t kept,
@@ -569,6 +583,8 @@ void decode_add(at::Tensor out, at::Tensor values, at::Tensor scales, at::Tensor
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "deepspeed_dgc fused CPU kernels (compress_bucket, decode_add, topk_threshold)";
+  // the calling convention of these functions; op_builder/dgc.py rebuilds a prebuilt module of another one
+  m.attr("ABI") = 2;
   m.def("compress_bucket", &compress_bucket, "fused residual add, top-k selection, INT4 quantize and pack per owner row",
         py::call_guard<py::gil_scoped_release>());
   m.def("decode_add", &decode_add, "decode one payload body and scatter-add it into a dense fp32 partition",

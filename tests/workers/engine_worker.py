@@ -290,7 +290,8 @@ def resume(mode, rank, out_dir):
         if momentum:
             cfg["dgc"] = dict(SPARSE, compressed_momentum={"freeze_step": 3, "quantization": "int2"})
         if mc:
-            cfg["dgc"] = dict(SPARSE, momentum_correction=True, local_clip_norm=1.0)
+            # thresholds estimated at steps 0, 3, 6, 9: the checkpoint after step 5 holds one mid-reuse
+            cfg["dgc"] = dict(SPARSE, momentum_correction=True, local_clip_norm=1.0, threshold_reuse_steps=3)
             cfg["optimizer"] = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.01}}
             cfg["zero_allow_untested_optimizer"] = True
     if mode == "resume_second_universal":  # a universal checkpoint (ds_to_universal), any world size

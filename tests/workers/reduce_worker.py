@@ -33,6 +33,8 @@ CASES = {
     "fixed_threshold": dict(density=0.1, threshold=0.6, quantization="int4", group_size=16, min_numel=0),
     "bf16_residual": dict(density=0.1, quantization="int4", group_size=16, min_numel=0, residual_dtype="bf16"),
     "fp8_residual": dict(density=0.1, quantization="int4", group_size=16, min_numel=0, residual_dtype="fp8"),
+    # thresholds estimated at steps 0 and 3, reused at 1 and 2 (gradients of one scale at every step here)
+    "reuse_threshold": dict(density=0.1, quantization="int4", group_size=16, min_numel=0, threshold_reuse_steps=3),
     # the same inputs as the case without the suffix (entropy coding is lossless)
     "sparse_int4_zlib": dict(density=0.1, quantization="int4", group_size=16, min_numel=0, entropy_coding="zlib"),
     "int1_dense_zlib": dict(density=1.0, quantization="int1", group_size=16, min_numel=0, entropy_coding="zlib"),
@@ -59,6 +61,8 @@ def run_cases(rank: int, **settings) -> dict:
                 grads = [torch.zeros_like(g) for g in grads]
             if name == "auto_scales":
                 grads = [g * 1000.0**rank for g in grads]
+            if name == "reuse_threshold":
+                grads = [g / (1 + 10 * step) for g in grads]
             outs, res = reducer.reduce_scatter(grads, list(range(len(grads))), None, torch.float32)
             memory.commit()
             steps.append(dict(inputs=[g.clone() for g in grads],
@@ -68,7 +72,8 @@ def run_cases(rank: int, **settings) -> dict:
                               wire_bytes=res.wire_bytes,
                               intra_node_wire_bytes=res.intra_node_wire_bytes,
                               inter_node_wire_bytes=res.inter_node_wire_bytes,
-                              kept=res.kept))
+                              kept=res.kept,
+                              thresholds={k: list(v) for k, v in reducer.thresholds.items()}))
         results[name] = dict(cfg=kw, steps=steps, ops=reducer.ops.name)
     return results
 
