@@ -67,6 +67,8 @@ def settings(freeze_step: int) -> dict:
                              dict(out["adam_int2"][2], entropy_coding="zlib"))
     out["int4_dense_zlib"] = ("plain EF", "dense INT4 + error feedback, zlib-coded",
                               dict(out["int4_dense"][2], entropy_coding="zlib"))
+    out["ef_d0.1_r8"] = ("plain EF", "top-k 0.1 INT4 + error feedback, threshold reused for 8 steps",
+                         dict(base, density=0.1, threshold_reuse_steps=8))
     for g in (512, 1024):  # fewer scales after the freeze: preconditioned momenta share one magnitude
         dgc = out["adam_int2_zlib"][2]
         out[f"adam_int2_zlib_g{g}"] = ("Adam-aware", f"compressed momentum, dense INT2 in groups of {g}, zlib-coded",
