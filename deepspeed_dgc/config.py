@@ -117,6 +117,10 @@ class DGCConfig(BaseModel):
     - ``residual_dtype`` (``"fp32"``, ``"bf16"`` or ``"fp8"``, default ``"fp32"``): storage of the
       error-feedback residuals between steps (4, 2 or about 1.03 bytes per element; see
       :class:`deepspeed_dgc.memory.ErrorFeedback`).
+    - ``residual_offload`` (bool, default false): keep the committed residuals in pinned host memory
+      between steps and copy each to the device only while its bucket is compressed (asynchronous copies on
+      the current stream), so error feedback costs no device memory between steps; on the CPU accelerator it
+      changes nothing (host memory is the device's). The summary's ``host_state_bytes`` counts them.
     - ``min_numel`` (int >= 0, default 2048): tensors with fewer elements are not sparsified:
       they are sent whole (still quantized, with error feedback) and need no indices.
     - ``stats_interval`` (int >= 1, default 100): optimizer steps between telemetry log lines.
@@ -177,6 +181,7 @@ class DGCConfig(BaseModel):
     group_size: int = Field(128, ge=2, le=1 << 20, multiple_of=2)
     error_feedback: bool = True
     residual_dtype: Literal["fp32", "bf16", "fp8"] = "fp32"
+    residual_offload: bool = False
     min_numel: int = Field(2048, ge=0)
     stats_interval: int = Field(100, ge=1)
     weights: WeightsConfig = WeightsConfig()

@@ -54,7 +54,7 @@ class DGCState:
     def __init__(self, cfg: DGCConfig, global_rank: int, ranks_per_node: Optional[int] = None):
         self.cfg = cfg
         self.global_rank = global_rank
-        self.memory = ErrorFeedback(cfg.residual_dtype)
+        self.memory = ErrorFeedback(cfg.residual_dtype, offload=cfg.residual_offload)
         self.reducer = CompressedReduceScatter(cfg, self.memory, seed=SEED_BASE + global_rank, ranks_per_node=ranks_per_node)
         self.stats = DGCStats()
         self.params: List[torch.nn.Parameter] = []  # the engine's parameters (ZeRO-3 shards)
@@ -127,6 +127,7 @@ def _wrap_step(opt, state: DGCState):
                         logger.info("deepspeed_dgc: Adam's second moment frozen after step %d; compressing the "
                                     "momentum (%s) from now on", momentum.steps_done, momentum.cfg.quantization)
         state.stats.state_bytes = state.memory.state_bytes() + (momentum.state_bytes() if momentum is not None else 0)
+        state.stats.host_state_bytes = state.memory.host_state_bytes()
         log_now = (state.stats.steps + 1) % state.cfg.stats_interval == 0
         s = state.stats.end_step(skipped, state.memory.residual_norm() if log_now else None, _persistent_gather_bytes(opt))
         if log_now:

@@ -31,17 +31,28 @@ class ErrorFeedback:
     error of the storage itself is not fed back. During a backward pass the staged fp32 copies
     add up to 4 bytes per element.
 
+    With ``offload``, committed residuals live in pinned host memory (DeepSpeed's accelerator
+    ``pin_memory``; one buffer per key, allocated once and overwritten at each commit): each commit
+    copies the encoded residual there asynchronously on the current stream, and :meth:`get` copies it
+    back to the device the residuals were staged on, also asynchronously. DeepSpeed's ZeRO-3 orders
+    the two (its reduce stream waits for the current stream before a bucket, and is synchronized
+    before the step that commits), so the device holds a residual only while its bucket is
+    compressed. On the CPU accelerator host and device are the same memory and pinning is a no-op.
+
     Args:
         storage: ``"fp32"``, ``"bf16"`` or ``"fp8"``.
+        offload: keep committed residuals in pinned host memory.
 
     Raises:
         ValueError: unknown storage.
     """
 
-    def __init__(self, storage: str = "fp32"):
+    def __init__(self, storage: str = "fp32", offload: bool = False):
         if storage not in RESIDUAL_BYTES:
             raise ValueError(f"unknown residual storage {storage!r}; allowed: {', '.join(RESIDUAL_BYTES)}")
         self.storage = storage
+        self.offload = offload
+        self.device = None  # where staged residuals live (the gradients' device); offload copies back there
         self.committed: Dict[int, object] = {}  # fp32/bf16 tensor, or (codes, scales) for fp8
         self.staged: Dict[int, torch.Tensor] = {}
 
@@ -58,6 +69,34 @@ class ErrorFeedback:
             return dequantize_weights(codes, scales, codes.numel(), "fp8_e4m3", FP8_RESIDUAL_GROUP)
         return stored.float()
 
+    def _to_host(self, key: int, encoded):
+        """``encoded`` copied into ``key``'s pinned host buffers (reused when shapes and dtypes match)."""
+        from deepspeed.accelerator import get_accelerator
+        parts = encoded if isinstance(encoded, tuple) else (encoded, )
+        old = self.committed.get(key)
+        old_parts = old if isinstance(old, tuple) else () if old is None else (old, )
+        out = []
+        for i, part in enumerate(parts):
+            buf = old_parts[i] if i < len(old_parts) else None
+            if buf is None or buf.shape != part.shape or buf.dtype != part.dtype:
+                buf = get_accelerator().pin_memory(torch.empty(part.shape, dtype=part.dtype, device="cpu"))
+            out.append(buf.copy_(part, non_blocking=True))
+        return tuple(out) if isinstance(encoded, tuple) else out[0]
+
+    def _store(self, key: int, residual: torch.Tensor):
+        """The committed form of an fp32 residual: encoded, and on the host with ``offload``."""
+        self.device = residual.device
+        encoded = self._encode(residual)
+        return self._to_host(key, encoded) if self.offload else encoded
+
+    def _fetch(self, stored) -> torch.Tensor:
+        """A committed residual decoded to fp32 on the device (copied from the host with ``offload``)."""
+        if self.offload and self.device is not None:
+            parts = stored if isinstance(stored, tuple) else (stored, )
+            moved = tuple(t.to(self.device, non_blocking=True) for t in parts)
+            stored = moved if isinstance(stored, tuple) else moved[0]
+        return self._decode(stored)
+
     @staticmethod
     def _nbytes(stored) -> int:
         parts = stored if isinstance(stored, tuple) else (stored, )
@@ -65,12 +104,13 @@ class ErrorFeedback:
 
     def residuals(self) -> Dict[int, torch.Tensor]:
         """Every committed residual decoded to fp32 (new tensors), keyed by ``ds_id``."""
-        return {k: self._decode(v) for k, v in self.committed.items()}
+        return {k: self._fetch(v) for k, v in self.committed.items()}
 
     def load(self, residuals: Dict[int, torch.Tensor]) -> None:
         """Replace all state by these fp32 residuals (stored in ``storage``); nothing staged."""
-        self.committed = {int(k): self._encode(v.float()) for k, v in residuals.items()}
-        self.staged = {}
+        self.committed, self.staged = {}, {}
+        for k, v in residuals.items():
+            self.committed[int(k)] = self._store(int(k), v.float())
 
     def get(self, key: int) -> Optional[torch.Tensor]:
         """The latest residual of ``key`` (staged in this window if any, else committed), unscaled.
@@ -82,7 +122,7 @@ class ErrorFeedback:
         if r is not None:
             return r
         stored = self.committed.get(key)
-        return None if stored is None else self._decode(stored)
+        return None if stored is None else self._fetch(stored)
 
     def stage(self, key: int, residual: torch.Tensor) -> None:
         """Record ``residual`` (fp32, unscaled, shape ``(numel,)``) for commit after the step."""
@@ -90,7 +130,8 @@ class ErrorFeedback:
 
     def commit(self) -> None:
         """The step was applied: staged residuals become the committed ones."""
-        self.committed.update({k: self._encode(v) for k, v in self.staged.items()})
+        for k, v in self.staged.items():
+            self.committed[k] = self._store(k, v)
         self.staged = {}
 
     def rollback(self) -> None:
@@ -103,10 +144,14 @@ class ErrorFeedback:
             return 0.0
         sq = 0.0
         for stored in self.committed.values():  # one decoded residual at a time
-            r = self._decode(stored)
+            r = self._fetch(stored)
             sq += float(torch.dot(r, r))
         return sq**0.5
 
     def state_bytes(self) -> int:
-        """Bytes held between steps by committed residuals."""
+        """Bytes held between steps by committed residuals (in host memory with ``offload``)."""
         return sum(self._nbytes(v) for v in self.committed.values())
+
+    def host_state_bytes(self) -> int:
+        """Bytes of committed residuals in host memory: all of them with ``offload``, else 0."""
+        return self.state_bytes() if self.offload else 0

@@ -94,6 +94,7 @@ class DGCStats:
     world_size: int = 1  # of the data-parallel group (set at install)
     n_params: int = 0  # elements of the model's parameters (set at install)
     state_bytes: int = 0  # the extension's persistent state on this rank after the last step (bytes)
+    host_state_bytes: int = 0  # the part of it in host memory (residual_offload), bytes
     last: Optional[StepStats] = None
     _current: StepStats = field(default_factory=StepStats, repr=False)
 
@@ -165,6 +166,7 @@ class DGCStats:
             "bits_per_kept_element": self.bits_per_kept_element,
             "state_bytes": self.state_bytes,
             "state_bytes_per_param": self.state_bytes_per_param,
+            "host_state_bytes": self.host_state_bytes,
             "grad_wire_bytes_total": self.wire_bytes_total,
             "grad_intra_node_wire_bytes_total": self.intra_node_wire_bytes_total,
             "grad_inter_node_wire_bytes_total": self.inter_node_wire_bytes_total,

@@ -40,7 +40,8 @@ def test_lossless_bit_identical_to_stock(comm):
 @pytest.mark.parametrize("mode", ["overflow_fp16", "overflow_bf16", "overflow_bf16_momentum"])
 def test_inf_on_one_rank_skips_step_everywhere(mode):
     """Inf in rank 1's input at step 2: every rank skips that step, parameters and residuals
-    stay as they were, residuals stay finite, and training goes on. With compressed_momentum under bf16 (frozen
+    stay as they were, residuals stay finite, and training goes on (``overflow_bf16``: with the residuals offloaded
+    to host memory). With compressed_momentum under bf16 (frozen
     after step 1, so step 2 sends momentum): the local momenta also roll back and stay finite (fp16 engines are
     refused with compressed_momentum, see the bad-config test)."""
     out = tempfile.mkdtemp()
@@ -68,6 +69,7 @@ def test_inf_on_one_rank_skips_step_everywhere(mode):
     if mode.startswith("overflow_fp16"):
         assert [rec["loss_scale"] for rec in ranks][0] == [256.0, 256.0, 128.0, 128.0]
     elif mode == "overflow_bf16":  # telemetry reaches DeepSpeed's monitor (CSV here), one row per step (stats_interval 1)
+        assert all(rec["stats"]["host_state_bytes"] == rec["stats"]["state_bytes"] > 0 for rec in ranks)  # offloaded
         with open(os.path.join(out, "monitor", "Train_dgc_compression_ratio.csv")) as f:
             rows = list(csv.reader(f))[1:]
         assert len(rows) == 4 and all(float(v) > 1 for _, v in rows)

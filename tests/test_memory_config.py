@@ -23,6 +23,40 @@ def test_stage_commit_rollback():
     assert m.residual_norm() == pytest.approx(float(a.norm()), rel=1e-6)
 
 
+@pytest.mark.parametrize("storage", ["fp32", "bf16", "fp8"])
+def test_offloaded_residuals_equal_device_ones_and_reuse_their_host_buffers(storage):
+    """residual_offload: every read gives the bits the same memory without offload gives, through commits, a
+    rollback, a load and a new shape; the committed copies are host tensors whose buffers are allocated once per
+    key and shape, then overwritten (a rollback leaves them as they were)."""
+    gen = torch.Generator().manual_seed(5)
+    plain, off = ErrorFeedback(storage), ErrorFeedback(storage, offload=True)
+    ptrs = None
+
+    def parts(m, k):
+        stored = m.committed[k]
+        return stored if isinstance(stored, tuple) else (stored, )
+
+    for step in range(4):
+        for m in (plain, off):
+            g = torch.Generator().manual_seed(100 + step)
+            for k, n in ((1, 300), (2, 1000)):
+                m.stage(k, torch.randn(n, generator=g) * 10.0**step)
+            m.rollback() if step == 2 else m.commit()
+        for k in (1, 2):
+            assert torch.equal(off.get(k), plain.get(k))
+            assert all(t.device.type == "cpu" for t in parts(off, k))
+        now = [t.data_ptr() for k in (1, 2) for t in parts(off, k)]
+        assert ptrs is None or now == ptrs  # the same host buffers, overwritten
+        ptrs = now
+    assert off.host_state_bytes() == off.state_bytes() == plain.state_bytes() and plain.host_state_bytes() == 0
+    assert off.residual_norm() == plain.residual_norm()
+    loaded = {1: torch.randn(300, generator=gen), 2: torch.randn(7, generator=gen)}  # key 2 changes shape
+    plain.load(loaded)
+    off.load(loaded)
+    assert all(torch.equal(off.get(k), plain.get(k)) for k in (1, 2)) and off.get(2).numel() == 7
+    assert all(torch.equal(a, b) for a, b in zip(off.residuals().values(), plain.residuals().values()))
+
+
 def test_error_feedback_conserves_gradient_sum():
     """Single sender, 20 steps of top-1% + INT4: sum of what was sent + the final residual ==
     sum of all gradients (float64 reference), while each step sends only about 1%."""

@@ -59,3 +59,38 @@ def test_cuda_non_finite_sends_nothing(cuda_ops):
     out = cuda_ops.compress(job)
     _assert_same(REFERENCE.compress(job), out)
     assert not out.finite and out.kept == 0
+
+
+@pytest.mark.parametrize("hierarchical", [False, True])
+def test_cuda_reused_thresholds_match(cuda_ops, hierarchical):
+    """threshold_reuse_steps on the GPU: thresholds estimated by the CUDA path equal the reference's on the device;
+    reusing them (one tensor reused, one estimated; loss scale 1024) gives the same bytes and bits."""
+    first = _to_cuda(_job([5, 3000, 65537], 2, hierarchical=hierarchical, loss_scale=1024.0, density=0.1))
+    ref = REFERENCE.compress(first)
+    out = cuda_ops.compress(first)
+    _assert_same(ref, out)
+    assert out.thresholds == ref.thresholds and ref.thresholds[2] is not None
+    nxt = _to_cuda(_job([5, 3000, 65537], 2, hierarchical=hierarchical, loss_scale=1024.0, density=0.1, seed=3))
+    nxt.reuse_thresholds = [None, None, ref.thresholds[2]]
+    nxt.samples[2] = None
+    _assert_same(REFERENCE.compress(nxt), cuda_ops.compress(nxt))
+
+
+@pytest.mark.parametrize("storage", ["fp32", "bf16", "fp8"])
+def test_offloaded_residuals_are_pinned_and_come_back_to_the_gpu(storage):
+    """residual_offload with CUDA residuals: committed copies are pinned host tensors, reused across commits; reads
+    come back on the GPU with the bits of the same memory without offload."""
+    from deepspeed_dgc.memory import ErrorFeedback
+    plain, off = ErrorFeedback(storage), ErrorFeedback(storage, offload=True)
+    for step in range(3):
+        r = torch.randn(100_003, device="cuda") * (step + 1)
+        for m in (plain, off):
+            m.stage(7, r.clone())
+            m.commit()
+        stored = off.committed[7] if isinstance(off.committed[7], tuple) else (off.committed[7], )
+        assert all(t.device.type == "cpu" and t.is_pinned() for t in stored)
+        got = off.get(7)
+        assert got.device.type == "cuda" and torch.equal(got, plain.get(7))
+        ptrs = [t.data_ptr() for t in stored]
+        assert step == 0 or ptrs == last
+        last = ptrs

@@ -127,6 +127,8 @@ def train(mode, rank, steps, out_dir):
             cfg["bf16"] = {"enabled": True}
             cfg["csv_monitor"] = {"enabled": True, "output_path": out_dir, "job_name": "monitor"}
             dtype = torch.bfloat16
+            if mode == "overflow_bf16":  # residuals kept in (pinned) host memory: a skipped step must not touch them
+                cfg["dgc"] = dict(SPARSE, residual_offload=True)
     engine = make_engine(cfg)
     if mode.startswith("mc_"):  # a torch LR scheduler wraps the owners' optimizer.step (needs a bound method)
         torch.optim.lr_scheduler.LambdaLR(engine.optimizer.optimizer, lambda s: 1.0)
