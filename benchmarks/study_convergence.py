@@ -90,6 +90,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--freeze-step", type=int, default=60, help="Adam-aware settings: steps before the freeze")
     parser.add_argument("--only", nargs="+", help="run only these settings (stock is always run)")
     parser.add_argument("--fp8-residual-best", type=int, default=2, help="also run the best N with residual_dtype fp8")
+    parser.add_argument("--fp8-residual", nargs="+", metavar="SETTING",
+                        help="run these with residual_dtype fp8 instead of the best")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--num-gpus", type=int, default=2)
     parser.add_argument("--out-dir", type=Path, default=Path("runs/study"))
@@ -98,10 +100,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--fresh", action="store_true", help="rerun settings whose summary already exists")
     args = parser.parse_args(argv)
     known = settings(args.freeze_step)
-    for option in ("only", "long"):
+    for option in ("only", "long", "fp8_residual"):
         unknown = [n for n in getattr(args, option) or [] if n not in known]
         if unknown:
-            parser.error(f"--{option}: unknown {unknown}; choose from {list(known)}")
+            parser.error(f"--{option.replace('_', '-')}: unknown {unknown}; choose from {list(known)}")
     if args.steps < 1 or args.long_steps < 0 or args.freeze_step < 1 or min(args.fp8_residual_best, args.long_best) < 0:
         parser.error("--steps and --freeze-step must be >= 1, --long-steps, --long-best and --fp8-residual-best >= 0")
     if args.jobs < 1:
@@ -259,7 +261,7 @@ def main(argv=None) -> int:
     stock = summaries[("stock", args.steps)]
     rows = [row(n, known[n][0], known[n][1], summaries[(n, args.steps)], stock) for n in names]
     fp8_names = []
-    for name in best(rows, args.fp8_residual_best):
+    for name in args.fp8_residual or best(rows, args.fp8_residual_best):
         family, label, dgc = known[name]
         known[f"{name}_rfp8"] = (family, f"{label}, fp8 residual", dict(dgc, residual_dtype="fp8"))
         fp8_names.append(f"{name}_rfp8")

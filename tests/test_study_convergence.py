@@ -20,6 +20,7 @@ def test_settings_hold_what_their_names_say():
     assert w2["compressed_momentum"] == {"freeze_step": 60, "quantization": "int1"}
     assert known["ef_d0.1"][2]["density"] == 0.1 and "compressed_momentum" not in known["ef_d0.1"][2]
     assert known["adam_int2_zlib"][2] == dict(known["adam_int2"][2], entropy_coding="zlib")
+    assert known["ef_d0.1_r8"][2] == dict(known["ef_d0.1"][2], threshold_reuse_steps=8)
     g512 = known["adam_int2_zlib_g512"][2]
     assert g512["compressed_momentum"]["group_size"] == 512 and g512["group_size"] == 128  # the warm-up keeps 128
 
@@ -27,6 +28,7 @@ def test_settings_hold_what_their_names_say():
 @pytest.mark.parametrize("argv, message", [
     (["--long", "nope"], "--long: unknown ['nope']"),
     (["--only", "adam_int3"], "--only: unknown"),
+    (["--fp8-residual", "nope"], "--fp8-residual: unknown ['nope']"),
     (["--jobs", "0"], "--jobs must be >= 1"),
     (["--steps", "0"], "--steps and --freeze-step must be >= 1"),
 ])
