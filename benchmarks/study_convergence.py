@@ -92,6 +92,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--fp8-residual-best", type=int, default=2, help="also run the best N with residual_dtype fp8")
     parser.add_argument("--fp8-residual", nargs="+", metavar="SETTING",
                         help="run these with residual_dtype fp8 instead of the best")
+    parser.add_argument("--bf16-residual", nargs="+", metavar="SETTING", help="also run these with residual_dtype bf16")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--num-gpus", type=int, default=2)
     parser.add_argument("--out-dir", type=Path, default=Path("runs/study"))
@@ -100,7 +101,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--fresh", action="store_true", help="rerun settings whose summary already exists")
     args = parser.parse_args(argv)
     known = settings(args.freeze_step)
-    for option in ("only", "long", "fp8_residual"):
+    for option in ("only", "long", "fp8_residual", "bf16_residual"):
         unknown = [n for n in getattr(args, option) or [] if n not in known]
         if unknown:
             parser.error(f"--{option.replace('_', '-')}: unknown {unknown}; choose from {list(known)}")
@@ -260,13 +261,14 @@ def main(argv=None) -> int:
     summaries.update(run_all([(n, known[n][2], args.steps) for n in names], args))
     stock = summaries[("stock", args.steps)]
     rows = [row(n, known[n][0], known[n][1], summaries[(n, args.steps)], stock) for n in names]
-    fp8_names = []
-    for name in args.fp8_residual or best(rows, args.fp8_residual_best):
-        family, label, dgc = known[name]
-        known[f"{name}_rfp8"] = (family, f"{label}, fp8 residual", dict(dgc, residual_dtype="fp8"))
-        fp8_names.append(f"{name}_rfp8")
-    summaries.update(run_all([(n, known[n][2], args.steps) for n in fp8_names], args))
-    rows += [row(n, known[n][0], known[n][1], summaries[(n, args.steps)], stock) for n in fp8_names]
+    cheap_names = []
+    for dtype, names in (("fp8", args.fp8_residual or best(rows, args.fp8_residual_best)), ("bf16", args.bf16_residual)):
+        for name in names or []:
+            family, label, dgc = known[name]
+            known[f"{name}_r{dtype}"] = (family, f"{label}, {dtype} residual", dict(dgc, residual_dtype=dtype))
+            cheap_names.append(f"{name}_r{dtype}")
+    summaries.update(run_all([(n, known[n][2], args.steps) for n in cheap_names], args))
+    rows += [row(n, known[n][0], known[n][1], summaries[(n, args.steps)], stock) for n in cheap_names]
     if args.long_steps:
         long_names = list(dict.fromkeys(["stock"] + (args.long or best(rows, args.long_best))))  # once each
         summaries.update(run_all([(n, known[n][2], args.long_steps) for n in long_names], args))
