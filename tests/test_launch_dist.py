@@ -24,11 +24,9 @@ from test_main_job import TINY_MODEL
 STEPS = ["--max-steps", "24", "--eval-interval", "8"]
 DISCOVERY_PORT = 29500  # DeepSpeed's MPI discovery always uses distributed_port (default 29500)
 
-CASES = {  # (launcher, ranks): "dgc" overrides
+CASES = {  # (launcher, ranks): "dgc" overrides; each launcher once, each communicator flat or hierarchical once
     ("deepspeed", 4): {"topology": "hierarchical", "ranks_per_node": 2},
     ("hostfile", 2): {"comm_backend": "mpi"},
-    ("hostfile", 4): {"topology": "hierarchical", "ranks_per_node": 2},
-    ("mpirun", 2): {"comm_backend": "mpi"},
     ("mpirun", 4): {"comm_backend": "mpi", "topology": "hierarchical", "ranks_per_node": 2},
 }
 

@@ -35,8 +35,18 @@ def run_main_job(config, steps, eval_interval, *extra):
     return json.load(open(out))
 
 
+_CACHE = {}
+
+
+def dgc_d01_40_steps():
+    """The 40-step DGC run (density 0.1, INT4) three tests use: each launch costs about 14 s here, the steps little."""
+    if "d01" not in _CACHE:
+        _CACHE["d01"] = run_main_job("configs/zero3_dgc_int4_d01.json", 40, 10)
+    return _CACHE["d01"]
+
+
 def test_char_gpt_learns_with_dgc():
-    s = run_main_job("configs/zero3_dgc_int4_d01.json", 40, 10)
+    s = dgc_d01_40_steps()
     assert SUMMARY_KEYS <= set(s)
     assert s["steps"] == 40 and s["world_size"] == 2 and s["skipped_steps"] == 0
     assert s["dgc"]["enabled"] and s["dgc"]["density"] == 0.1
@@ -60,21 +70,11 @@ def test_int8_weights_and_int4_gradients_match_stock_loss():
     assert stock["param_wire_bytes_total"] is None
 
 
-_CACHE = {}
-
-
-def dgc_d01_20_steps():
-    """The 20-step DGC run both tests below compare against (run once per session)."""
-    if "d01" not in _CACHE:
-        _CACHE["d01"] = run_main_job("configs/zero3_dgc_int4_d01.json", 20, 10)
-    return _CACHE["d01"]
-
-
 def test_resume_continues_like_an_uninterrupted_run(tmp_path):
-    """--save-dir / --resume-from: 10 steps, then a new launch resumes to 20; same losses as 20 at once."""
-    full = dgc_d01_20_steps()
-    run_main_job("configs/zero3_dgc_int4_d01.json", 10, 10, "--save-dir", str(tmp_path))
-    resumed = run_main_job("configs/zero3_dgc_int4_d01.json", 20, 10, "--resume-from", str(tmp_path))
+    """--save-dir / --resume-from: 20 steps, then a new launch resumes to 40; same losses as 40 at once."""
+    full = dgc_d01_40_steps()
+    run_main_job("configs/zero3_dgc_int4_d01.json", 20, 10, "--save-dir", str(tmp_path))
+    resumed = run_main_job("configs/zero3_dgc_int4_d01.json", 40, 10, "--resume-from", str(tmp_path))
     assert resumed["val_losses"] == full["val_losses"]
     assert resumed["final_val_loss"] == full["final_val_loss"]
     assert resumed["final_train_loss"] == full["final_train_loss"]
@@ -83,8 +83,8 @@ def test_resume_continues_like_an_uninterrupted_run(tmp_path):
 def test_fused_and_reference_kernels_give_the_same_run():
     """The main job with the fused CPU op (default "auto") and with the PyTorch reference: the same
     losses bit for bit (both make the same bytes and residuals), and the summary says which ran."""
-    fused = dgc_d01_20_steps()
-    ref = run_main_job("configs/zero3_dgc_int4_d01.json", 20, 10, "--dgc-set", 'kernels="reference"')
+    fused = dgc_d01_40_steps()
+    ref = run_main_job("configs/zero3_dgc_int4_d01.json", 40, 10, "--dgc-set", 'kernels="reference"')
     assert (fused["dgc_kernels"], ref["dgc_kernels"]) == ("fused-cpu", "reference")
     assert fused["val_losses"] == ref["val_losses"]
     assert fused["final_train_loss"] == ref["final_train_loss"]

@@ -23,9 +23,9 @@ Usage: engine_worker.py MODE OUT_DIR [STEPS]. MODE is one of
   mismatch, mismatch_version, mismatch_disabled
                            rank 1 uses another density (or reports another deepspeed_dgc version, or
                            has DGC disabled); record the error of initialize or the first step
-  resume_full, resume_first, resume_second
-                           DGC on, 10 steps uninterrupted; or the first 5 then save_checkpoint to
-                           OUT_DIR/ckpt; or load_checkpoint from there (at any world size) and run 5 more
+  resume_full, resume_second
+                           DGC on, 10 steps uninterrupted, with a save_checkpoint to OUT_DIR/ckpt after the
+                           first 5; or load_checkpoint from there (at any world size) and run 5 more
                            (suffix _momentum: with compressed_momentum frozen after step 3; suffix _mc: SGD
                            with momentum_correction)
 """
@@ -281,7 +281,7 @@ def mismatch(rank, what="density"):
 
 
 def resume(mode, rank, out_dir):
-    """resume_full: 10 steps; resume_first: 5 steps then save; resume_second: load, 5 more;
+    """resume_full: 10 steps, saving a checkpoint after the first 5; resume_second: load it, 5 more;
     resume_second_nodgc: the same with DGC off (a DGC checkpoint loaded into a stock run)."""
     momentum = mode.endswith("_momentum")  # compressed_momentum frozen after step 3: the checkpoint is past the freeze
     mc = mode.endswith("_mc")  # momentum SGD with DGC's momentum correction: the velocities are state
@@ -300,7 +300,7 @@ def resume(mode, rank, out_dir):
         cfg["checkpoint"] = {"load_universal": True}
     engine = make_engine(cfg)
     ckpt = f"{out_dir}/ckpt"
-    steps = range(10) if mode == "resume_full" else range(5) if mode == "resume_first" else range(5, 10)
+    steps = range(10) if mode == "resume_full" else range(5, 10)
     loaded = None
     if mode.startswith("resume_second"):
         engine.load_checkpoint(ckpt)
@@ -314,8 +314,8 @@ def resume(mode, rank, out_dir):
         engine.backward(loss)
         engine.step()
         record["losses"].append(float(loss))
-    if mode == "resume_first":
-        engine.save_checkpoint(ckpt)
+        if mode == "resume_full" and step == 4:
+            engine.save_checkpoint(ckpt)
     record["params"] = full_params(engine)
     if mode == "resume_second_nodgc":
         assert deepspeed_dgc.get_stats(engine) is None
@@ -348,7 +348,12 @@ def fail_mid_run(mode, rank, out_dir):
                     f.write(repr(time.time()))
                 if mode == "die":
                     os.kill(os.getpid(), signal.SIGKILL)
-                time.sleep(FAIL_TIMEOUT_S + 20)  # hang, then leave without a word
+                # hang until rank 0 has recorded the error it found by itself (at most timeout_s + 20 s), then
+                # leave without a word
+                deadline = time.time() + FAIL_TIMEOUT_S + 20
+                while time.time() < deadline and not os.path.exists(f"{out_dir}/rank0_error.pt"):
+                    time.sleep(0.2)
+                time.sleep(2.0)
                 os._exit(3)
             return reduce_scatter(*args, **kwargs)
 
