@@ -47,8 +47,9 @@ GAP_TARGET_PCT = 1.0
 
 def settings(freeze_step: int) -> dict:
     """name -> (family, label, "dgc" section or None)."""
-    base = {"enabled": True, "quantization": "int4", "group_size": 128, "error_feedback": True, "min_numel": 2048,
-            "stats_interval": 1000000}
+    # fp32 residuals unless a setting says (the table's rows were measured so; "auto", the default since, stores fp8)
+    base = {"enabled": True, "quantization": "int4", "group_size": 128, "error_feedback": True, "residual_dtype": "fp32",
+            "min_numel": 2048, "stats_interval": 1000000}
     out = {"stock": ("stock", "stock ZeRO-3 (fp32)", None),
            "int4_dense": ("plain EF", "dense INT4 + error feedback", dict(base, density=1.0))}
     for d in DENSITIES:

@@ -14,6 +14,8 @@ from typing import Optional
 import torch
 from deepspeed.utils import logger
 
+from .memory import ErrorFeedback
+
 FORMAT = 1
 
 
@@ -30,7 +32,9 @@ def residual_layout(state) -> str:
 
 
 def save_state(state, ckpt_dir: str, tag: str, world_size: int) -> str:
-    """Write this rank's side-car; returns its path. Residuals are fp32 tensors, unscaled."""
+    """Write this rank's side-car; returns its path. Residuals are unscaled, in their storage form
+    (:meth:`~deepspeed_dgc.memory.ErrorFeedback.export`: fp32 or bf16 tensors, ``(codes, scales)`` for fp8),
+    with ``residual_storage`` naming it."""
     path = sidecar_path(ckpt_dir, tag, state.dp_rank)
     payload = {
         "format": FORMAT,
@@ -38,7 +42,8 @@ def save_state(state, ckpt_dir: str, tag: str, world_size: int) -> str:
         "dp_rank": state.dp_rank,
         "config": state.cfg.model_dump(mode="json"),
         "residual_layout": residual_layout(state),
-        "residuals": {int(k): state.memory.get(k).detach().cpu() for k in state.memory.committed},
+        "residual_storage": state.memory.storage,
+        "residuals": {int(k): v for k, v in state.memory.export().items()},
         "generators": {dev: g.get_state() for dev, g in state.reducer._generators.items()},
         "thresholds": {int(k): list(v) for k, v in state.reducer.thresholds.items()},
         "stats": state.stats.totals(),
@@ -119,7 +124,7 @@ def load_state(state, ckpt_dir: str, tag: str, world_size: int, device: torch.de
             return (f"deepspeed_dgc state in {path} holds residuals of the {saved_layout} topology, this run uses "
                     f"{residual_layout(state)}: they do not fit, so they are dropped and restart at zero")
         payload = torch.load(path, map_location="cpu", weights_only=True)
-        state.memory.load({int(k): v.to(device) for k, v in payload["residuals"].items()})
+        state.memory.restore(payload["residuals"], payload.get("residual_storage", "fp32"), device)
         for dev, gen_state in payload["generators"].items():
             state.reducer._generator(torch.device(dev)).set_state(gen_state)
         state.reducer.thresholds = {int(k): list(v) for k, v in payload.get("thresholds", {}).items()}
@@ -142,7 +147,7 @@ def load_state(state, ckpt_dir: str, tag: str, world_size: int, device: torch.de
             return (f"deepspeed_dgc state in {sdir} was saved at data-parallel world size {saved_world} but {p} is "
                     f"missing: residuals cannot be re-sharded to {world_size} ranks and restart at zero")
         side = torch.load(p, map_location="cpu", weights_only=True)
-        res = side["residuals"]
+        res = {int(k): ErrorFeedback.decode(v) for k, v in side["residuals"].items()}
         if side.get("momentum"):  # local momenta add up to the global one, like residuals
             steps_done = side["momentum"]["steps_done"]
             if momenta is None:

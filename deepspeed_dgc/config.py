@@ -114,9 +114,12 @@ class DGCConfig(BaseModel):
     - ``group_size`` (int >= 2, even, default 128): kept values per scale.
     - ``error_feedback`` (bool, default true): carry what was not sent (unselected values and
       quantization error) to the next micro-step.
-    - ``residual_dtype`` (``"fp32"``, ``"bf16"`` or ``"fp8"``, default ``"fp32"``): storage of the
+    - ``residual_dtype`` (``"auto"``, ``"fp32"``, ``"bf16"`` or ``"fp8"``, default ``"auto"``): storage of the
       error-feedback residuals between steps (4, 2 or about 1.03 bytes per element; see
-      :class:`deepspeed_dgc.memory.ErrorFeedback`).
+      :class:`deepspeed_dgc.memory.ErrorFeedback`). ``"auto"`` is the cheapest storage that kept the loss of
+      fp32 residuals in the convergence study (``docs/study_convergence.md``: fp8, on six settings from dense INT4
+      to top-k 0.01 and compressed momentum) where it is supported, ``"fp8"``; and ``"fp32"`` with the
+      hierarchical topology or ``momentum_correction``, which need it (:attr:`residual_storage`).
     - ``residual_offload`` (bool, default false): keep the committed residuals in pinned host memory
       between steps and copy each to the device only while its bucket is compressed (asynchronous copies on
       the current stream), so error feedback costs no device memory between steps; on the CPU accelerator it
@@ -180,7 +183,7 @@ class DGCConfig(BaseModel):
     entropy_coding: Literal["none", "zlib"] = "none"
     group_size: int = Field(128, ge=2, le=1 << 20, multiple_of=2)
     error_feedback: bool = True
-    residual_dtype: Literal["fp32", "bf16", "fp8"] = "fp32"
+    residual_dtype: Literal["auto", "fp32", "bf16", "fp8"] = "auto"
     residual_offload: bool = False
     min_numel: int = Field(2048, ge=0)
     stats_interval: int = Field(100, ge=1)
@@ -211,7 +214,7 @@ class DGCConfig(BaseModel):
         if self.threshold is not None and self.threshold_reuse_steps > 1:
             raise ValueError("'dgc.threshold_reuse_steps' reuses estimated top-k thresholds, but 'dgc.threshold' fixes "
                              "one and estimates none: set one of them")
-        if self.topology == "hierarchical" and (self.density == "auto" or self.residual_dtype != "fp32"):
+        if self.topology == "hierarchical" and (self.density == "auto" or self.residual_dtype not in ("auto", "fp32")):
             raise ValueError("'dgc.density' = \"auto\" and 'dgc.residual_dtype' other than \"fp32\" are not supported "
                              "with 'dgc.topology' = \"hierarchical\" yet (use the flat topology)")
         if self.compressed_momentum is not None and self.topology != "flat":
@@ -224,7 +227,7 @@ class DGCConfig(BaseModel):
             if self.compressed_momentum is not None:
                 raise ValueError("'dgc.momentum_correction' (momentum SGD) and 'dgc.compressed_momentum' (Adam) "
                                  "exclude each other: set one of them")
-            if self.topology != "flat" or self.residual_dtype != "fp32" or not self.error_feedback:
+            if self.topology != "flat" or self.residual_dtype not in ("auto", "fp32") or not self.error_feedback:
                 raise ValueError("'dgc.momentum_correction' needs 'dgc.topology' = \"flat\", 'dgc.residual_dtype' = "
                                  "\"fp32\" and 'dgc.error_feedback' = true (the velocity is accumulated by error "
                                  f"feedback; got topology {self.topology!r}, residual_dtype {self.residual_dtype!r}, "
@@ -236,6 +239,14 @@ class DGCConfig(BaseModel):
         if self.index_coding != "auto":
             return self.index_coding
         return "bitmap" if density > 0.125 else "varint"
+
+    @property
+    def residual_storage(self) -> str:
+        """The residuals' storage dtype: ``residual_dtype``, with ``"auto"`` resolved (``"fp32"`` for the
+        hierarchical topology and ``momentum_correction``, else ``"fp8"``)."""
+        if self.residual_dtype != "auto":
+            return self.residual_dtype
+        return "fp32" if self.topology == "hierarchical" or self.momentum_correction else "fp8"
 
     @property
     def lossless(self) -> bool:

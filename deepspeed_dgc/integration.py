@@ -54,7 +54,7 @@ class DGCState:
     def __init__(self, cfg: DGCConfig, global_rank: int, ranks_per_node: Optional[int] = None):
         self.cfg = cfg
         self.global_rank = global_rank
-        self.memory = ErrorFeedback(cfg.residual_dtype, offload=cfg.residual_offload)
+        self.memory = ErrorFeedback(cfg.residual_storage, offload=cfg.residual_offload)
         self.reducer = CompressedReduceScatter(cfg, self.memory, seed=SEED_BASE + global_rank, ranks_per_node=ranks_per_node)
         self.stats = DGCStats()
         self.params: List[torch.nn.Parameter] = []  # the engine's parameters (ZeRO-3 shards)

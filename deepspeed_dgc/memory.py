@@ -63,7 +63,8 @@ class ErrorFeedback:
             return r.to(torch.bfloat16)
         return quantize_weights(r, "fp8_e4m3", FP8_RESIDUAL_GROUP)
 
-    def _decode(self, stored) -> torch.Tensor:
+    @staticmethod
+    def _decode(stored) -> torch.Tensor:
         if isinstance(stored, tuple):
             codes, scales = stored
             return dequantize_weights(codes, scales, codes.numel(), "fp8_e4m3", FP8_RESIDUAL_GROUP)
@@ -101,6 +102,27 @@ class ErrorFeedback:
     def _nbytes(stored) -> int:
         parts = stored if isinstance(stored, tuple) else (stored, )
         return sum(t.numel() * t.element_size() for t in parts)
+
+    @staticmethod
+    def decode(stored) -> torch.Tensor:
+        """An exported residual (:meth:`export`) of any storage decoded to fp32, shape ``(numel,)``."""
+        return ErrorFeedback._decode(stored)
+
+    def export(self) -> Dict[int, object]:
+        """The committed residuals in their storage form, on the CPU (for a checkpoint): fp32 or bf16 tensors,
+        or ``(codes, scales)`` pairs for fp8; :meth:`restore` puts them back bit for bit."""
+        return {k: tuple(t.cpu() for t in v) if isinstance(v, tuple) else v.cpu() for k, v in self.committed.items()}
+
+    def restore(self, stored: Dict[int, object], storage: str, device) -> None:
+        """Replace all state by residuals exported by a memory of ``storage``: as they were when the storage is
+        this one's (so a resumed run continues bit-identically), else decoded and stored again."""
+        if storage != self.storage:
+            self.load({k: self.decode(v).to(device) for k, v in stored.items()})
+            return
+        self.committed, self.staged, self.device = {}, {}, torch.device(device)
+        for k, v in stored.items():
+            moved = tuple(t.to(device) for t in v) if isinstance(v, tuple) else v.to(device)
+            self.committed[int(k)] = self._to_host(int(k), moved) if self.offload else moved
 
     def residuals(self) -> Dict[int, torch.Tensor]:
         """Every committed residual decoded to fp32 (new tensors), keyed by ``ds_id``."""

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from dist_launch import check_ok, launch
+from deepspeed_dgc.memory import ErrorFeedback
 
 
 def run(mode, out, world=2):
@@ -97,7 +98,8 @@ def test_dgc_checkpoint_into_a_run_without_dgc_says_what_is_ignored():
 def test_world_size_2_saved_loaded_at_3():
     """DeepSpeed refuses a ZeRO checkpoint at another data-parallel size (every rank raises); its
     universal checkpoint (ds_to_universal) loads at 3 ranks, and the DGC residuals of the 2 saved
-    ranks are re-sharded: summed and split evenly, so the gradient not yet sent is conserved."""
+    ranks are re-sharded: summed and split evenly, so the gradient not yet sent is conserved (up to the rounding of
+    the default fp8 storage of each rank's share; the arithmetic is checked exactly in fp32 by the next test)."""
     out = saved_at_step_5()
     refused = launch(3, "engine_worker.py", ["resume_second", out], timeout_s=240)
     for r in refused:
@@ -110,8 +112,9 @@ def test_world_size_2_saved_loaded_at_3():
                           capture_output=True, text=True, timeout=300)
     assert conv.returncode == 0, conv.stderr[-3000:]
     third, results = run("resume_second_universal", out, world=3)
-    saved = [torch.load(f"{out}/ckpt/{tag}/dgc_state_dp_rank_{r:05d}.pt", weights_only=True)["residuals"]
-             for r in range(2)]
+    sides = [torch.load(f"{out}/ckpt/{tag}/dgc_state_dp_rank_{r:05d}.pt", weights_only=True) for r in range(2)]
+    assert all(s["residual_storage"] == "fp8" for s in sides)  # "auto" on the flat topology
+    saved = [{k: ErrorFeedback.decode(v) for k, v in s["residuals"].items()} for s in sides]
     for r in range(3):
         log = results[r].stderr + results[r].stdout
         assert "saved at data-parallel world size 2, this run has 3: re-sharded" in log, log[-2000:]
@@ -120,7 +123,9 @@ def test_world_size_2_saved_loaded_at_3():
     for k in saved[0]:
         before = saved[0][k].double() + saved[1][k].double()
         after = sum(third[r]["loaded_residuals"][k].double() for r in range(3))
-        assert torch.allclose(after, before, rtol=0, atol=1e-6 * float(before.abs().max()) + 1e-12)
+        # fp8 e4m3: relative error <= 2^-4; values far below their group's absmax may flush to zero
+        assert bool(((after - before).abs() <= 2**-4 * before.abs() + 1e-5 * float(before.abs().max())).all())
+        assert not torch.equal(after, before) or bool((before == 0).all())  # really stored in fp8
         assert torch.equal(third[0]["loaded_residuals"][k], third[2]["loaded_residuals"][k])  # an even split
 
 
@@ -131,12 +136,12 @@ def test_sidecar_at_another_world_size_flat_reshards_hierarchical_drops(tmp_path
 
     saved = []
     for rank in range(2):
-        state = DGCState(DGCConfig(enabled=True), global_rank=rank)
+        state = DGCState(DGCConfig(enabled=True, residual_dtype="fp32"), global_rank=rank)
         state.dp_rank = rank
         state.memory.committed = {3: torch.randn(10), 7: torch.randn(5)}
         save_state(state, str(tmp_path), "tag", world_size=2)
         saved.append(state.memory.committed)
-    fresh = DGCState(DGCConfig(enabled=True), global_rank=0)
+    fresh = DGCState(DGCConfig(enabled=True, residual_dtype="fp32"), global_rank=0)
     msg = load_state(fresh, str(tmp_path), "tag", world_size=3, device=torch.device("cpu"))
     assert "world size 2" in msg and "has 3" in msg and "re-sharded 2 residuals" in msg
     assert torch.allclose(fresh.memory.committed[3] * 3, saved[0][3] + saved[1][3], atol=1e-6)

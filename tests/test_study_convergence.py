@@ -21,6 +21,7 @@ def test_settings_hold_what_their_names_say():
     assert known["ef_d0.1"][2]["density"] == 0.1 and "compressed_momentum" not in known["ef_d0.1"][2]
     assert known["adam_int2_zlib"][2] == dict(known["adam_int2"][2], entropy_coding="zlib")
     assert known["ef_d0.1_r8"][2] == dict(known["ef_d0.1"][2], threshold_reuse_steps=8)
+    assert all(dgc is None or dgc["residual_dtype"] == "fp32" for _, _, dgc in known.values())  # as measured
     g512 = known["adam_int2_zlib_g512"][2]
     assert g512["compressed_momentum"]["group_size"] == 512 and g512["group_size"] == 128  # the warm-up keeps 128
 

@@ -305,7 +305,7 @@ def resume(mode, rank, out_dir):
     if mode.startswith("resume_second"):
         engine.load_checkpoint(ckpt)
         if mode == "resume_second_universal":
-            loaded = {k: v.clone() for k, v in engine._dgc_state.memory.committed.items()}
+            loaded = {k: v.clone() for k, v in engine._dgc_state.memory.residuals().items()}
     all_batches = batches(rank, 10, 1, torch.float32)
     record = dict(losses=[], residual_keys=[], loaded_residuals=loaded)
     for step in steps:
@@ -321,7 +321,8 @@ def resume(mode, rank, out_dir):
         assert deepspeed_dgc.get_stats(engine) is None
         return record
     state = engine._dgc_state
-    record["residuals"] = {k: v.clone() for k, v in state.memory.committed.items()}
+    record["residuals"] = {k: v.clone() for k, v in state.memory.residuals().items()}
+    record["residual_storage"] = state.memory.storage
     record["stats_steps"] = deepspeed_dgc.get_stats(engine).steps
     if state.momentum is not None:
         record["frozen"] = state.momentum.frozen
