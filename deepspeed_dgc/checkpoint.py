@@ -100,8 +100,9 @@ def load_state(state, ckpt_dir: str, tag: str, world_size: int, device: torch.de
 
     Same data-parallel world size: residuals, sampling generators and telemetry come back as saved.
     Another world size (a universal checkpoint), flat topology: the residuals of all saved ranks are
-    summed and split evenly over this run's ranks, so the gradient not yet sent is conserved (each
-    residual is one rank's unsent share of the mean gradient, full tensor shape); the generators
+    summed and split evenly over this run's ranks, so the gradient not yet sent is conserved (up to the
+    rounding of the residual storage when it is not fp32; each residual is one rank's unsent share of the
+    mean gradient, full tensor shape); the generators
     restart from this rank's seed. Another world size with the hierarchical topology (residuals live
     on node-level slices), a checkpoint without side-cars (saved without DGC) or one whose side-cars
     disagree: the residuals restart at zero and the message says why. Nothing is half-loaded.
@@ -131,6 +132,10 @@ def load_state(state, ckpt_dir: str, tag: str, world_size: int, device: torch.de
         for f, v in payload["stats"].items():
             setattr(state.stats, f, v)
         note = _restore_momentum(state, payload.get("momentum"), device)
+        saved_storage = payload.get("residual_storage", "fp32")
+        if saved_storage != state.memory.storage and state.memory.committed:
+            note += (f"; the residuals were stored in {saved_storage} and are now stored in {state.memory.storage} "
+                     "('dgc.residual_dtype'), so they were rounded once")
         return (f"restored deepspeed_dgc state from {path}: {len(state.memory.committed)} residuals, step "
                 f"{state.stats.steps}{note}")
     if saved_layout != "flat" or residual_layout(state) != "flat":

@@ -117,13 +117,14 @@ class DGCConfig(BaseModel):
     - ``residual_dtype`` (``"auto"``, ``"fp32"``, ``"bf16"`` or ``"fp8"``, default ``"auto"``): storage of the
       error-feedback residuals between steps (4, 2 or about 1.03 bytes per element; see
       :class:`deepspeed_dgc.memory.ErrorFeedback`). ``"auto"`` is the cheapest storage that kept the loss of
-      fp32 residuals in the convergence study (``docs/study_convergence.md``: fp8, on six settings from dense INT4
+      fp32 residuals in the convergence study (``docs/study_convergence.md``: fp8, on five settings from dense INT4
       to top-k 0.01 and compressed momentum) where it is supported, ``"fp8"``; and ``"fp32"`` with the
       hierarchical topology or ``momentum_correction``, which need it (:attr:`residual_storage`).
     - ``residual_offload`` (bool, default false): keep the committed residuals in pinned host memory
       between steps and copy each to the device only while its bucket is compressed (asynchronous copies on
-      the current stream), so error feedback costs no device memory between steps; on the CPU accelerator it
-      changes nothing (host memory is the device's). The summary's ``host_state_bytes`` counts them.
+      the current stream), so error feedback holds no device memory between steps (the new residuals still live
+      on the device from their bucket's compression to the step); on the CPU accelerator host memory is the
+      device's (one extra copy per commit). The summary's ``host_state_bytes`` counts them.
     - ``min_numel`` (int >= 0, default 2048): tensors with fewer elements are not sparsified:
       they are sent whole (still quantized, with error feedback) and need no indices.
     - ``stats_interval`` (int >= 1, default 100): optimizer steps between telemetry log lines.

@@ -148,7 +148,9 @@ class CompressOutput:
         kept: values sent, all rows.
         thresholds: per tensor, the threshold that selected its kept elements, unscaled (divided by the loss
             scale; what :attr:`CompressJob.reuse_thresholds` takes), or None where every real element was kept
-            (tensors sent whole, k >= m) or nothing was sent (not finite).
+            (tensors sent whole, k >= m) or nothing was sent (not finite). Only reported for jobs with
+            ``reuse_thresholds`` (a list, possibly all None) or a fixed ``threshold``; else all None (reading them
+            back would cost a device synchronisation per tensor on a GPU).
     """
     payloads: List[torch.Tensor]
     residuals: Optional[List[torch.Tensor]]
@@ -206,14 +208,15 @@ class ReferenceOps:
             if finite and job.sparse[i] and (job.threshold is not None or k < int(real.sum())):
                 mag = acc_m[:, col:col + c].abs()
                 reuse = job.reuse_thresholds[i] if job.reuse_thresholds else None
-                if job.threshold is not None:
-                    threshold = torch.tensor(job.threshold * job.loss_scale, dtype=torch.float32, device=mag.device)
+                if job.threshold is not None:  # rounded to fp32 as the fused op does (a host float: no copy)
+                    threshold = float(torch.tensor(job.threshold * job.loss_scale, dtype=torch.float32))
                 elif reuse is not None:
                     threshold = reused_threshold(mag[real], k, reuse * job.loss_scale)
                 else:
                     threshold = topk_threshold(mag[real], k, job.samples[i])
                 mask_m[:, col:col + c] = (mag >= threshold) & real
-                thresholds[i] = float(threshold) / job.loss_scale
+                if job.reuse_thresholds is not None or job.threshold is not None:  # (a device sync on a GPU)
+                    thresholds[i] = float(threshold) / job.loss_scale
             col += c
         payloads, sent_m = self._encode_rows(job, acc_m, mask_m, real_m)
         residuals = None
@@ -310,8 +313,9 @@ class FusedCPUOps(ReferenceOps):
             list(job.numels), list(job.chunks), list(job.sparse), list(job.row_owner), job.targets(),
             [empty_l if s is None else s for s in job.samples], float(job.divisor), float(job.loss_scale),
             job.group_size, job.fingerprint, job.want_residual, fixed, job.threshold is None)
+        report = job.reuse_thresholds is not None or job.threshold is not None
         return CompressOutput(list(payloads), list(residuals) if finite and job.want_residual else None, finite, kept,
-                              [t if t >= 0 else None for t in used])
+                              [t if t >= 0 and report else None for t in used])
 
     def decode_add(self, out, values, scales, index_bytes, kept, n_indexed, seg_real, chunks, sparse, group_size,
                    quantize, value_dtype, value_format="int4", index_coding="varint") -> None:

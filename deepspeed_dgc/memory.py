@@ -81,6 +81,8 @@ class ErrorFeedback:
             buf = old_parts[i] if i < len(old_parts) else None
             if buf is None or buf.shape != part.shape or buf.dtype != part.dtype:
                 buf = get_accelerator().pin_memory(torch.empty(part.shape, dtype=part.dtype, device="cpu"))
+            if part.is_cuda:  # made on the reduce stream, read here: not reused before the copy is done
+                part.record_stream(torch.cuda.current_stream(part.device))
             out.append(buf.copy_(part, non_blocking=True))
         return tuple(out) if isinstance(encoded, tuple) else out[0]
 
@@ -111,6 +113,9 @@ class ErrorFeedback:
     def export(self) -> Dict[int, object]:
         """The committed residuals in their storage form, on the CPU (for a checkpoint): fp32 or bf16 tensors,
         or ``(codes, scales)`` pairs for fp8; :meth:`restore` puts them back bit for bit."""
+        if self.offload and self.device is not None and self.device.type != "cpu":
+            from deepspeed.accelerator import get_accelerator
+            get_accelerator().synchronize()  # the last commit's copies into the host buffers are done
         return {k: tuple(t.cpu() for t in v) if isinstance(v, tuple) else v.cpu() for k, v in self.committed.items()}
 
     def restore(self, stored: Dict[int, object], storage: str, device) -> None:

@@ -139,6 +139,8 @@ def test_reused_and_fixed_thresholds_match(fused, hierarchical, numels):
     tensors reused, some estimated, loss scale 1024) gives the same bytes and bits, as does the fixed-threshold
     mode; a reused threshold keeping everything is cut to exactly k, one keeping too few is not lowered."""
     first = _job(numels, 2, hierarchical=hierarchical, loss_scale=1024.0, density=0.1)
+    assert all(t is None for t in REFERENCE.compress(first).thresholds + fused.compress(first).thresholds)
+    first.reuse_thresholds = [None] * len(numels)  # estimate all, report them
     ref = REFERENCE.compress(first)
     _assert_same(ref, fu := fused.compress(first))
     assert fu.thresholds == ref.thresholds

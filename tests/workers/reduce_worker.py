@@ -33,7 +33,8 @@ CASES = {
     "fixed_threshold": dict(density=0.1, threshold=0.6, quantization="int4", group_size=16, min_numel=0),
     "bf16_residual": dict(density=0.1, quantization="int4", group_size=16, min_numel=0, residual_dtype="bf16"),
     "fp8_residual": dict(density=0.1, quantization="int4", group_size=16, min_numel=0, residual_dtype="fp8"),
-    # thresholds estimated at steps 0 and 3, reused at 1 and 2 (gradients of one scale at every step here)
+    # thresholds estimated at steps 0 and 3, reused at 1 and 2 (the worker divides this case's gradients by the
+    # growth of the others, 1 + 10 * step, so every step has gradients of one scale)
     "reuse_threshold": dict(density=0.1, quantization="int4", group_size=16, min_numel=0, threshold_reuse_steps=3),
     # the same inputs as the case without the suffix (entropy coding is lossless)
     "sparse_int4_zlib": dict(density=0.1, quantization="int4", group_size=16, min_numel=0, entropy_coding="zlib"),
