@@ -226,26 +226,46 @@ def markdown(rows: list[dict], meta: dict) -> str:
 
 
 def plot(rows: list[dict], path: Path, steps: int) -> None:
+    """Ratio (log) against gap, one point per setting at ``steps``: the whole range, and beside it the
+    region around the 1% gap and 16x lines, where most settings are, enlarged."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(9, 6))
+    fig, axes = plt.subplots(1, 2, figsize=(15, 6.5), gridspec_kw={"width_ratios": [1, 1.3]})
     markers = {"stock": "k*", "plain EF": "o", "Adam-aware": "s"}
-    for family, marker in markers.items():
-        pts = [r for r in rows if r["family"] == family and r["steps"] == steps]
-        if pts:
+    at_steps = [r for r in rows if r["steps"] == steps]
+    zoom = {"x": (-1.5, 4.0), "y": (10.0, 32.0)}
+    for ax, window in zip(axes, (None, zoom)):
+        for family, marker in markers.items():
+            pts = [r for r in at_steps if r["family"] == family]
+            if window:
+                pts = [r for r in pts if window["x"][0] <= r["gap_pct"] <= window["x"][1]
+                       and window["y"][0] <= r["compression_ratio"] <= window["y"][1]]
+            if not pts:
+                continue
             ax.plot([r["gap_pct"] for r in pts], [r["compression_ratio"] for r in pts], marker, label=family, ms=8,
                     linestyle="none")
-            for r in pts:
-                ax.annotate(r["name"], (r["gap_pct"], r["compression_ratio"]), fontsize=7, xytext=(4, 3),
-                            textcoords="offset points")
-    ax.axvline(GAP_TARGET_PCT, color="grey", linestyle=":", label=f"{GAP_TARGET_PCT:g}% gap")
-    ax.axhline(16, color="grey", linestyle="--", label="16x")
-    ax.set_yscale("log")
-    ax.set_xlabel(f"validation-loss gap to stock after {steps} steps (%)")
-    ax.set_ylabel("compression ratio vs fp32 (log)")
-    ax.set_title("compression against convergence, main job, 2 ranks")
-    ax.legend()
+            for i, r in enumerate(sorted(pts, key=lambda r: (r["compression_ratio"], r["gap_pct"]))):
+                # neighbours in ratio get labels at staggered heights, so clustered points stay readable
+                ax.annotate(r["name"], (r["gap_pct"], r["compression_ratio"]), fontsize=6 if window else 7,
+                            xytext=(5, 4 + 9 * (i % 4)), textcoords="offset points",
+                            arrowprops=dict(arrowstyle="-", lw=0.3, color="grey"))
+        ax.axvline(GAP_TARGET_PCT, color="grey", linestyle=":", label=f"{GAP_TARGET_PCT:g}% gap")
+        ax.axhline(16, color="grey", linestyle="--", label="16x")
+        ax.set_yscale("log")
+        ax.set_xlabel(f"validation-loss gap to stock after {steps} steps (%)")
+        ax.set_ylabel("compression ratio vs fp32 (log)")
+        if window:
+            from matplotlib.ticker import NullFormatter, ScalarFormatter
+            ax.set_xlim(*window["x"])
+            ax.set_ylim(*window["y"])
+            ax.set_yticks([10, 12, 14, 16, 20, 25, 30])
+            ax.yaxis.set_major_formatter(ScalarFormatter())
+            ax.yaxis.set_minor_formatter(NullFormatter())
+            ax.set_title("the same, around 1% gap and 16x")
+        else:
+            ax.set_title("compression against convergence, main job, 2 ranks")
+            ax.legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
