@@ -153,7 +153,8 @@ class CompressedReduceScatter:
         self.momentum = None  # momentum.CompressedMomentum or momentum.MomentumCorrection (see their shared interface)
         self.steps_done = lambda: 0  # optimizer steps completed so far (the engine's integration sets it)
         self._density = cfg.density if isinstance(cfg.density, float) else cfg.density_max
-        # threshold reuse: key -> [threshold (unscaled), density it was estimated for, exchanges it has served]
+        # threshold reuse: key -> [threshold (unscaled), density it was estimated for, exchanges it has served,
+        # whether it selected momentum (compressed momentum after the freeze, momentum correction) or gradients]
         self.thresholds = {}
 
     def ops_for(self, device_type: str):
@@ -381,12 +382,16 @@ class CompressedReduceScatter:
         return job
 
     def _reusable(self, key: int, density: float) -> Optional[float]:
-        """The stored threshold of ``key`` if it was estimated for ``density`` and has served fewer than
-        ``threshold_reuse_steps`` exchanges, else None (estimate a new one)."""
+        """The stored threshold of ``key`` if it was estimated for ``density`` and for the same quantity (gradients
+        or momentum) and has served fewer than ``threshold_reuse_steps`` exchanges, else None (estimate anew)."""
         entry = self.thresholds.get(key)
-        if entry is None or entry[1] != density or entry[2] >= self.cfg.threshold_reuse_steps:
+        if (entry is None or len(entry) != 4 or entry[1] != density or entry[2] >= self.cfg.threshold_reuse_steps
+                or entry[3] != self._sends_momentum()):
             return None
         return entry[0]
+
+    def _sends_momentum(self) -> bool:
+        return self.momentum is not None and self.momentum.sending
 
     def _remember_thresholds(self, job: CompressJob, keys, used: Sequence[Optional[float]]) -> None:
         """After a finite exchange: store the thresholds just estimated, count one more use of the reused ones."""
@@ -394,7 +399,7 @@ class CompressedReduceScatter:
             if job.reuse_thresholds[i] is not None:
                 self.thresholds[key][2] += 1
             elif t is not None:
-                self.thresholds[key] = [t, job.density, 1]
+                self.thresholds[key] = [t, job.density, 1, self._sends_momentum()]
             else:  # nothing selected by a threshold (sent whole): estimate afresh next time
                 self.thresholds.pop(key, None)
 

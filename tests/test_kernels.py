@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 import zlib
 
 import pytest
@@ -316,8 +317,6 @@ def no_compiler(monkeypatch, tmp_path):
 def test_stale_prebuilt_op_is_rebuilt_with_a_warning(monkeypatch, caplog):
     """A prebuilt module of an older calling convention (an editable install not reinstalled after a pull) is
     not loaded: the builder says so and JIT-builds from the sources instead."""
-    import types
-
     from deepspeed.ops.op_builder.builder import OpBuilder
     from op_builder.dgc import DGCCPUBuilder
     assert load_fused_op("cpu").ABI == DGCCPUBuilder.ABI  # the op built from these sources declares it
@@ -419,7 +418,8 @@ def test_bad_inputs_raise_instead_of_touching_memory(fused):
 
 def test_reducer_reuses_thresholds_every_n_exchanges(fused):
     """threshold_reuse_steps 3: the reducer estimates (draws a sample) at exchanges 0 and 3, reuses the stored
-    threshold at 1 and 2, and estimates afresh when the density changes (exchange 4), then reuses again."""
+    threshold at 1 and 2, estimates afresh when the density changes (exchange 4) and when momentum replaces the
+    gradient at the same density (exchange 6), and reuses in between."""
     from deepspeed_dgc.config import DGCConfig
     from deepspeed_dgc.memory import ErrorFeedback
     from deepspeed_dgc.reducer import CompressedReduceScatter
@@ -429,7 +429,9 @@ def test_reducer_reuses_thresholds_every_n_exchanges(fused):
     numels, keys = [5000, 3], [10, 11]
     chunks = [-(-n // 2) for n in numels]
     pattern = []
-    for density in [0.1] * 4 + [0.2] * 2:
+    for step, density in enumerate([0.1] * 4 + [0.2] * 2 + [0.2] * 2):
+        if step == 6:  # the compressed momentum's freeze: the same density, another quantity
+            reducer.momentum = types.SimpleNamespace(sending=True, frozen=False)
         reducer._density = density
         srcs = [torch.randn(n, generator=g) for n in numels]
         job = reducer._job(srcs, [0, 0], chunks, numels, chunks, [True, True], [0, 1], keys, numels, 2.0, 1.0,
@@ -439,5 +441,6 @@ def test_reducer_reuses_thresholds_every_n_exchanges(fused):
         out = fused.compress(job)
         reducer._remember_thresholds(job, keys, out.thresholds)
         pattern.append((reused, reducer.thresholds[10][1:]))
-    assert pattern == [(False, [0.1, 1]), (True, [0.1, 2]), (True, [0.1, 3]), (False, [0.1, 1]), (False, [0.2, 1]),
-                       (True, [0.2, 2])]
+    assert pattern == [(False, [0.1, 1, False]), (True, [0.1, 2, False]), (True, [0.1, 3, False]),
+                       (False, [0.1, 1, False]), (False, [0.2, 1, False]), (True, [0.2, 2, False]),
+                       (False, [0.2, 1, True]), (True, [0.2, 2, True])]

@@ -155,8 +155,8 @@ def test_threshold_reuse_estimates_every_n_steps(run):
                 if k >= n:
                     assert i not in step["thresholds"]
                     continue
-                thr, density, age = step["thresholds"][i]
-                assert density == 0.1 and age == t % 3 + 1
+                thr, density, age, of_momentum = step["thresholds"][i]
+                assert density == 0.1 and age == t % 3 + 1 and not of_momentum
                 if t % 3:
                     assert thr == steps[t - t % 3]["thresholds"][i][0]
                 else:
