@@ -241,7 +241,8 @@ def wrap_engine_checkpointing(engine, state) -> None:
         msg = load_state(state, load_dir, _tag_of(load_dir, tag, engine), engine.dp_world_size, device)
         if m is not None and m.freeze_due():  # every rank loads: collective
             m.freeze(engine.optimizer, engine.optimizer.dp_process_group)
-        (logger.info if msg.startswith("restored") and "IGNORED" not in msg else logger.warning)(f"[deepspeed_dgc] rank {state.global_rank}: {msg}")
+        routine = msg.startswith("restored") and "IGNORED" not in msg and "rounded once" not in msg
+        (logger.info if routine else logger.warning)(f"[deepspeed_dgc] rank {state.global_rank}: {msg}")
         return load_path, client_state
 
     save_checkpoint.__doc__ = save.__doc__

@@ -215,9 +215,12 @@ class DGCConfig(BaseModel):
         if self.threshold is not None and self.threshold_reuse_steps > 1:
             raise ValueError("'dgc.threshold_reuse_steps' reuses estimated top-k thresholds, but 'dgc.threshold' fixes "
                              "one and estimates none: set one of them")
-        if self.topology == "hierarchical" and (self.density == "auto" or self.residual_dtype not in ("auto", "fp32")):
-            raise ValueError("'dgc.density' = \"auto\" and 'dgc.residual_dtype' other than \"fp32\" are not supported "
-                             "with 'dgc.topology' = \"hierarchical\" yet (use the flat topology)")
+        if self.topology == "hierarchical" and self.density == "auto":
+            raise ValueError("'dgc.density' = \"auto\" is not supported with 'dgc.topology' = \"hierarchical\" yet "
+                             "(use the flat topology or a fixed density)")
+        if self.topology == "hierarchical" and self.residual_dtype not in ("auto", "fp32"):
+            raise ValueError(f"'dgc.residual_dtype' = \"{self.residual_dtype}\" is not supported with 'dgc.topology' = "
+                             "\"hierarchical\" yet (its residuals are fp32: use \"auto\" or \"fp32\", or the flat topology)")
         if self.compressed_momentum is not None and self.topology != "flat":
             raise ValueError("'dgc.compressed_momentum' needs 'dgc.topology' = \"flat\" (got \"hierarchical\")")
         for key in ("local_clip_norm", "momentum_factor_masking"):

@@ -193,6 +193,7 @@ def install(engine, opt, cfg: DGCConfig) -> DGCState:
     _check_hpz_nodes(engine, cfg, ranks_per_node, source)
     state = DGCState(cfg, engine.global_rank, ranks_per_node)
     state.reducer.steps_done = lambda: state.stats.steps  # the density schedule's clock
+    state.stats.residual_storage = cfg.residual_storage
     if (cfg.compressed_momentum is not None or cfg.momentum_correction) and engine.torch_autocast_enabled():
         raise DGCConfigError("'dgc.compressed_momentum' and 'dgc.momentum_correction' do not support 'torch_autocast' "
                              "(its loss scaling skips steps the extension does not see); use 'bf16' or fp32")

@@ -91,6 +91,7 @@ class DGCStats:
     param_inter_node_dense_fp32_bytes_total: float = 0.0
     param_uncovered_bytes_total: int = 0
     kernels: str = ""  # which compression path ran: "fused-cpu", "fused-cuda" or "reference"
+    residual_storage: str = ""  # the residuals' storage dtype, "auto" resolved (set at install)
     world_size: int = 1  # of the data-parallel group (set at install)
     n_params: int = 0  # elements of the model's parameters (set at install)
     state_bytes: int = 0  # the extension's persistent state on this rank after the last step (bytes)
@@ -167,6 +168,7 @@ class DGCStats:
             "state_bytes": self.state_bytes,
             "state_bytes_per_param": self.state_bytes_per_param,
             "host_state_bytes": self.host_state_bytes,
+            "residual_storage": self.residual_storage,
             "grad_wire_bytes_total": self.wire_bytes_total,
             "grad_intra_node_wire_bytes_total": self.intra_node_wire_bytes_total,
             "grad_inter_node_wire_bytes_total": self.inter_node_wire_bytes_total,

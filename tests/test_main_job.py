@@ -55,6 +55,8 @@ def test_char_gpt_learns_with_dgc():
     assert s["final_train_loss"] < 3.5
     assert s["wire_bytes_total"] > 0 and s["compression_ratio"] > 5
     assert s["dense_fp32_bytes_total"] / s["wire_bytes_total"] == s["compression_ratio"]
+    # the default residual storage ("auto") is fp8 here: about 1.03 bytes per parameter per rank
+    assert s["dgc_stats"]["residual_storage"] == "fp8" and 1.0 < s["dgc_stats"]["state_bytes_per_param"] < 1.1
 
 
 def test_int8_weights_and_int4_gradients_match_stock_loss():

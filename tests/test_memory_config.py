@@ -124,6 +124,8 @@ def test_config_defaults_and_lossless():
     ({"momentum_correction": True, "error_feedback": False}, "'dgc.momentum_correction' needs"),
     ({"momentum_correction": "yes"}, "'dgc.momentum_correction'"),
     ({"threshold_reuse_steps": 0}, "'dgc.threshold_reuse_steps'"),
+    ({"topology": "hierarchical", "residual_dtype": "fp8"}, "'dgc.residual_dtype' = \"fp8\" is not supported"),
+    ({"topology": "hierarchical", "density": "auto"}, "'dgc.density' = \"auto\" is not supported"),
     ({"threshold_reuse_steps": 2.0}, "'dgc.threshold_reuse_steps'"),
     ({"threshold_reuse_steps": 4, "threshold": 0.1}, "'dgc.threshold_reuse_steps' reuses estimated top-k"),
 ])
