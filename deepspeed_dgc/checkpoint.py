@@ -3,8 +3,9 @@
 ``engine.save_checkpoint(dir, tag)`` also writes ``dir/tag/dgc_state_dp_rank_{r:05d}.pt`` on every
 rank: committed residuals (keyed by ``ds_id``), the threshold-sampling generators, the reused top-k
 thresholds (``threshold_reuse_steps``), local momenta and the telemetry totals.
-``engine.load_checkpoint`` reads it back, so a resumed run continues exactly as an uninterrupted one. DeepSpeed's own files are untouched (``zero_to_fp32`` keeps working);
-the side-car loads with ``torch.load(weights_only=True)``.
+``engine.load_checkpoint`` reads it back, so a resumed run continues exactly as an uninterrupted one.
+DeepSpeed's own files are untouched (``zero_to_fp32`` keeps working); the side-car loads with
+``torch.load(weights_only=True)``.
 """
 
 import glob
@@ -125,14 +126,14 @@ def load_state(state, ckpt_dir: str, tag: str, world_size: int, device: torch.de
             return (f"deepspeed_dgc state in {path} holds residuals of the {saved_layout} topology, this run uses "
                     f"{residual_layout(state)}: they do not fit, so they are dropped and restart at zero")
         payload = torch.load(path, map_location="cpu", weights_only=True)
-        state.memory.restore(payload["residuals"], payload.get("residual_storage", "fp32"), device)
+        saved_storage = payload.get("residual_storage", "fp32")  # side-cars without it hold fp32
+        state.memory.restore(payload["residuals"], saved_storage, device)
         for dev, gen_state in payload["generators"].items():
             state.reducer._generator(torch.device(dev)).set_state(gen_state)
         state.reducer.thresholds = {int(k): list(v) for k, v in payload.get("thresholds", {}).items()}
         for f, v in payload["stats"].items():
             setattr(state.stats, f, v)
         note = _restore_momentum(state, payload.get("momentum"), device)
-        saved_storage = payload.get("residual_storage", "fp32")
         if saved_storage != state.memory.storage and state.memory.committed:
             note += (f"; the residuals were stored in {saved_storage} and are now stored in {state.memory.storage} "
                      "('dgc.residual_dtype'), so they were rounded once")

@@ -95,7 +95,8 @@ class DGCConfig(BaseModel):
       PPoPP 2022, section 3.1.3): the gradient's distribution changes slowly, and a reused threshold costs one
       compare per element instead of a sample, a selection and counting rounds. The number kept then varies
       around k; above 1.3 k it is cut to the k largest, so payloads stay bounded. A change of density (warm-up,
-      ``"auto"``, the momentum phase) estimates afresh. 1: estimate at every exchange.
+      ``"auto"``) or of what is selected (gradients, then momentum after the freeze of ``compressed_momentum``)
+      estimates afresh. 1: estimate at every exchange.
     - ``warmup_dense_steps`` (int >= 0, default 0): optimizer steps sent dense (still quantized) first.
     - ``warmup_steps`` (int >= 0, default 0): after those, the density falls geometrically from
       max(0.25, density) to ``density`` over this many steps (DGC's exponential warm-up, Lin et al.

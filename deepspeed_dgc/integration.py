@@ -120,10 +120,9 @@ def _wrap_step(opt, state: DGCState):
                 momentum.store.commit()
                 momentum.steps_done += 1
                 if momentum.freeze_due():
-                    # the gradient phase's residuals and reused thresholds are in gradient units: the momentum
-                    # phase starts clean
+                    # the gradient phase's residuals are in gradient units: the momentum phase starts clean (its
+                    # reused thresholds are told apart by the reducer)
                     state.memory.committed, state.memory.staged = {}, {}
-                    state.reducer.thresholds = {}
                     momentum.freeze(opt, opt.dp_process_group)
                     if state.global_rank == 0:
                         logger.info("deepspeed_dgc: Adam's second moment frozen after step %d; compressing the "

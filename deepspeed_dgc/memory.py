@@ -36,8 +36,9 @@ class ErrorFeedback:
     copies the encoded residual there asynchronously on the current stream, and :meth:`get` copies it
     back to the device the residuals were staged on, also asynchronously. DeepSpeed's ZeRO-3 orders
     the two (its reduce stream waits for the current stream before a bucket, and is synchronized
-    before the step that commits), so the device holds a residual only while its bucket is
-    compressed. On the CPU accelerator host and device are the same memory and pinning is a no-op.
+    before the step that commits). Between steps the device holds no residual; during a backward the
+    staged fp32 ones live there until the commit. On the CPU accelerator host and device are the
+    same memory and pinning is a no-op.
 
     Args:
         storage: ``"fp32"``, ``"bf16"`` or ``"fp8"``.
@@ -64,7 +65,8 @@ class ErrorFeedback:
         return quantize_weights(r, "fp8_e4m3", FP8_RESIDUAL_GROUP)
 
     @staticmethod
-    def _decode(stored) -> torch.Tensor:
+    def decode(stored) -> torch.Tensor:
+        """A stored or exported residual (:meth:`export`) of any storage decoded to fp32, shape ``(numel,)``."""
         if isinstance(stored, tuple):
             codes, scales = stored
             return dequantize_weights(codes, scales, codes.numel(), "fp8_e4m3", FP8_RESIDUAL_GROUP)
@@ -98,17 +100,12 @@ class ErrorFeedback:
             parts = stored if isinstance(stored, tuple) else (stored, )
             moved = tuple(t.to(self.device, non_blocking=True) for t in parts)
             stored = moved if isinstance(stored, tuple) else moved[0]
-        return self._decode(stored)
+        return self.decode(stored)
 
     @staticmethod
     def _nbytes(stored) -> int:
         parts = stored if isinstance(stored, tuple) else (stored, )
         return sum(t.numel() * t.element_size() for t in parts)
-
-    @staticmethod
-    def decode(stored) -> torch.Tensor:
-        """An exported residual (:meth:`export`) of any storage decoded to fp32, shape ``(numel,)``."""
-        return ErrorFeedback._decode(stored)
 
     def export(self) -> Dict[int, object]:
         """The committed residuals in their storage form, on the CPU (for a checkpoint): fp32 or bf16 tensors,
