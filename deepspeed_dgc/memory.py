@@ -72,14 +72,23 @@ class ErrorFeedback:
             return dequantize_weights(codes, scales, codes.numel(), "fp8_e4m3", FP8_RESIDUAL_GROUP)
         return stored.float()
 
+    @staticmethod
+    def _parts(stored) -> tuple:
+        """The tensors of a stored residual: ``(codes, scales)`` for fp8, else the one tensor."""
+        return stored if isinstance(stored, tuple) else (stored, )
+
+    @staticmethod
+    def _map(stored, fn):
+        """``fn`` applied to each tensor of a stored residual, in the same form (pair or tensor)."""
+        return tuple(fn(t) for t in stored) if isinstance(stored, tuple) else fn(stored)
+
     def _to_host(self, key: int, encoded):
         """``encoded`` copied into ``key``'s pinned host buffers (reused when shapes and dtypes match)."""
         from deepspeed.accelerator import get_accelerator
-        parts = encoded if isinstance(encoded, tuple) else (encoded, )
         old = self.committed.get(key)
-        old_parts = old if isinstance(old, tuple) else () if old is None else (old, )
+        old_parts = () if old is None else self._parts(old)
         out = []
-        for i, part in enumerate(parts):
+        for i, part in enumerate(self._parts(encoded)):
             buf = old_parts[i] if i < len(old_parts) else None
             if buf is None or buf.shape != part.shape or buf.dtype != part.dtype:
                 buf = get_accelerator().pin_memory(torch.empty(part.shape, dtype=part.dtype, device="cpu"))
@@ -97,15 +106,12 @@ class ErrorFeedback:
     def _fetch(self, stored) -> torch.Tensor:
         """A committed residual decoded to fp32 on the device (copied from the host with ``offload``)."""
         if self.offload and self.device is not None:
-            parts = stored if isinstance(stored, tuple) else (stored, )
-            moved = tuple(t.to(self.device, non_blocking=True) for t in parts)
-            stored = moved if isinstance(stored, tuple) else moved[0]
+            stored = self._map(stored, lambda t: t.to(self.device, non_blocking=True))
         return self.decode(stored)
 
     @staticmethod
     def _nbytes(stored) -> int:
-        parts = stored if isinstance(stored, tuple) else (stored, )
-        return sum(t.numel() * t.element_size() for t in parts)
+        return sum(t.numel() * t.element_size() for t in ErrorFeedback._parts(stored))
 
     def export(self) -> Dict[int, object]:
         """The committed residuals in their storage form, on the CPU (for a checkpoint): fp32 or bf16 tensors,
@@ -113,7 +119,7 @@ class ErrorFeedback:
         if self.offload and self.device is not None and self.device.type != "cpu":
             from deepspeed.accelerator import get_accelerator
             get_accelerator().synchronize()  # the last commit's copies into the host buffers are done
-        return {k: tuple(t.cpu() for t in v) if isinstance(v, tuple) else v.cpu() for k, v in self.committed.items()}
+        return {k: self._map(v, lambda t: t.cpu()) for k, v in self.committed.items()}
 
     def restore(self, stored: Dict[int, object], storage: str, device) -> None:
         """Replace all state by residuals exported by a memory of ``storage``: as they were when the storage is
@@ -123,7 +129,7 @@ class ErrorFeedback:
             return
         self.committed, self.staged, self.device = {}, {}, torch.device(device)
         for k, v in stored.items():
-            moved = tuple(t.to(device) for t in v) if isinstance(v, tuple) else v.to(device)
+            moved = self._map(v, lambda t: t.to(device))
             self.committed[int(k)] = self._to_host(int(k), moved) if self.offload else moved
 
     def residuals(self) -> Dict[int, torch.Tensor]:
