@@ -23,7 +23,11 @@ import time
 
 import torch
 
-from deepspeed_dgc.kernels import REFERENCE, CompressJob, draw_samples, get_ops
+from deepspeed_dgc.codec import wire
+from deepspeed_dgc.codec.job import CompressJob
+from deepspeed_dgc.codec.kernels import get_ops
+from deepspeed_dgc.codec.reference import REFERENCE
+from deepspeed_dgc.codec.selection import draw_samples
 
 
 def parse_size(text: str) -> int:
@@ -55,7 +59,7 @@ def make_job(n: int, world: int, device: str, seed: int) -> CompressJob:
     c = -(-n // world)
     job = CompressJob(srcs=[grad], offsets=[0], row_strides=[c], numels=[n], chunks=[c], sparse=[True],
                       row_owner=list(range(world)), residuals=[residual], residual_numels=[n], divisor=float(world),
-                      loss_scale=1.0, density=0.01, samples=[], group_size=128, quantize=True,
+                      density=0.01, samples=[], group_size=128, quantize=True,
                       value_dtype=torch.float32, fingerprint=1, want_residual=True)
     job.samples = draw_samples([n], [True], 0.01, torch.Generator(device=device).manual_seed(seed), device)
     return job
@@ -72,18 +76,11 @@ def timed(fn, device: str) -> float:
 
 
 def decode_fn(ops, job, payload):
-    header = payload[:20].view(torch.int32).tolist()
-    kept, n_index, n_groups = header[2], header[3], header[4]
-    off = 20
-    scales = payload[off:off + 4 * n_groups].view(torch.float32)
-    off += 4 * n_groups
-    values = payload[off:off + (kept + 1) // 2]
-    off += (kept + 1) // 2
-    index_bytes = payload[off:off + n_index]
-    seg_real = [min(job.chunks[0], job.numels[0])]
-    out = torch.zeros(job.chunks[0], dtype=torch.float32, device=payload.device)
-    return lambda: ops.decode_add(out, values, scales, index_bytes, kept, kept, seg_real, job.chunks, job.sparse,
-                                  job.group_size, True, torch.float32)
+    """Decoding row 0's payload and adding it into a dense fp32 row, as a receiver does."""
+    layout = job.row_layout(0)
+    body = wire.parse(payload, 0, layout)
+    out = torch.zeros(layout.row_numel, dtype=torch.float32, device=payload.device)
+    return lambda: ops.decode_add(out, body, layout)
 
 
 def _same(a, b) -> bool:

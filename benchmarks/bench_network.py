@@ -309,8 +309,9 @@ def analyse(args: argparse.Namespace, convergence: dict, timing: dict) -> dict:
 
 
 def markdown(args: argparse.Namespace, results: dict, meta: dict) -> str:
-    """The result tables (one per rate) and the gradient-only bound, as Markdown."""
-    lines = [f"{meta['date']}, {meta['machine']}; {meta['n_params']:,} parameters, 2 ranks, "
+    """The result tables (one per rate) and the gradient-only bound, as Markdown: command, machine and date once at
+    the top."""
+    lines = ([f"Command: `{meta['command']}`", ""] if meta.get("command") else []) + [f"{meta['date']}, {meta['machine']}; {meta['n_params']:,} parameters, 2 ranks, "
              f"{args.micro_batch} x {args.block_size} tokens per rank per step, validation loss at step "
              f"{args.converge_steps} (stock fp32: {results['configs']['stock_fp32']['val_loss']:.4f}); "
              f"step times: median of {args.timed_steps} steps after {args.warmup_steps}, median of "
@@ -428,7 +429,8 @@ def main(argv=None) -> int:
                                      for c in order})
     meta = {"date": time.strftime("%Y-%m-%d", time.gmtime(started)), "machine": machine(),
             "n_params": convergence["stock_fp32"]["n_params"], "elapsed_s": time.time() - started,
-            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
+            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "command": " ".join(["python", "benchmarks/bench_network.py"] + list(argv if argv is not None else sys.argv[1:]))}
     results = analyse(args, convergence, timing)
     table = markdown(args, results, meta)
     (args.out_dir / "results.md").write_text(table)

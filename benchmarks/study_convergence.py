@@ -9,7 +9,7 @@ of 0.8M parameters, Adam, 16 x 64 characters per rank per step) and a ``"dgc"`` 
 
 - stock ZeRO-3 (no ``"dgc"``) and dense INT4 gradients with error feedback;
 - *plain error feedback*: top-k gradients at density 0.3, 0.1, 0.03, 0.01 and ``"auto"``, INT4 values;
-- *Adam-aware* (``compressed_momentum``, 1-bit Adam's recipe, see ``deepspeed_dgc/momentum.py``):
+- *Adam-aware* (``compressed_momentum``, 1-bit Adam's recipe, see ``deepspeed_dgc/memory/momentum.py``):
   dense INT4 gradients for ``--freeze-step`` steps, then the momentum, preconditioned by the frozen
   ``sqrt(v_hat)``, at the same densities with INT4 values, and dense at INT2 and at 1 bit (``adam_int1_w2``:
   the 1-bit setting with dense INT2 gradients in the warm-up);
@@ -212,17 +212,22 @@ def best(rows: list[dict], n: int) -> list[str]:
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
-    lines = [f"{meta['date']}, {meta['machine']}; main job (char GPT, {meta['n_params']:,} parameters, Adam), "
+    """The results page: command, machine and date once at the top, then one row per setting and length. Rows merged
+    from other runs' JSON (``--merge``) name their file in the last column; those files hold their own commands."""
+    command = meta.get("command")
+    lines = [f"Command: `{command}`" if command else "", "",
+             f"{meta['date']}, {meta['machine']}; main job (char GPT, {meta['n_params']:,} parameters, Adam), "
              f"2 ranks, seed {meta['seed']}; ratio = fp32 reduce-scatter bytes over wire bytes for the whole run "
              f"(warm-up included); state = the extension's bytes per parameter per rank after the last step.", "",
              "| setting | family | steps | final val loss | gap vs stock | compression vs fp32 | state B/param "
-             "| bits per kept element |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+             "| bits per kept element | from |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in sorted(rows, key=lambda r: r["steps"]):
         bits = "" if not r["bits_per_kept_element"] else f"{r['bits_per_kept_element']:.1f}"
-        mark = f" [{r['run']}]" if r.get("run") else ""
-        lines.append(f"| {r['label']} (`{r['name']}`){mark} | {r['family']} | {r['steps']} | {r['val_loss']:.4f} "
-                     f"| {r['gap_pct']:+.2f}% | {r['compression_ratio']:.1f}x | {r['state_bytes_per_param']:.2f} | {bits} |")
-    return "\n".join(lines) + "\n"
+        source = r["run"].split(", ")[-1] if r.get("run") else "this run"
+        lines.append(f"| {r['label']} (`{r['name']}`) | {r['family']} | {r['steps']} | {r['val_loss']:.4f} "
+                     f"| {r['gap_pct']:+.2f}% | {r['compression_ratio']:.1f}x | {r['state_bytes_per_param']:.2f} | {bits} "
+                     f"| {source} |")
+    return "\n".join(lines).lstrip("\n") + "\n"
 
 
 def plot(rows: list[dict], path: Path, steps: int) -> None:
@@ -299,7 +304,8 @@ def main(argv=None) -> int:
         rows = merged_rows(rows, args.merge, args.seed, args.freeze_step)
     meta = {"date": time.strftime("%Y-%m-%d", time.gmtime(started)), "seed": args.seed, "n_params": stock["n_params"],
             "machine": f"{__import__('os').cpu_count()} CPU cores, gloo", "elapsed_s": time.time() - started,
-            "freeze_step": args.freeze_step}
+            "freeze_step": args.freeze_step,
+            "command": " ".join(["python", "benchmarks/study_convergence.py"] + list(argv if argv is not None else sys.argv[1:]))}
     table = markdown(rows, meta)
     (args.out_dir / "study.md").write_text(table)
     plot(rows, args.out_dir / "study.png", args.steps)

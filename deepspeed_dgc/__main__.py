@@ -1,9 +1,11 @@
-"""``python -m deepspeed_dgc report``: what this machine can run, like DeepSpeed's ``ds_report``.
+"""``python -m deepspeed_dgc``: the package's commands.
 
-Shows versions (deepspeed_dgc, DeepSpeed, torch, Python, mpi4py, the MPI library), the
-accelerator and its communication backend, CUDA and nvcc, and for each fused op whether it is
-prebuilt (``DS_BUILD_DGC=1 pip install .``), JIT-compatible (built on first use) or unavailable,
-and why. ``--load`` also loads each compatible op (JIT-building it if needed) and reports the result.
+- ``report``: what this machine can run, like DeepSpeed's ``ds_report``: versions (deepspeed_dgc, DeepSpeed,
+  torch, Python, mpi4py, the MPI library), the accelerator and its communication backend, CUDA and nvcc, and for
+  each fused op whether it is prebuilt (``DS_BUILD_DGC=1 pip install .``), JIT-compatible (built on first use) or
+  unavailable, and why. ``--load`` also loads each compatible op (JIT-building it if needed).
+- ``docs``: writes ``docs/config.md``, the reference of the ``"dgc"`` section, from the pydantic model in
+  :mod:`deepspeed_dgc.config`; ``--check`` writes nothing and exits 1 when the file differs from it.
 """
 
 import argparse
@@ -13,6 +15,8 @@ import platform
 import shutil
 import subprocess
 import sys
+import typing
+from pathlib import Path
 
 
 def _version(module: str) -> str:
@@ -111,15 +115,123 @@ def report(load: bool = False) -> int:
     return 0
 
 
+# ---- docs: the config reference ------------------------------------------------------------------
+
+CONFIG_DOC = Path(__file__).resolve().parent.parent / "docs" / "config.md"
+
+
+def _num(x) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+def _bounds(metadata) -> str:
+    """``in (0, 1]``, ``>= 2, even`` ... from annotated-types constraints."""
+    found = {type(m).__name__: m for m in metadata}
+    lo = ("(", found["Gt"].gt) if "Gt" in found else ("[", found["Ge"].ge) if "Ge" in found else None
+    hi = (")", found["Lt"].lt) if "Lt" in found else ("]", found["Le"].le) if "Le" in found else None
+    parts = []
+    if lo and hi:
+        parts.append(f"in {lo[0]}{_num(lo[1])}, {_num(hi[1])}{hi[0]}")
+    elif lo:
+        parts.append(f"{'>' if lo[0] == '(' else '>='} {_num(lo[1])}")
+    elif hi:
+        parts.append(f"{'<' if hi[0] == ')' else '<='} {_num(hi[1])}")
+    if "MultipleOf" in found:
+        parts.append("even" if found["MultipleOf"].multiple_of == 2 else f"multiple of {found['MultipleOf'].multiple_of}")
+    return ", ".join(parts)
+
+
+def _type_text(annotation, metadata=()) -> str:
+    """A field's JSON type and range, in words: ``float in (0, 1] or "auto"``, ``"int4", "int2"``, ``bool``."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Literal:
+        return ", ".join(f'`"{a}"`' for a in args)
+    if origin is typing.Union:
+        present = [a for a in args if a is not type(None)]
+        # Optional[X]: the field's constraints belong to X
+        text = " or ".join(_type_text(a, metadata if len(present) == 1 else ()) for a in present)
+        return f"{text} or `null`" if type(None) in args else text
+    if origin is typing.Annotated:
+        inner_meta = [m for info in args[1:] for m in getattr(info, "metadata", [])]
+        return _type_text(args[0], inner_meta)
+    if isinstance(annotation, type) and hasattr(annotation, "model_fields"):
+        return "object"
+    name = {bool: "bool", int: "int", float: "float", str: "string"}.get(annotation, str(annotation))
+    bounds = _bounds(metadata)
+    return f"{name} {bounds}".strip() if bounds else name
+
+
+def _default_text(field) -> str:
+    import json
+    if field.is_required():
+        return "required"
+    value = field.default
+    if hasattr(value, "model_dump"):
+        return "see below"
+    return f"`{json.dumps(value)}`"
+
+
+def _rows(model, prefix: str = "") -> list:
+    rows = []
+    for name, field in model.model_fields.items():
+        meaning = (field.description or "").replace("|", "\\|")
+        rows.append(f"| `{prefix}{name}` | {_type_text(field.annotation, field.metadata)} | {_default_text(field)} "
+                    f"| {meaning} |")
+    return rows
+
+
+def _intro(model) -> str:
+    """A model's docstring as one Markdown paragraph per blank-line-separated block."""
+    blocks = (model.__doc__ or "").strip().split("\n\n")
+    return "\n\n".join(" ".join(line.strip() for line in b.splitlines()).replace("``", "`") for b in blocks)
+
+
+def render_config_reference() -> str:
+    """``docs/config.md``: every key of the ``"dgc"`` section, its type and range, default and meaning, from the
+    pydantic model (the descriptions of its fields)."""
+    from .config import SUBSECTIONS, DGCConfig
+    head = ["| key | type, range | default | meaning |", "|---|---|---|---|"]
+    out = ["# The `\"dgc\"` section: configuration reference", "",
+           "Generated from `deepspeed_dgc/config.py` by `python -m deepspeed_dgc docs`; do not edit by hand "
+           "(`python -m deepspeed_dgc docs --check` fails when this file is stale).", "", _intro(DGCConfig), "",
+           "Errors are raised at `deepspeed.initialize`, on every rank, naming the key: an unknown or misspelled key "
+           "(`dgc.densty`), a value of the wrong JSON type (types are strict: `\"0.5\"` or `true` is not a density, `1` "
+           "is not a boolean), a value out of range, or a combination the rules below refuse.", ""]
+    out += head + _rows(DGCConfig) + [""]
+    for name, model in SUBSECTIONS.items():
+        out += [f"## `{name}`", "", _intro(model), ""] + head + _rows(model, f"{name}.") + [""]
+    return "\n".join(out)
+
+
+def docs(check: bool, path: Path = CONFIG_DOC) -> int:
+    """Write ``docs/config.md`` (or, with ``check``, compare it); returns the exit status."""
+    text = render_config_reference()
+    if check:
+        current = path.read_text(encoding="utf-8") if path.exists() else None
+        if current != text:
+            print(f"{path} is stale: run `python -m deepspeed_dgc docs` to regenerate it from deepspeed_dgc/config.py",
+                  file=sys.stderr)
+            return 1
+        print(f"{path} is up to date")
+        return 0
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    print(f"wrote {path}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m deepspeed_dgc", description="deepspeed_dgc tools")
     sub = ap.add_subparsers(dest="command", required=True)
     rep = sub.add_parser("report", help="versions, accelerator, MPI and the state of each fused op")
     rep.add_argument("--load", action="store_true", help="also load (JIT-build) each compatible op")
+    doc = sub.add_parser("docs", help="write docs/config.md from the config model")
+    doc.add_argument("--check", action="store_true", help="write nothing; exit 1 if docs/config.md is stale")
+    doc.add_argument("--path", type=Path, default=CONFIG_DOC, help="the file (default: docs/config.md of this checkout)")
     args = ap.parse_args(argv)
     if args.command == "report":
         return report(args.load)
-    return 2
+    return docs(args.check, args.path)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
-"""The top-level ``"dgc"`` section of a DeepSpeed config, as a pydantic model.
+"""The top-level ``"dgc"`` section of a DeepSpeed config, as a pydantic model: the one config reference.
 
-DeepSpeed keeps an unknown top-level key in the raw config dict and ignores it, so
-the section is parsed and validated here, in DeepSpeed's own pydantic style
-(``extra="forbid"``: an unknown or misspelled key is an error naming the key).
+DeepSpeed keeps an unknown top-level key in the raw config dict and ignores it, so the section is parsed
+and validated here, in DeepSpeed's own pydantic style (``extra="forbid"``: an unknown or misspelled key is
+an error naming the key; ``strict``: ``"0.5"`` or ``true`` is not a density). Every key's meaning is its
+``Field`` description; ``python -m deepspeed_dgc docs`` renders them as ``docs/config.md``.
 """
 
 from typing import Any, Literal, Mapping, Optional, Union
@@ -12,6 +13,11 @@ from typing_extensions import Annotated
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 DGC_SECTION = "dgc"
+VALUE_FORMATS = ("int4", "int2", "int1", "fp8_e4m3", "fp8_e5m2")
+
+Density = Union[Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)], Literal["auto"]]
+# strict: "0.5", true or 1 for a float/bool key is an error, never a silent coercion
+_MODEL = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class DGCConfigError(ValueError):
@@ -19,196 +25,152 @@ class DGCConfigError(ValueError):
 
 
 class WeightsConfig(BaseModel):
-    """Compression of ZeRO-3's parameter all-gather (``"dgc": {"weights": {...}}``).
+    """Compression of ZeRO-3's parameter all-gather (``"dgc": {"weights": {...}}``), like ZeRO++ qwZ
+    (Wang et al., arXiv 2306.10209, section 4.1). Master weights and stored shards stay exact."""
 
-    - ``quantization`` (``"none"``, ``"int8"``, ``"fp8_e4m3"`` or ``"int4"``, default ``"none"``):
-      format of the gathered copy of the weights; master weights and stored shards stay exact.
-      ``"none"`` gathers as stock (bytes are still counted).
-    - ``group_size`` (even int >= 2, default 256): weights per fp32 absmax scale.
-    """
+    model_config = _MODEL
 
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-    quantization: Literal["none", "int8", "fp8_e4m3", "int4"] = "none"
-    group_size: int = Field(256, ge=2, le=1 << 20, multiple_of=2)
-
-
-VALUE_FORMATS = ("int4", "int2", "int1", "fp8_e4m3", "fp8_e5m2")
+    quantization: Literal["none", "int8", "fp8_e4m3", "int4"] = Field(
+        "none", description="format of the gathered copy of the weights: about 1/4 (INT8, FP8) or 1/8 (INT4) of "
+        "fp32 bytes plus 4 bytes of scale per group; `\"none\"` gathers as stock (bytes still counted)")
+    group_size: int = Field(256, ge=2, le=1 << 20, multiple_of=2, description="weights per fp32 absmax scale")
 
 
 class CompressedMomentumConfig(BaseModel):
     """1-bit-Adam-style compression for Adam (``"dgc": {"compressed_momentum": {...}}``).
 
-    Tang et al., "1-bit Adam", ICML 2021, sections 3-4, adapted to ZeRO-3: for the first
-    ``freeze_step`` optimizer steps the optimizer is stock Adam on the (compressed, per the top-level
-    keys) gradients, and every rank keeps a local momentum ``m_r = b1 m_r + (1 - b1) g_r / W`` of its
-    own gradient (full parameter shape). After that step Adam's second moment is frozen; ranks send
-    each owner its slice of ``m_r`` (divided by ``sqrt(v_hat) + eps`` with ``precondition``, so the
-    quantity compressed is the update itself) with error feedback, and the owner applies
-    ``p -= lr * sum_r m_r / (sqrt(v_hat) + eps)`` (plus AdamW's decoupled weight decay). The update is
-    linear in what was sent, so compression error is corrected by error feedback instead of being
-    amplified by Adam's normalisation.
-
-    - ``freeze_step`` (int >= 1): optimizer steps of stock Adam before the freeze.
-    - ``quantization`` (``"int1"``, ``"int2"``, ``"int4"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``, ``"none"``;
-      default ``"int1"``): format of the momentum on the wire after the freeze.
-    - ``density`` (float in (0, 1] or ``"auto"``, default 1.0): top-k of the momentum after the freeze
-      (``"auto"`` as the top-level key, with its bounds and budget).
-    - ``group_size`` (even int >= 2, default 128): values per scale.
-    - ``precondition`` (bool, default true): compress ``m / (sqrt(v_hat) + eps)``; needs every
-      rank to hold ``1 / (sqrt(v_hat) + eps)`` for all parameters (gathered once at the freeze,
-      bf16, 2 bytes per parameter).
-
-    Needs Adam or AdamW (``torch.optim.Adam``/``AdamW``, DeepSpeed's FusedAdam or CPU Adam, without
-    L2 weight decay unless decoupled), ``gradient_accumulation_steps`` 1 and the flat topology.
-    Gradient clipping does not apply after the freeze (the clipped quantity would be the update).
+    Tang et al., "1-bit Adam", ICML 2021, sections 3-4, adapted to ZeRO-3: for the first ``freeze_step``
+    optimizer steps the owners run stock Adam on the gradients (compressed by the top-level keys) while every
+    rank keeps a local momentum of its own gradient; then Adam's second moment is frozen and the ranks send
+    their momenta (preconditioned), compressed by this section's keys, with error feedback. Needs Adam or AdamW
+    (without L2 weight decay), ``gradient_accumulation_steps`` 1, the flat topology, fp32 or bf16.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    model_config = _MODEL
 
-    freeze_step: int = Field(ge=1)
-    quantization: Literal["int1", "int2", "int4", "fp8_e4m3", "fp8_e5m2", "none"] = "int1"
-    density: Union[Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)], Literal["auto"]] = 1.0
-    group_size: int = Field(128, ge=2, le=1 << 20, multiple_of=2)
-    precondition: bool = True
+    freeze_step: int = Field(ge=1, description="optimizer steps of stock Adam before Adam's second moment is frozen "
+                             "and the momentum is sent instead of the gradient (about 20% of the run)")
+    quantization: Literal["int1", "int2", "int4", "fp8_e4m3", "fp8_e5m2", "none"] = Field(
+        "int1", description="format of the momentum on the wire after the freeze")
+    density: Density = Field(1.0, description="top-k density of the momentum after the freeze (`\"auto\"` as the "
+                             "top-level key, with its bounds and budget)")
+    group_size: int = Field(128, ge=2, le=1 << 20, multiple_of=2, description="values per scale after the freeze")
+    precondition: bool = Field(True, description="send `m / (sqrt(v_hat) + eps)`, the update itself (every rank "
+                               "then holds the frozen preconditioner of all parameters in bf16, 2 bytes per "
+                               "parameter); else `m`, divided by the owner")
 
 
 class DGCConfig(BaseModel):
-    """Settings of dynamic gradient compression for the ZeRO-3 reduce-scatter.
+    """Settings of dynamic gradient compression for ZeRO-3, under the top-level ``"dgc"`` key of ds_config.
 
-    Keys (all under the top-level ``"dgc"`` key of ds_config):
-
-    - ``enabled`` (bool, default false): replace ZeRO-3's gradient reduce-scatter.
-    - ``density`` (float in (0, 1] or ``"auto"``, default 0.01): fraction of each tensor's elements
-      kept by top-k selection each micro-step (DGC, Lin et al. 2018, section 2). ``1.0`` sends every
-      element (dense). ``"auto"``: each bucket's density is the smallest that leaves at most
-      ``energy_budget`` of the accumulated gradient's energy (sum of squares, estimated on DGC's 1%
-      sample) unsent, clamped to ``[density_min, density_max]``; the ranks then take the largest of
-      their choices (one small all-reduce per bucket), so all use the same density.
-    - ``density_min``, ``density_max`` (floats in (0, 1], defaults 0.01 and 0.3): bounds of ``"auto"``.
-    - ``energy_budget`` (float in (0, 1), default 0.5): fraction of energy ``"auto"`` may leave in the residual.
-    - ``threshold`` (float > 0 or null, default null): keep every element with ``|acc| >= threshold``
-      instead of top-k (a fixed absolute threshold; the number kept then varies per rank and step).
-    - ``threshold_reuse_steps`` (int >= 1, default 1): estimate each tensor's top-k threshold (DGC's sampled
-      estimate and its corrections) at one exchange and reuse it for the next ``threshold_reuse_steps - 1``
-      exchanges of that tensor (optimizer steps without gradient accumulation), as Ok-Topk does (Li and Hoefler,
-      PPoPP 2022, section 3.1.3): the gradient's distribution changes slowly, and a reused threshold costs one
-      compare per element instead of a sample, a selection and counting rounds. The number kept then varies
-      around k; above 1.3 k it is cut to the k largest, so payloads stay bounded. A change of density (warm-up,
-      ``"auto"``) or of what is selected (gradients, then momentum after the freeze of ``compressed_momentum``)
-      estimates afresh. 1: estimate at every exchange.
-    - ``warmup_dense_steps`` (int >= 0, default 0): optimizer steps sent dense (still quantized) first.
-    - ``warmup_steps`` (int >= 0, default 0): after those, the density falls geometrically from
-      max(0.25, density) to ``density`` over this many steps (DGC's exponential warm-up, Lin et al.
-      2018, section 3.4: 25%, 6.25%, 1.5625%, ... per epoch).
-    - ``quantization`` (``"int4"``, ``"int2"``, ``"int1"``, ``"fp8_e4m3"``, ``"fp8_e5m2"`` or ``"none"``,
-      default ``"int4"``): format of the kept values, with group-wise scales
-      (:func:`deepspeed_dgc.compressor.quantize_values`); ``"none"`` sends them in the communication dtype.
-    - ``stochastic_rounding`` (bool, default false): round INT4/INT2 codes up or down at random so that
-      the decoded value is unbiased (runs the PyTorch path).
-    - ``index_coding`` (``"auto"``, ``"varint"`` or ``"bitmap"``, default ``"auto"``): positions of the
-      kept values as varint gaps (about 8 bits each down to density 1/128) or as a bitmap (1 bit per
-      element); ``"auto"`` takes the bitmap when the density is above 1/8, where it is smaller.
-    - ``entropy_coding`` (``"none"`` or ``"zlib"``, default ``"none"``): ``"zlib"`` DEFLATE-codes every
-      payload after quantization and index coding (lossless: the training is bit-identical, only the
-      bytes on the wire change; see :func:`deepspeed_dgc.reducer.deflate`). Runs on the host.
-    - ``group_size`` (int >= 2, even, default 128): kept values per scale.
-    - ``error_feedback`` (bool, default true): carry what was not sent (unselected values and
-      quantization error) to the next micro-step.
-    - ``residual_dtype`` (``"auto"``, ``"fp32"``, ``"bf16"`` or ``"fp8"``, default ``"auto"``): storage of the
-      error-feedback residuals between steps (4, 2 or about 1.03 bytes per element; see
-      :class:`deepspeed_dgc.memory.ErrorFeedback`). ``"auto"`` is the cheapest storage that kept the loss of
-      fp32 residuals in the convergence study (``docs/study_convergence.md``: fp8, on five settings from dense INT4
-      to top-k 0.01 and compressed momentum) where it is supported, ``"fp8"``; and ``"fp32"`` with the
-      hierarchical topology or ``momentum_correction``, which need it (:attr:`residual_storage`).
-    - ``residual_offload`` (bool, default false): keep the committed residuals in pinned host memory
-      between steps and copy each to the device only while its bucket is compressed (asynchronous copies on
-      the current stream), so error feedback holds no device memory between steps (the new residuals still live
-      on the device from their bucket's compression to the step); on the CPU accelerator host memory is the
-      device's (one extra copy per commit). The summary's ``host_state_bytes`` counts them.
-    - ``min_numel`` (int >= 0, default 2048): tensors with fewer elements are not sparsified:
-      they are sent whole (still quantized, with error feedback) and need no indices.
-    - ``stats_interval`` (int >= 1, default 100): optimizer steps between telemetry log lines.
-    - ``weights`` (:class:`WeightsConfig`): quantized parameter all-gather.
-    - ``comm_backend`` (``"torch"`` or ``"mpi"``, default ``"torch"``): who moves the compressed
-      payloads: ``deepspeed.comm`` (NCCL/gloo) or mpi4py (the job must be started by ``mpirun``
-      or the deepspeed launcher's ``--launcher openmpi``). Both give bit-identical results.
-    - ``topology`` (``"flat"`` or ``"hierarchical"``, default ``"flat"``): ``"hierarchical"``
-      reduces densely inside a node (fast link) and compresses only between nodes (ZeRO++ qgZ's
-      two hops, arXiv 2306.10209 section 4.2), with error feedback on the node-level sums.
-    - ``ranks_per_node`` (int >= 1 or null, default null): ranks per node; null takes it from the
-      launcher (``LOCAL_SIZE``, ``OMPI_COMM_WORLD_LOCAL_SIZE``) or else from host names.
-      Ranks ``k*ranks_per_node ... (k+1)*ranks_per_node - 1`` form node k.
-    - ``timeout_s`` (float in [0.001, 604800], default 600): bound, in seconds, on every collective
-      of the extension; a rank whose peer died or hangs raises ``DGCTimeoutError`` instead of waiting.
-    - ``compressed_momentum`` (:class:`CompressedMomentumConfig` or null): 1-bit-Adam-style
-      compression of Adam's momentum after a warm-up.
-    - ``momentum_correction`` (bool, default false): DGC's momentum correction for momentum SGD (Lin et al.
-      2018, section 3.1): every rank keeps its own velocity ``u = m u + g / W`` and error feedback
-      accumulates and sends ``u`` instead of ``g``; the owners then step ``p -= lr (u_sum + wd-term)``
-      without applying momentum again (:class:`deepspeed_dgc.momentum.MomentumCorrection`). Needs
-      ``torch.optim.SGD`` (ds_config ``"SGD"``) with momentum > 0, no Nesterov, no dampening,
-      ``gradient_accumulation_steps`` 1, not fp16, the flat topology and fp32 residuals. DeepSpeed's
-      ``gradient_clipping`` (default 1.0) would clip the summed velocity and is switched off, with a
-      warning; ``local_clip_norm`` is DGC's clipping.
-    - ``momentum_factor_masking`` (bool, default true): with ``momentum_correction``, zero the velocity of
-      the elements just sent by top-k (section 3.3), so stale momentum does not push them again.
-    - ``local_clip_norm`` (float > 0 or null, default null): with ``momentum_correction``, clip each
-      tensor's local gradient on each rank to this L2 norm before it enters the velocity (local gradient
-      clipping, section 3.2). Per tensor, as DGC's reference code does: the paper's threshold (the global
-      clipping norm times ``W ** -0.5``) is for the whole model's norm, so a per-tensor value is smaller.
-    - ``kernels`` (``"auto"``, ``"fused"`` or ``"reference"``, default ``"auto"``): who compresses.
-      ``"auto"`` uses the fused op (C++/OpenMP on CPU, CUDA on GPU; prebuilt, or JIT-built on first
-      use) where it loads and else the PyTorch reference, with a one-time warning saying why;
-      ``"fused"`` fails at initialize when the op cannot load. Both give the same bytes and residuals.
-      The fused ops code INT4 payloads only (``quantization: "none"`` always runs the reference).
-
-    ``density: 1.0`` with ``quantization: "none"`` is the lossless mode: bit-identical to stock
-    ZeRO-3 at 2 ranks.
+    ``density: 1.0`` with ``quantization: "none"`` is the lossless mode: bit-identical to stock ZeRO-3 at 2 ranks
+    (within fp32 summation order at 3 or more). The meaning of each key is its field's description.
     """
 
-    # strict: "0.5", true or 1 for a float/bool key is an error, never a silent coercion
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    model_config = _MODEL
 
-    enabled: bool = False
-    density: Union[Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)], Literal["auto"]] = 0.01
-    density_min: float = Field(0.01, gt=0.0, le=1.0, allow_inf_nan=False)
-    density_max: float = Field(0.3, gt=0.0, le=1.0, allow_inf_nan=False)
-    energy_budget: float = Field(0.5, gt=0.0, lt=1.0, allow_inf_nan=False)
-    threshold: Optional[float] = Field(None, gt=0.0, allow_inf_nan=False)
-    threshold_reuse_steps: int = Field(1, ge=1)
-    warmup_dense_steps: int = Field(0, ge=0)
-    warmup_steps: int = Field(0, ge=0)
-    quantization: Literal["int4", "int2", "int1", "fp8_e4m3", "fp8_e5m2", "none"] = "int4"
-    stochastic_rounding: bool = False
-    index_coding: Literal["auto", "varint", "bitmap"] = "auto"
-    entropy_coding: Literal["none", "zlib"] = "none"
-    group_size: int = Field(128, ge=2, le=1 << 20, multiple_of=2)
-    error_feedback: bool = True
-    residual_dtype: Literal["auto", "fp32", "bf16", "fp8"] = "auto"
-    residual_offload: bool = False
-    min_numel: int = Field(2048, ge=0)
-    stats_interval: int = Field(100, ge=1)
-    weights: WeightsConfig = WeightsConfig()
-    comm_backend: Literal["torch", "mpi"] = "torch"
-    topology: Literal["flat", "hierarchical"] = "flat"
-    ranks_per_node: Optional[int] = Field(None, ge=1)
+    enabled: bool = Field(False, description="replace ZeRO-3's gradient reduce-scatter")
+    density: Density = Field(
+        0.01, description="fraction of each tensor's elements kept by top-k selection each micro-step (DGC, Lin et "
+        "al., ICLR 2018, section 2); `1.0` sends every element (dense). `\"auto\"`: per bucket, the smallest "
+        "density that leaves at most `energy_budget` of the accumulated gradient's energy unsent (estimated on "
+        "DGC's 1% sample), within `[density_min, density_max]`; the ranks take the largest of their choices (one "
+        "all-reduce of one float per bucket), so all agree")
+    density_min: float = Field(0.01, gt=0.0, le=1.0, allow_inf_nan=False, description="lower bound of `\"auto\"`")
+    density_max: float = Field(0.3, gt=0.0, le=1.0, allow_inf_nan=False, description="upper bound of `\"auto\"`")
+    energy_budget: float = Field(0.5, gt=0.0, lt=1.0, allow_inf_nan=False,
+                                 description="share of the accumulator's energy `\"auto\"` may leave in the residual")
+    threshold: Optional[float] = Field(None, gt=0.0, allow_inf_nan=False,
+                                       description="keep every element with `|acc| >= threshold` (unscaled gradient "
+                                       "units) instead of top-k; kept counts then vary per rank and step")
+    threshold_reuse_steps: int = Field(
+        1, ge=1, description="estimate each tensor's top-k threshold once every this many exchanges and reuse it in "
+        "between (Ok-Topk, Li and Hoefler, PPoPP 2022, section 3.1.3); the kept count then varies around k and is "
+        "cut to the k largest above 1.3 k; a density change, or momentum replacing gradients, estimates afresh")
+    warmup_dense_steps: int = Field(0, ge=0, description="first optimizer steps sent dense (still quantized)")
+    warmup_steps: int = Field(0, ge=0, description="then the density falls geometrically from max(0.25, density) to "
+                              "`density` over this many optimizer steps (DGC's warm-up, Lin et al. 2018, section 3.4)")
+    quantization: Literal["int4", "int2", "int1", "fp8_e4m3", "fp8_e5m2", "none"] = Field(
+        "int4", description="format of the sent values, each with an fp32 scale per group: INT4 (absmax/7), INT2 "
+        "(4 levels, absmax/1.5), INT1 (sign times the group's mean magnitude, 1-bit Adam's compressor), FP8 (absmax "
+        "/ the format's max); `\"none\"`: the communication dtype")
+    stochastic_rounding: bool = Field(False, description="INT4/INT2 codes rounded up or down at random, unbiased "
+                                      "(Gupta et al., ICML 2015)")
+    index_coding: Literal["auto", "varint", "bitmap"] = Field(
+        "auto", description="positions of kept values: varint gaps (about 8 bits each down to density 1/128) or a "
+        "bitmap (1 bit per element); `\"auto\"` takes the bitmap above density 1/8")
+    entropy_coding: Literal["none", "zlib"] = Field(
+        "none", description="`\"zlib\"`: DEFLATE (level 1) of every gradient payload after quantization and index "
+        "coding; lossless (training is bit-identical); saves 25-35% of INT2 and 10-25% of INT4 codes of "
+        "heavy-tailed values, nothing on INT1 signs; runs on the host")
+    group_size: int = Field(128, ge=2, le=1 << 20, multiple_of=2,
+                            description="values per scale group (groups never span two tensors)")
+    error_feedback: bool = Field(True, description="carry what was not sent (unselected values and quantization "
+                                 "error) to the next micro-step (Seide et al., Interspeech 2014)")
+    residual_dtype: Literal["auto", "fp32", "bf16", "fp8"] = Field(
+        "auto", description="storage of the residuals between steps: 4, 2 or about 1.03 bytes per element (fp8: e4m3 "
+        "with an fp32 absmax scale per 128, as LoCo's 8-bit buffer, arXiv 2407.04480); the storage's own rounding "
+        "is not fed back. `\"auto\"`: fp8, the cheapest storage that kept fp32's loss in the convergence study; "
+        "fp32 with the hierarchical topology and with `momentum_correction`, which need it")
+    residual_offload: bool = Field(
+        False, description="keep the committed residuals in pinned host memory between steps (one buffer per "
+        "parameter, reused); each is copied to the device when its bucket is compressed, so it lowers the memory "
+        "held between steps, not the peak during backward")
+    min_numel: int = Field(2048, ge=0, description="tensors with fewer elements are not sparsified: they are sent "
+                           "whole (still quantized, with error feedback) and need no positions")
+    stats_interval: int = Field(100, ge=1, description="optimizer steps between telemetry log lines and monitor events")
+    weights: WeightsConfig = Field(WeightsConfig(), description="quantized parameter all-gather (`weights.*` below)")
+    comm_backend: Literal["torch", "mpi"] = Field(
+        "torch", description="who moves the compressed payloads: `deepspeed.comm` (NCCL/gloo) or mpi4py "
+        "(`Ialltoallv`; the job must be started by `mpirun` or the deepspeed launcher's `--launcher openmpi`); "
+        "both give bit-identical results")
+    topology: Literal["flat", "hierarchical"] = Field(
+        "flat", description="`\"hierarchical\"`: dense reduce-scatter inside a node, compressed exchange between "
+        "nodes only (ZeRO++ qgZ's two hops, arXiv 2306.10209, section 4.2), with error feedback on the node-level "
+        "sums")
+    ranks_per_node: Optional[int] = Field(
+        None, ge=1, description="ranks per node; `null` takes the launcher's `LOCAL_SIZE` / "
+        "`OMPI_COMM_WORLD_LOCAL_SIZE`, else counts host names. Ranks `k*L ... (k+1)*L - 1` form node k")
     # at least 1 ms: gloo counts in whole milliseconds and takes 0 as "wait forever"
-    timeout_s: float = Field(600.0, ge=0.001, le=7 * 24 * 3600.0, allow_inf_nan=False)
-    kernels: Literal["auto", "fused", "reference"] = "auto"
-    compressed_momentum: Optional[CompressedMomentumConfig] = None
-    momentum_correction: bool = False
-    momentum_factor_masking: bool = True
-    local_clip_norm: Optional[float] = Field(None, gt=0.0, allow_inf_nan=False)
+    timeout_s: float = Field(600.0, ge=0.001, le=7 * 24 * 3600.0, allow_inf_nan=False,
+                             description="seconds any collective of the extension may wait before it raises "
+                             "`DGCTimeoutError` (a peer died or hangs)")
+    kernels: Literal["auto", "fused", "reference"] = Field(
+        "auto", description="who compresses: the fused op where it loads (else the PyTorch reference, with one "
+        "warning saying why), the fused op or fail at initialize, or the reference. Same bytes either way; the "
+        "fused ops code INT4 and hand every other format to the reference")
+    compressed_momentum: Optional[CompressedMomentumConfig] = Field(
+        None, description="Adam only: 1-bit-Adam-style compressed momentum after a warm-up (`compressed_momentum.*` "
+        "below)")
+    momentum_correction: bool = Field(
+        False, description="momentum SGD only: DGC's momentum correction (Lin et al. 2018, section 3.1): every rank "
+        "keeps its velocity `u = m u + g / W`, error feedback accumulates and sends `u`, the owners step without "
+        "momentum. Needs `torch.optim.SGD` with momentum > 0, no Nesterov, dampening or maximize, no gradient "
+        "accumulation, not fp16, the flat topology and fp32 residuals; DeepSpeed's `gradient_clipping` is switched "
+        "off (use `local_clip_norm`)")
+    momentum_factor_masking: bool = Field(True, description="with `momentum_correction` only: zero the velocity of "
+                                          "the elements top-k just sent (section 3.3)")
+    local_clip_norm: Optional[float] = Field(
+        None, gt=0.0, allow_inf_nan=False, description="with `momentum_correction` only: clip each tensor's local "
+        "gradient on each rank to this L2 norm before it enters the velocity (section 3.2; per tensor, as DGC's "
+        "reference code, so smaller than the paper's whole-model threshold)")
 
     @model_validator(mode="after")
     def _fused_needs_int4(self):
         if self.kernels == "fused" and self.quantization != "int4":
             raise ValueError("'dgc.kernels' = \"fused\" needs 'dgc.quantization' = \"int4\" (the fused ops code INT4 "
                              f"payloads only); use \"auto\" or \"reference\" with quantization \"{self.quantization}\"")
+        return self
+
+    @model_validator(mode="after")
+    def _stochastic_rounding_needs_int4_or_int2(self):
         if self.stochastic_rounding and self.quantization not in ("int4", "int2"):
             raise ValueError("'dgc.stochastic_rounding' needs 'dgc.quantization' \"int4\" or \"int2\", got "
                              f"\"{self.quantization}\"")
+        return self
+
+    @model_validator(mode="after")
+    def _one_way_to_choose_what_is_kept(self):
         if self.density_min > self.density_max:
             raise ValueError(f"'dgc.density_min' ({self.density_min}) is above 'dgc.density_max' ({self.density_max})")
         if self.threshold is not None and self.density == "auto":
@@ -216,27 +178,38 @@ class DGCConfig(BaseModel):
         if self.threshold is not None and self.threshold_reuse_steps > 1:
             raise ValueError("'dgc.threshold_reuse_steps' reuses estimated top-k thresholds, but 'dgc.threshold' fixes "
                              "one and estimates none: set one of them")
-        if self.topology == "hierarchical" and self.density == "auto":
+        return self
+
+    @model_validator(mode="after")
+    def _hierarchical_topology_limits(self):
+        if self.topology != "hierarchical":
+            return self
+        if self.density == "auto":
             raise ValueError("'dgc.density' = \"auto\" is not supported with 'dgc.topology' = \"hierarchical\" yet "
                              "(use the flat topology or a fixed density)")
-        if self.topology == "hierarchical" and self.residual_dtype not in ("auto", "fp32"):
+        if self.residual_dtype not in ("auto", "fp32"):
             raise ValueError(f"'dgc.residual_dtype' = \"{self.residual_dtype}\" is not supported with 'dgc.topology' = "
                              "\"hierarchical\" yet (its residuals are fp32: use \"auto\" or \"fp32\", or the flat topology)")
-        if self.compressed_momentum is not None and self.topology != "flat":
+        if self.compressed_momentum is not None:
             raise ValueError("'dgc.compressed_momentum' needs 'dgc.topology' = \"flat\" (got \"hierarchical\")")
+        return self
+
+    @model_validator(mode="after")
+    def _momentum_correction_rules(self):
         for key in ("local_clip_norm", "momentum_factor_masking"):
             if key in self.model_fields_set and not self.momentum_correction:
                 raise ValueError(f"'dgc.{key}' is part of DGC's momentum correction: set 'dgc.momentum_correction' "
                                  "= true as well")
-        if self.momentum_correction:
-            if self.compressed_momentum is not None:
-                raise ValueError("'dgc.momentum_correction' (momentum SGD) and 'dgc.compressed_momentum' (Adam) "
-                                 "exclude each other: set one of them")
-            if self.topology != "flat" or self.residual_dtype not in ("auto", "fp32") or not self.error_feedback:
-                raise ValueError("'dgc.momentum_correction' needs 'dgc.topology' = \"flat\", 'dgc.residual_dtype' = "
-                                 "\"fp32\" and 'dgc.error_feedback' = true (the velocity is accumulated by error "
-                                 f"feedback; got topology {self.topology!r}, residual_dtype {self.residual_dtype!r}, "
-                                 f"error_feedback {self.error_feedback})")
+        if not self.momentum_correction:
+            return self
+        if self.compressed_momentum is not None:
+            raise ValueError("'dgc.momentum_correction' (momentum SGD) and 'dgc.compressed_momentum' (Adam) "
+                             "exclude each other: set one of them")
+        if self.topology != "flat" or self.residual_dtype not in ("auto", "fp32") or not self.error_feedback:
+            raise ValueError("'dgc.momentum_correction' needs 'dgc.topology' = \"flat\", 'dgc.residual_dtype' = "
+                             "\"fp32\" and 'dgc.error_feedback' = true (the velocity is accumulated by error "
+                             f"feedback; got topology {self.topology!r}, residual_dtype {self.residual_dtype!r}, "
+                             f"error_feedback {self.error_feedback})")
         return self
 
     def index_coding_for(self, density: float) -> str:
@@ -259,6 +232,9 @@ class DGCConfig(BaseModel):
         return self.density == 1.0 and self.quantization == "none" and self.threshold is None
 
 
+SUBSECTIONS = {"weights": WeightsConfig, "compressed_momentum": CompressedMomentumConfig}
+
+
 def _format_validation_error(err: ValidationError) -> str:
     lines, by_key = [], {}
     for e in err.errors():
@@ -266,8 +242,7 @@ def _format_validation_error(err: ValidationError) -> str:
         loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and (p.startswith("constrained-") or "[" in p)))
         key = ".".join(str(p) for p in (DGC_SECTION, ) + loc)
         if e["type"] == "extra_forbidden":
-            sub = {"weights": WeightsConfig, "compressed_momentum": CompressedMomentumConfig}
-            model = sub.get(loc[0], DGCConfig) if len(loc) > 1 else DGCConfig
+            model = SUBSECTIONS.get(loc[0], DGCConfig) if len(loc) > 1 else DGCConfig
             allowed = ", ".join(model.model_fields)
             lines.append(f"unknown key '{key}' (allowed keys: {allowed})")
         elif key in by_key:

@@ -1,11 +1,40 @@
-"""Telemetry: bytes on the wire, compression ratio, density and residual norm per step."""
+"""Telemetry: bytes on the wire, compression ratio, density and residual norm per step and per run.
+
+The compressed reduce-scatter returns a :class:`ReduceResult` per bucket; the step wrapper closes each
+optimizer step (:meth:`DGCStats.end_step`) and writes a log line and DeepSpeed monitor events
+(TensorBoard, CSV, W&B, as the ds_config asks) every ``dgc.stats_interval`` steps.
+"""
 
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, Optional
 
 from deepspeed.utils import logger
 
-from .reducer import ReduceResult
+
+@dataclass
+class ReduceResult:
+    """What one compressed reduce-scatter call did.
+
+    Attributes:
+        wire_bytes: bytes this rank sent to other ranks (payloads and size exchange).
+        dense_fp32_bytes: what stock fp32 reduce-scatter would send for the same tensors,
+            ``(W-1)/W * numel * 4`` summed over tensors.
+        kept: elements sent (this rank, all owners); tensors that are not sparsified count whole.
+        numel: elements of all tensors of the call.
+        finite: False when this rank's input held Inf/NaN (its output was poisoned with NaN).
+        intra_node_wire_bytes, inter_node_wire_bytes: ``wire_bytes`` split by whether the
+            destination rank is on this rank's node.
+        inter_node_dense_fp32_bytes: the part of ``dense_fp32_bytes`` stock (flat) would send to
+            ranks on other nodes, ``(ranks off this node)/W * numel * 4``.
+    """
+    wire_bytes: int
+    dense_fp32_bytes: float
+    kept: int
+    numel: int
+    finite: bool
+    intra_node_wire_bytes: int = 0
+    inter_node_wire_bytes: int = 0
+    inter_node_dense_fp32_bytes: float = 0.0
 
 
 @dataclass
@@ -154,6 +183,12 @@ class DGCStats:
     def totals(self) -> Dict[str, Any]:
         """The run totals (``steps``, ``skipped_steps`` and every ``<counter>_total``), e.g. for a checkpoint."""
         return {name: getattr(self, name) for name in ("steps", "skipped_steps") + tuple(c + "_total" for c in STEP_COUNTERS)}
+
+    def restore_totals(self, totals: Dict[str, Any]) -> None:
+        """Put :meth:`totals` back (from a checkpoint); keys this version does not know are ignored."""
+        for name, value in totals.items():
+            if name in self.__dataclass_fields__:
+                setattr(self, name, value)
 
     def to_dict(self) -> Dict[str, Any]:
         """Totals and the last step as a JSON-ready dict."""

@@ -28,6 +28,7 @@ from typing import Any, Callable, Dict, Optional, Union
 import torch
 
 from .config import DGCConfigError, parse_dgc_config
+from .zero3.patches import activate
 
 PRECISION_POLICIES = {"int4": "int4", "fp8": "fp8_e4m3"}
 TOPOLOGIES = {"flat": "flat", "hybrid_ring": "hierarchical"}
@@ -113,7 +114,7 @@ class HybridTrainer:
         """
         import deepspeed
 
-        import deepspeed_dgc  # noqa: F401 -- the hook must be installed before initialize
+        activate()  # the hook must be installed before initialize (idempotent)
 
         config = self.config
         if optimizer is None and "optimizer" not in config:

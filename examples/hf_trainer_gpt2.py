@@ -64,6 +64,7 @@ def main(argv=None) -> None:
     config = GPT2Config(vocab_size=len(chars), n_positions=args.block_size, n_embd=args.n_embd, n_layer=args.n_layer,
                         n_head=4, bos_token_id=0, eos_token_id=0)
     model = GPT2LMHeadModel(config)
+    n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)  # tied weights once, as ZeRO-3 reduces
     targs = TrainingArguments(output_dir=args.output_dir,
                               deepspeed=args.deepspeed,
                               per_device_train_batch_size=args.batch_size,
@@ -80,13 +81,14 @@ def main(argv=None) -> None:
     result = trainer.train()
     stats = deepspeed_dgc.get_stats(trainer.model_wrapped)
     if int(os.environ.get("RANK", "0")) == 0:
-        line = {"train_loss": result.training_loss, "steps": result.global_step}
+        line = {"train_loss": result.training_loss, "steps": result.global_step, "n_params": n_params,
+                "world_size": int(os.environ.get("WORLD_SIZE", "1"))}
         if stats is None:
             line["dgc"] = None
         else:
             line.update(kernels=stats.kernels, wire_bytes_total=stats.wire_bytes_total,
                         dense_fp32_bytes_total=round(stats.dense_fp32_bytes_total),
-                        compression_ratio=round(stats.compression_ratio, 2), steps_compressed=stats.steps)
+                        compression_ratio=round(stats.compression_ratio, 2), dgc_steps=stats.steps)
         print("DGC_TELEMETRY " + json.dumps(line), flush=True)
 
 

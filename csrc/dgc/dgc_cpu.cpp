@@ -1,5 +1,5 @@
 // Fused CPU kernels of deepspeed_dgc (OpenMP). The PyTorch reference in
-// deepspeed_dgc/kernels.py is the oracle: for the same inputs and sample these functions give
+// deepspeed_dgc/codec/reference.py is the oracle: for the same inputs and sample these functions give
 // the same selection, the same payload bytes and the same residual bits.
 //
 // compress_bucket: one read of every gradient and residual element and one write of the new
@@ -52,8 +52,6 @@ struct Spec {
 struct Params {
   float divisor;
   bool divide;
-  float loss_scale;
-  bool scale;
 };
 
 template <typename T>
@@ -65,7 +63,7 @@ template <typename T>
 inline float acc_at(const Spec& t, const Params& p, int64_t r, int64_t j) {
   float s = src_value<T>(t, r, j);
   if (t.residual == nullptr) return p.divide ? s / p.divisor : s;
-  return dgc::accumulate(s, p.divisor, p.divide, t.residual[r * t.c + j], p.loss_scale, p.scale);
+  return dgc::accumulate(s, p.divisor, p.divide, t.residual[r * t.c + j]);
 }
 
 template <typename F>
@@ -135,7 +133,7 @@ template <typename T>
 void accumulate_block(const Spec& t, const Params& p, int64_t r, int64_t j0, int64_t j1, float* buf) {
   const T* s = static_cast<const T*>(t.src) + t.offset + r * t.stride + j0;
   const int64_t len = j1 - j0;
-  const float d = p.divisor, ls = p.loss_scale;
+  const float d = p.divisor;
   if (t.residual == nullptr) {
     if (p.divide)
       for (int64_t x = 0; x < len; ++x) buf[x] = static_cast<float>(s[x]) / d;
@@ -144,17 +142,13 @@ void accumulate_block(const Spec& t, const Params& p, int64_t r, int64_t j0, int
     return;
   }
   const float* res = t.residual + r * t.c + j0;
-  if (p.divide && p.scale)
-    for (int64_t x = 0; x < len; ++x) buf[x] = static_cast<float>(s[x]) / d + res[x] * ls;
-  else if (p.divide)
+  if (p.divide)
     for (int64_t x = 0; x < len; ++x) buf[x] = static_cast<float>(s[x]) / d + res[x];
-  else if (p.scale)
-    for (int64_t x = 0; x < len; ++x) buf[x] = static_cast<float>(s[x]) + res[x] * ls;
   else
     for (int64_t x = 0; x < len; ++x) buf[x] = static_cast<float>(s[x]) + res[x];
 }
 
-// The dense pass over one block: acc, residual write (acc / loss_scale), compaction of |acc| >= thr.
+// The dense pass over one block: acc, residual write (acc), compaction of |acc| >= thr.
 template <typename T>
 int64_t dense_block(const Spec& t, const Params& p, int64_t r, int64_t j0, int64_t j1, float thr, Kept& out,
                     bool write_residual) {
@@ -165,15 +159,7 @@ int64_t dense_block(const Spec& t, const Params& p, int64_t r, int64_t j0, int64
   accumulate_block<T>(t, p, r, j0, j1, a);
   int64_t nonfinite = 0;
   for (int64_t x = 0; x < len; ++x) nonfinite += !(std::fabs(a[x]) <= FLT_MAX);  // Inf and NaN
-  if (write_residual && t.residual_out) {
-    float* dst = t.residual_out + r * t.c + j0;
-    if (p.scale) {
-      const float ls = p.loss_scale;
-      for (int64_t x = 0; x < len; ++x) dst[x] = a[x] / ls;
-    } else {
-      std::memcpy(dst, a, len * sizeof(float));  // a / 1 == a
-    }
-  }
+  if (write_residual && t.residual_out) std::memcpy(t.residual_out + r * t.c + j0, a, len * sizeof(float));
   // compaction: a vectorizable test of 16 elements at a time, the scalar one only where one is kept
   int64_t x0 = 0;
   for (; x0 + 16 <= len; x0 += 16) {
@@ -269,16 +255,17 @@ float topk_threshold(at::Tensor mag, int64_t k, at::Tensor sample) {
   return thr;
 }
 
-// fixed[i] >= 0: tensor i (if sparse) keeps |acc| >= fixed[i] * loss_scale instead of estimating a threshold from
+// acc = src / divisor + residual (the divisor holds the world size and the loss scale: everything here is in
+// unscaled units). fixed[i] >= 0: tensor i (if sparse) keeps |acc| >= fixed[i] instead of estimating a threshold from
 // its sample, without DGC's corrections. reuse: the fixed thresholds are top-k thresholds of an earlier step
 // (Ok-Topk's threshold reuse): they apply only where k < m, and more than 1.3 k kept still becomes the k largest.
 // Returns the payloads, the new residuals, finiteness, the kept count and, per tensor, the threshold that selected
-// it divided by the loss scale (-1: every real element was kept).
+// it (-1: every real element was kept).
 std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std::vector<double>> compress_bucket(
     std::vector<at::Tensor> srcs, std::vector<int64_t> offsets, std::vector<int64_t> strides,
     std::vector<at::Tensor> residuals, std::vector<int64_t> residual_numels, std::vector<int64_t> numels,
     std::vector<int64_t> chunks, std::vector<bool> sparse, std::vector<int64_t> row_owner, std::vector<int64_t> ks,
-    std::vector<at::Tensor> samples, double divisor, double loss_scale, int64_t group_size, int64_t fingerprint,
+    std::vector<at::Tensor> samples, double divisor, int64_t group_size, int64_t fingerprint,
     bool want_residual, std::vector<double> fixed, bool reuse) {
   const size_t T = srcs.size();
   const int64_t R = static_cast<int64_t>(row_owner.size());
@@ -288,8 +275,8 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
               "compress_bucket: per-tensor lists differ in length");
   TORCH_CHECK(group_size >= 2, "compress_bucket: group_size must be >= 2");
   TORCH_CHECK(fingerprint >= 0 && fingerprint <= INT32_MAX, "compress_bucket: fingerprint must fit in an int31");
-  TORCH_CHECK(divisor > 0 && loss_scale > 0, "compress_bucket: divisor and loss_scale must be > 0");
-  Params p{static_cast<float>(divisor), divisor != 1.0, static_cast<float>(loss_scale), loss_scale != 1.0};
+  TORCH_CHECK(divisor > 0, "compress_bucket: divisor must be > 0");
+  Params p{static_cast<float>(divisor), divisor != 1.0};
 
   std::vector<Spec> specs(T);
   std::vector<at::Tensor> res_out;
@@ -350,7 +337,7 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
   for (size_t i = 0; i < T; ++i) {
     Spec& t = specs[i];
     if (t.sparse && fixed[i] >= 0 && (!reuse || t.k < t.m)) {
-      thr[i] = static_cast<float>(fixed[i] * loss_scale);
+      thr[i] = static_cast<float>(fixed[i]);
       continue;
     }
     if (!t.sparse || t.k >= t.m) continue;
@@ -365,7 +352,7 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
     thr[i] = kth_largest(mags, ksample);
   }
 
-  // 2. the dense pass: acc, new residual (acc / loss_scale), candidates |acc| >= thr
+  // 2. the dense pass: acc, new residual (acc), candidates |acc| >= thr
   std::vector<std::vector<Kept>> kept(T, std::vector<Kept>(R));
   std::vector<int64_t> all(T);
   for (size_t i = 0; i < T; ++i) all[i] = static_cast<int64_t>(i);
@@ -471,7 +458,7 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
           for (int64_t x = g0; x < g1; ++x, ++v) {
             const float q = dgc::int4_quantize(kr.acc[x], scale);
             values[v >> 1] |= static_cast<uint8_t>(dgc::int4_nibble(q) << ((v & 1) * 4));
-            if (t.residual_out) t.residual_out[r * t.c + kr.j[x]] = (kr.acc[x] - q * scale) / p.loss_scale;
+            if (t.residual_out) t.residual_out[r * t.c + kr.j[x]] = kr.acc[x] - q * scale;
           }
         }
         if (t.sparse)
@@ -489,7 +476,7 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
   });
   std::vector<double> used(T, -1.0);
   for (size_t i = 0; i < T; ++i)
-    if (thr[i] >= 0) used[i] = static_cast<double>(thr[i]) / loss_scale;
+    if (thr[i] >= 0) used[i] = static_cast<double>(thr[i]);
   return {payloads, res_out, true, total_kept, used};
 }
 
@@ -584,7 +571,7 @@ void decode_add(at::Tensor out, at::Tensor values, at::Tensor scales, at::Tensor
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "deepspeed_dgc fused CPU kernels (compress_bucket, decode_add, topk_threshold)";
   // the calling convention of these functions; op_builder/dgc.py rebuilds a prebuilt module of another one
-  m.attr("ABI") = 2;
+  m.attr("ABI") = 3;
   m.def("compress_bucket", &compress_bucket, "fused residual add, top-k selection, INT4 quantize and pack per owner row",
         py::call_guard<py::gil_scoped_release>());
   m.def("decode_add", &decode_add, "decode one payload body and scatter-add it into a dense fp32 partition",

@@ -2,7 +2,7 @@
 // this file has no torch dependency (launchers take raw pointers and a stream), the binding is
 // dgc_cuda_binding.cpp. Build with --fmad=false so results equal the PyTorch reference.
 //
-// accumulate:   acc_m[r, col + j] = src[offset + r*stride + j] / divisor + residual[r*c + j] * loss_scale
+// accumulate:   acc_m[r, col + j] = src[offset + r*stride + j] / divisor + residual[r*c + j]
 //               for the real elements of every owner row, 0 in padding (the dense pass).
 // int4_encode:  per kept value, code = clamp(rint(v / scale), -7, 7) as a nibble, and the decoded value.
 // dequant_add:  out[pos[i]] += (nibble_i - 8) * scales[gid[i]] (positions of one sender are distinct).
@@ -29,7 +29,7 @@ template <typename T>
 __global__ void accumulate_kernel(float* __restrict__ acc_m, int64_t acc_cols, int64_t col, const T* __restrict__ src,
                                   int64_t offset, int64_t stride, int64_t n, int64_t c,
                                   const int64_t* __restrict__ owners, int64_t rows, const float* __restrict__ residual,
-                                  float divisor, bool divide, float loss_scale, bool scale) {
+                                  float divisor, bool divide) {
   const int64_t total = rows * c;
   for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -37,7 +37,7 @@ __global__ void accumulate_kernel(float* __restrict__ acc_m, int64_t acc_cols, i
     float a = 0.0f;
     if (j < dgc::real_count(n, owners[r], c)) {
       const float s = to_float<T>(src[offset + r * stride + j]);
-      a = residual ? dgc::accumulate(s, divisor, divide, residual[r * c + j], loss_scale, scale)
+      a = residual ? dgc::accumulate(s, divisor, divide, residual[r * c + j])
                    : (divide ? dgc::divide_by(s, divisor) : s);
     }
     acc_m[r * acc_cols + col + j] = a;
@@ -78,26 +78,25 @@ inline int blocks_for(int64_t n) {
 // dtype: 0 fp32, 1 bf16, 2 fp16
 extern "C" cudaError_t dgc_cuda_accumulate(float* acc_m, int64_t acc_cols, int64_t col, const void* src, int dtype,
                                            int64_t offset, int64_t stride, int64_t n, int64_t c, const int64_t* owners,
-                                           int64_t rows, const float* residual, float divisor, float loss_scale,
-                                           cudaStream_t stream) {
+                                           int64_t rows, const float* residual, float divisor, cudaStream_t stream) {
   if (rows * c == 0) return cudaSuccess;
-  const bool divide = divisor != 1.0f, scale = loss_scale != 1.0f;
+  const bool divide = divisor != 1.0f;
   const int blocks = blocks_for(rows * c);
   switch (dtype) {
     case 0:
       accumulate_kernel<float><<<blocks, kThreads, 0, stream>>>(acc_m, acc_cols, col, static_cast<const float*>(src),
                                                                 offset, stride, n, c, owners, rows, residual, divisor,
-                                                                divide, loss_scale, scale);
+                                                                divide);
       break;
     case 1:
       accumulate_kernel<__nv_bfloat16><<<blocks, kThreads, 0, stream>>>(
           acc_m, acc_cols, col, static_cast<const __nv_bfloat16*>(src), offset, stride, n, c, owners, rows, residual,
-          divisor, divide, loss_scale, scale);
+          divisor, divide);
       break;
     case 2:
       accumulate_kernel<__half><<<blocks, kThreads, 0, stream>>>(acc_m, acc_cols, col, static_cast<const __half*>(src),
                                                                  offset, stride, n, c, owners, rows, residual, divisor,
-                                                                 divide, loss_scale, scale);
+                                                                 divide);
       break;
     default:
       return cudaErrorInvalidValue;

@@ -1,5 +1,5 @@
 // Torch binding of the CUDA kernels in dgc_cuda.cu (module dgc_cuda_op). Shapes and dtypes are
-// checked here; the Python side (deepspeed_dgc/kernels.py, FusedCUDAOps) does the rest. The caller
+// checked here; the Python side (deepspeed_dgc/codec/kernels.py, FusedCUDAOps) does the rest. The caller
 // passes the CUDA stream as an integer (torch.cuda.current_stream().cuda_stream), so this file needs
 // no c10/cuda header and compiles (syntax check in the tests) against a CPU-only torch too.
 #include <torch/extension.h>
@@ -10,8 +10,7 @@
 
 extern "C" cudaError_t dgc_cuda_accumulate(float* acc_m, int64_t acc_cols, int64_t col, const void* src, int dtype,
                                            int64_t offset, int64_t stride, int64_t n, int64_t c, const int64_t* owners,
-                                           int64_t rows, const float* residual, float divisor, float loss_scale,
-                                           cudaStream_t stream);
+                                           int64_t rows, const float* residual, float divisor, cudaStream_t stream);
 extern "C" cudaError_t dgc_cuda_int4_encode(const float* vals, const float* scales, const int64_t* gid, int64_t k,
                                             uint8_t* nibbles, float* decoded, cudaStream_t stream);
 extern "C" cudaError_t dgc_cuda_dequant_add(float* out, const int64_t* pos, const uint8_t* packed, const float* scales,
@@ -31,7 +30,7 @@ void check_cuda(const at::Tensor& t, const char* name) {
 
 // acc_m (R, C) fp32 gets columns [col, col + c) of one tensor; see dgc_cuda.cu.
 void accumulate(at::Tensor acc_m, int64_t col, at::Tensor src, int64_t offset, int64_t stride, int64_t n, int64_t c,
-                at::Tensor owners, at::Tensor residual, double divisor, double loss_scale, int64_t stream) {
+                at::Tensor owners, at::Tensor residual, double divisor, int64_t stream) {
   check_cuda(acc_m, "acc_m");
   check_cuda(src, "src");
   check_cuda(owners, "owners");
@@ -47,7 +46,7 @@ void accumulate(at::Tensor acc_m, int64_t col, at::Tensor src, int64_t offset, i
   }
   check(dgc_cuda_accumulate(acc_m.data_ptr<float>(), acc_m.size(1), col, src.data_ptr(), dtype, offset, stride, n, c,
                             owners.data_ptr<int64_t>(), acc_m.size(0), res, static_cast<float>(divisor),
-                            static_cast<float>(loss_scale), reinterpret_cast<cudaStream_t>(stream)),
+                            reinterpret_cast<cudaStream_t>(stream)),
         "accumulate");
 }
 
@@ -79,7 +78,7 @@ void dequant_add(at::Tensor out, at::Tensor pos, at::Tensor packed, at::Tensor s
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "deepspeed_dgc CUDA kernels (accumulate, int4_encode, dequant_add)";
-  m.def("accumulate", &accumulate, "acc = src / divisor + residual * loss_scale into an owner matrix");
+  m.def("accumulate", &accumulate, "acc = src / divisor + residual into an owner matrix");
   m.def("int4_encode", &int4_encode, "INT4 nibbles and decoded values of kept values");
   m.def("dequant_add", &dequant_add, "scatter-add dequantized INT4 values into a dense fp32 row");
 }

@@ -1,7 +1,7 @@
 // Per-element math of deepspeed_dgc's compressor, shared by the CPU (C++) and CUDA builds.
 //
 // Every function reproduces, bit for bit, what the PyTorch reference path in
-// deepspeed_dgc/compressor.py and deepspeed_dgc/kernels.py computes in fp32: the accumulation
+// deepspeed_dgc/codec/formats.py and deepspeed_dgc/codec/reference.py computes in fp32: the accumulation
 // of the gradient with the error-feedback residual, the group-wise absmax INT4 code
 // (ZeRO++ qgZ's number format, Wang et al., arXiv 2306.10209, section 4.2) and the LEB128
 // varint length of an index gap. Build with floating-point contraction off (-ffp-contract=off,
@@ -35,12 +35,11 @@ DGC_HD float divide_by(float x, float divisor) {
 #endif
 }
 
-// acc = src / divisor + residual * loss_scale (fp32, each operation rounded once, as the
-// reference: x.float().div(divisor) then add_(residual) or add_(residual.mul(loss_scale))).
-DGC_HD float accumulate(float src, float divisor, bool divide, float residual, float loss_scale, bool scale) {
+// acc = src / divisor + residual (fp32, each operation rounded once, as the reference:
+// x.float().div(divisor) then add_(residual)). The divisor holds the world size and the loss scale.
+DGC_HD float accumulate(float src, float divisor, bool divide, float residual) {
   float a = divide ? divide_by(src, divisor) : src;
-  float r = scale ? residual * loss_scale : residual;
-  return a + r;
+  return a + residual;
 }
 
 // Elements of a tensor of n elements that owner `owner` holds when every owner gets c = ceil(n/W).

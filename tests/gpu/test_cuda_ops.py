@@ -11,9 +11,11 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
-from test_kernels import SIZES, _assert_same, _job, _parse  # noqa: E402
+from deepspeed_dgc.codec import wire  # noqa: E402
+from deepspeed_dgc.codec.kernels import FusedCUDAOps, load_fused_op  # noqa: E402
+from deepspeed_dgc.codec.reference import REFERENCE  # noqa: E402
 
-from deepspeed_dgc.kernels import REFERENCE, FusedCUDAOps, load_fused_op  # noqa: E402
+from ..unit.codec.jobs import SIZES, assert_same as _assert_same, make_job as _job  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -39,16 +41,14 @@ def test_cuda_equals_reference(cuda_ops, hierarchical, rows, numels):
             out = cuda_ops.compress(job)
             _assert_same(ref, out)
             for row, payload in enumerate(out.payloads):
-                values, scales, index_bytes, kept = _parse(payload)
-                if kept == 0:
+                layout = job.row_layout(row)
+                body = wire.parse(payload, 0, layout)
+                if body.kept == 0:
                     continue
-                seg_real = [max(0, min(c, n - job.row_owner[row] * c)) for n, c in zip(job.numels, job.chunks)]
-                n_indexed = kept - sum(r for r, s in zip(seg_real, job.sparse) if not s)
                 sums = []
                 for ops in (REFERENCE, cuda_ops):
-                    acc = torch.zeros(sum(job.chunks), device="cuda")
-                    ops.decode_add(acc, values, scales, index_bytes, kept, n_indexed, seg_real, job.chunks, job.sparse,
-                                   job.group_size, True, torch.float32)
+                    acc = torch.zeros(layout.row_numel, device="cuda")
+                    ops.decode_add(acc, body, layout)
                     sums.append(acc)
                 assert torch.equal(sums[0], sums[1])
 
@@ -80,7 +80,7 @@ def test_cuda_reused_thresholds_match(cuda_ops, hierarchical):
 def test_offloaded_residuals_are_pinned_and_come_back_to_the_gpu(storage):
     """residual_offload with CUDA residuals: committed copies are pinned host tensors, reused across commits; reads
     come back on the GPU with the bits of the same memory without offload."""
-    from deepspeed_dgc.memory import ErrorFeedback
+    from deepspeed_dgc.memory.error_feedback import ErrorFeedback
     plain, off = ErrorFeedback(storage), ErrorFeedback(storage, offload=True)
     for step in range(3):
         r = torch.randn(100_003, device="cuda") * (step + 1)

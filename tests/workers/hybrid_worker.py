@@ -1,9 +1,10 @@
 """Worker: the main job's model (CharGPT on the shipped text) trained through HybridTrainer.
 
-Usage: hybrid_worker.py OUT_DIR. 30 steps, 2 ranks; writes OUT_DIR/rank<r>.pt with the losses, the
+Usage: hybrid_worker.py --out DIR. 30 steps, 2 ranks; writes OUT_DIR/rank<r>.pt with the losses, the
 engine's "dgc" config and the telemetry totals.
 """
 
+import argparse
 import os
 import sys
 
@@ -18,7 +19,10 @@ import deepspeed_dgc  # noqa: E402
 from deepspeed_dgc import HybridTrainer  # noqa: E402
 
 
-def main(out_dir):
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    out_dir = ap.parse_args(argv).out
     rank = init()
     train, _, vocab = load_data()
     torch.manual_seed(0)
@@ -37,4 +41,4 @@ def main(out_dir):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1:])

@@ -1,6 +1,6 @@
 """Worker: models that break naive reducers, through ZeRO-3 with DGC (dense INT4, error feedback).
 
-Usage: odd_model_worker.py CASE[,CASE...] OUT_DIR (a case name ending in ``_stock`` runs that case
+Usage: odd_model_worker.py --cases CASE[,CASE...] --out DIR (a case name ending in ``_stock`` runs that case
 through stock ZeRO-3, for comparison; the cases run one after another in the same processes, each
 with its own engine). Every rank builds the same model (seed 0), keeps a float64
 copy, and runs STEPS steps on its own batch. For each step it records the gradient DeepSpeed hands
@@ -13,6 +13,7 @@ Cases: no_grad_some_steps, frozen, used_twice, moe, one_element, smaller_than_wo
 bucket_padding.
 """
 
+import argparse
 import copy
 import sys
 
@@ -178,7 +179,12 @@ def batch(case, rank, step, dtype):
     return x.to(dtype), y.to(dtype)
 
 
-def main(cases, out_dir):
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    cases, out_dir = args.cases, args.out
     rank = init()
     for name in cases.split(","):
         case, stock = (name[:-len("_stock")], True) if name.endswith("_stock") else (name, False)
@@ -226,4 +232,4 @@ def run_case(case, stock, rank):
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    main(sys.argv[1:])

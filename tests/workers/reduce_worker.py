@@ -1,12 +1,13 @@
 """Worker: run the compressed reduce-scatter directly on random gradients and save everything.
 
-Usage: reduce_worker.py OUT_DIR [RUNS [TOPOLOGY [RANKS_PER_NODE]]], e.g. ``out torch,mpi flat`` or
-``out torch,torch:reference hierarchical 2``. Each run is ``BACKEND[:KERNELS]`` (``dgc.comm_backend``,
-``dgc.kernels``, default auto). Writes OUT_DIR/rank<r>_<run>.pt: {case: {"cfg", "steps": [...]}} where
-each step holds this rank's inputs, outputs and committed residuals after the step. The inputs do
-not depend on the run, so the files of two runs must be equal bit for bit.
+Usage: reduce_worker.py --out DIR [--runs RUN[,RUN...]] [--topology flat|hierarchical] [--ranks-per-node L],
+e.g. ``--runs torch,mpi`` or ``--runs torch,torch:reference --topology hierarchical --ranks-per-node 2``. Each run
+is ``BACKEND[:KERNELS]`` (``dgc.comm_backend``, ``dgc.kernels``, default auto). Writes DIR/rank<r>_<run>.pt:
+{case: {"cfg", "steps": [...], "ops"}} where each step holds this rank's inputs, outputs and committed residuals
+after the step. The inputs do not depend on the run, so the files of two runs must be equal bit for bit.
 """
 
+import argparse
 import sys
 
 import torch
@@ -14,8 +15,8 @@ import torch
 from common import finish, init
 
 from deepspeed_dgc.config import DGCConfig
-from deepspeed_dgc.memory import ErrorFeedback
-from deepspeed_dgc.reducer import CompressedReduceScatter
+from deepspeed_dgc.memory.error_feedback import ErrorFeedback
+from deepspeed_dgc.zero3.reduce_scatter import CompressedReduceScatter
 
 SIZES = [1, 7, 42, 1001]
 CASES = {
@@ -80,19 +81,21 @@ def run_cases(rank: int, **settings) -> dict:
     return results
 
 
-def main(out_dir: str, backends: str = "torch", topology: str = "flat", ranks_per_node: str = "") -> None:
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--runs", default="torch")
+    ap.add_argument("--topology", default="flat", choices=["flat", "hierarchical"])
+    ap.add_argument("--ranks-per-node", type=int, default=None)
+    args = ap.parse_args(argv)
     rank = init()
-    for run in backends.split(","):
+    for run in args.runs.split(","):
         backend, _, kernels = run.partition(":")
-        results = run_cases(rank,
-                            comm_backend=backend,
-                            kernels=kernels or "auto",
-                            topology=topology,
-                            ranks_per_node=int(ranks_per_node) if ranks_per_node else None,
-                            timeout_s=60.0)
-        torch.save(results, f"{out_dir}/rank{rank}_{run}.pt")
+        results = run_cases(rank, comm_backend=backend, kernels=kernels or "auto", topology=args.topology,
+                            ranks_per_node=args.ranks_per_node, timeout_s=60.0)
+        torch.save(results, f"{args.out}/rank{rank}_{run}.pt")
     finish()
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    main(sys.argv[1:])

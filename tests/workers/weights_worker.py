@@ -1,7 +1,7 @@
 """Worker: ZeRO-3 with the quantized parameter all-gather; record the weights forward actually saw.
 
-Usage: weights_worker.py FORMAT OUT_DIR [HPZ [SEQUENTIAL [NODE_SIZE]]] (SEQUENTIAL 1: one gather per
-parameter; NODE_SIZE > 0: hierarchical gradient topology with that many ranks per node, which also
+Usage: weights_worker.py --format FMT --out DIR [--hpz N] [--sequential] [--node-size L] (--sequential: one
+gather per parameter; --node-size L > 0: hierarchical gradient topology with L ranks per node, which also
 labels parameter bytes as intra- or inter-node). Parameters are not persistent and neither prefetched
 nor reused, so every step gathers each weight in forward and again in backward. Per step it saves
 the exact full fp32 parameters before the step, the gathered weights each module saw in forward,
@@ -9,6 +9,7 @@ whether the stored shards changed during forward/backward, whether they equal th
 partition after the step, and the telemetry of the step.
 """
 
+import argparse
 import copy
 import sys
 
@@ -29,7 +30,15 @@ def real_numel(p, rank):
     return max(0, min(p.ds_numel - rank * size, size))
 
 
-def main(fmt, out_dir, hpz=1, sequential=0, node_size=0):
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--format", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--hpz", type=int, default=1)
+    ap.add_argument("--sequential", action="store_true")
+    ap.add_argument("--node-size", type=int, default=0)
+    args = ap.parse_args(argv)
+    fmt, out_dir, hpz, sequential, node_size = args.format, args.out, args.hpz, args.sequential, args.node_size
     rank = init()
     cfg = copy.deepcopy(BASE)
     cfg["zero_optimization"].update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=0,
@@ -78,4 +87,4 @@ def main(fmt, out_dir, hpz=1, sequential=0, node_size=0):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], *[int(a) for a in sys.argv[3:]])
+    main(sys.argv[1:])

@@ -1,0 +1,351 @@
+"""Value formats: group-wise quantization of the values sent (gradients) and gathered (weights).
+
+Pure functions on tensors. Every format has group-wise fp32 scales; groups never span two segments
+(tensors), so a small tensor never shares a scale with a large neighbour. Codes are packed
+little-endian into bytes: element i at bits ``(i % per_byte) * bits`` of byte ``i // per_byte``.
+
+- gradients (:func:`quantize_values`): INT4 (ZeRO++ qgZ's format, Wang et al., arXiv 2306.10209,
+  section 4.2), INT2, INT1 (1-bit Adam's compressor, Tang et al., ICML 2021, section 3), FP8 e4m3/e5m2
+  (OCP FP8, Micikevicius et al., arXiv 2209.05433), with optional stochastic rounding;
+- weights (:func:`quantize_weights`): INT8, FP8 e4m3, INT4 with absmax scales (ZeRO++ qwZ, section 4.1).
+"""
+
+from typing import Optional, Tuple
+
+import torch
+
+INT4_QMAX = 7  # symmetric: codes -7..7, stored with an offset of 8 in one nibble
+
+
+def int4_packed_bytes(numel: int) -> int:
+    """Bytes of ``numel`` INT4 codes packed two per byte: ``ceil(numel / 2)``."""
+    return (numel + 1) // 2
+
+
+def int4_group_ids(segment_counts: torch.Tensor, group_size: int) -> Tuple[torch.Tensor, int]:
+    """Scale group of each value when groups restart at every segment (tensor) boundary.
+
+    Args:
+        segment_counts: int64 tensor, shape ``(S,)``, values per segment.
+        group_size: values per group.
+
+    Returns:
+        ``(group_ids, n_groups)``: int64 tensor of shape ``(sum(segment_counts),)`` and
+        ``sum(ceil(count / group_size))``.
+    """
+    counts = segment_counts.long()
+    if counts.numel() == 1:  # one segment (weights, dense buckets of one tensor): consecutive runs, no shifts
+        m = int(counts.sum())
+        return torch.arange(m, device=counts.device).div_(group_size, rounding_mode="floor"), -(-m // group_size)
+    groups = (counts + group_size - 1) // group_size
+    n_groups = int(groups.sum())
+    m = int(counts.sum())
+    # value i of segment s sits at i + shift_s in a layout where each segment is padded to whole groups
+    shift = (torch.cumsum(groups, 0) - groups) * group_size - (torch.cumsum(counts, 0) - counts)
+    padded_pos = torch.arange(m, device=counts.device) + torch.repeat_interleave(shift, counts, output_size=m)
+    return padded_pos.div_(group_size, rounding_mode="floor"), n_groups
+
+
+def int4_group_scales(values: torch.Tensor, gid: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """Group-wise absmax INT4 scales: ``max |v| / 7`` over the values of each group (0 for an empty group).
+
+    Args:
+        values: float tensor of m values; gid: int64 group of each value (:func:`int4_group_ids`).
+        n_groups: number of groups.
+
+    Returns:
+        fp32 tensor of shape ``(n_groups,)``.
+    """
+    scales = torch.zeros(n_groups, dtype=torch.float32, device=values.device)
+    scales.scatter_reduce_(0, gid, values.float().abs(), reduce="amax", include_self=True)
+    return scales.div_(INT4_QMAX)
+
+
+def quantize_int4(values: torch.Tensor,
+                  group_size: int,
+                  segment_counts: Optional[torch.Tensor] = None,
+                  return_dequantized: bool = False):
+    """Symmetric group-wise INT4 quantization with absmax scales.
+
+    Consecutive runs of ``group_size`` values of one segment share one scale
+    ``s = absmax / 7`` (a group never spans two segments, so a small tensor never shares a
+    scale with a large neighbour); a value is stored as ``round(v / s)`` in [-7, 7], offset by
+    8 into a nibble, two per byte (element 2i in the low nibble) over the whole stream. The
+    rounding error is at most ``s / 2`` per value. This is the number format of ZeRO++ qgZ
+    (Wang et al., arXiv 2306.10209, section 4.2), without its swizzle.
+
+    Args:
+        values: 1-D float tensor of m >= 0 finite values (any float dtype; math in fp32).
+        group_size: values per scale group.
+        segment_counts: int64 ``(S,)`` values per segment, summing to m; None: one segment.
+        return_dequantized: also return what :func:`dequantize_int4` will decode.
+
+    Returns:
+        ``(packed, scales)``: packed uint8 codes of shape ``(ceil(m/2),)`` and fp32 scales of
+        shape ``(n_groups,)`` (see :func:`int4_group_ids`); with ``return_dequantized``,
+        ``(packed, scales, dequantized)`` where ``dequantized`` is fp32 of shape ``(m,)``.
+    """
+    m = values.numel()
+    if segment_counts is None:
+        segment_counts = torch.tensor([m], device=values.device)
+    v = values.float()
+    gid, n_groups = int4_group_ids(segment_counts, group_size)
+    scales = int4_group_scales(v, gid, n_groups)
+    q = torch.round(_divide_by_scale(v, scales[gid])).clamp_(-INT4_QMAX, INT4_QMAX)
+    packed = pack_nibbles((q.to(torch.int16) + 8).to(torch.uint8))
+    if return_dequantized:
+        return packed, scales, q.mul_(scales[gid])
+    return packed, scales
+
+
+def dequantize_int4(packed: torch.Tensor,
+                    scales: torch.Tensor,
+                    numel: int,
+                    group_size: int,
+                    segment_counts: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Inverse of :func:`quantize_int4`.
+
+    Args:
+        packed: uint8 tensor of ``ceil(numel/2)`` bytes.
+        scales: fp32 scales, one per group.
+        numel: number of values m.
+        group_size: as used to quantize.
+        segment_counts: as used to quantize (None: one segment).
+
+    Returns:
+        fp32 tensor of shape ``(numel,)``.
+
+    Raises:
+        ValueError: the number of scales does not match the segments.
+    """
+    if segment_counts is None:
+        segment_counts = torch.tensor([numel], device=packed.device)
+    gid, n_groups = int4_group_ids(segment_counts, group_size)
+    if n_groups != scales.numel() or gid.numel() != numel:
+        raise ValueError(f"dequantize_int4: {scales.numel()} scales for {n_groups} groups of {numel} values")
+    codes = unpack_nibbles(packed, numel).to(torch.float32) - 8.0
+    return codes * scales[gid]
+
+
+def _divide_by_scale(v: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``v / scale``, and 0 where the scale is 0 (an all-zero group).
+
+    A true division, not a multiply by ``1 / scale``: for a subnormal scale (a group whose absmax
+    is below 1e-38, as residuals of rarely-updated rows become) the reciprocal overflows to inf and
+    ``0 * inf`` is NaN, while ``|v| / scale`` stays within the code range.
+    """
+    return torch.where(scale > 0, v / torch.where(scale > 0, scale, torch.ones_like(scale)), torch.zeros_like(v))
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """Pack uint8 codes in [0, 15] two per byte: element 2i low nibble, 2i+1 high nibble."""
+    if codes.numel() % 2:
+        codes = torch.cat([codes, codes.new_zeros(1)])
+    pairs = codes.view(-1, 2)
+    return pairs[:, 0] | (pairs[:, 1] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """Inverse of :func:`pack_nibbles`: uint8 codes of shape ``(numel,)``."""
+    return torch.stack([packed & 0x0F, packed >> 4], dim=1).view(-1)[:numel]
+
+
+VALUE_BITS = {"int4": 4, "int2": 2, "int1": 1, "fp8_e4m3": 8, "fp8_e5m2": 8}
+FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
+INT2_LEVEL = 1.5  # INT2 levels are +-0.5 s and +-1.5 s with s = absmax / 1.5
+
+
+def packed_bytes(numel: int, fmt: str) -> int:
+    """Bytes of ``numel`` codes of value format ``fmt``: ``ceil(numel * bits / 8)``."""
+    return -(-numel * VALUE_BITS[fmt] // 8)
+
+
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack uint8 codes below ``2**bits`` (bits in 1, 2, 4, 8), little-endian within each byte.
+
+    For 4 bits this is :func:`pack_nibbles`. Returns uint8 of shape ``(ceil(n * bits / 8),)``.
+    """
+    if bits == 8:
+        return codes.to(torch.uint8)
+    per = 8 // bits
+    pad = -codes.numel() % per
+    c = torch.cat([codes, codes.new_zeros(pad)]) if pad else codes
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
+    return (c.view(-1, per).to(torch.uint8) << shifts).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: uint8 codes of shape ``(numel,)``."""
+    if bits == 8:
+        return packed[:numel]
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    return ((packed[:, None] >> shifts) & ((1 << bits) - 1)).view(-1)[:numel]
+
+
+def group_scales(values: torch.Tensor, gid: torch.Tensor, n_groups: int, fmt: str) -> torch.Tensor:
+    """Group-wise scales of ``fmt``: absmax / qmax (INT4: 7, INT2: 1.5, FP8: the format's largest
+    finite value), and for INT1 the mean magnitude (the scale that minimises the L2 error of
+    ``s * sign(v)``; 1-bit Adam, Tang et al., ICML 2021, section 3). fp32, shape ``(n_groups,)``."""
+    if fmt == "int4":
+        return int4_group_scales(values, gid, n_groups)
+    mag = values.float().abs()
+    if fmt == "int1":
+        sums = torch.zeros(n_groups, dtype=torch.float32, device=values.device).index_add_(0, gid, mag)
+        counts = torch.zeros(n_groups, dtype=torch.float32, device=values.device).index_add_(0, gid, torch.ones_like(mag))
+        return sums / counts.clamp_(min=1)
+    scales = torch.zeros(n_groups, dtype=torch.float32, device=values.device)
+    scales.scatter_reduce_(0, gid, mag, reduce="amax", include_self=True)
+    return scales.div_(INT2_LEVEL if fmt == "int2" else FP8_MAX[fmt])
+
+
+def quantize_values(values: torch.Tensor,
+                    fmt: str,
+                    group_size: int,
+                    segment_counts: Optional[torch.Tensor] = None,
+                    generator: Optional[torch.Generator] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize kept values to ``fmt`` with group-wise scales; returns what the receiver decodes too.
+
+    Formats (s = the group's scale, :func:`group_scales`):
+
+    - ``"int4"``: symmetric codes ``round(v / s)`` in [-7, 7] (:func:`quantize_int4`); error <= s/2.
+    - ``"int2"``: four levels ``(q + 0.5) s``, q in [-2, 1]; error <= s/2 = absmax/3.
+    - ``"int1"``: ``s * sign(v)`` with s the group's mean magnitude (1-bit Adam's compressor,
+      Tang et al., ICML 2021, section 3; signSGD with error feedback, Karimireddy et al., ICML 2019).
+    - ``"fp8_e4m3"``, ``"fp8_e5m2"``: ``v / s`` cast to float8 (OCP FP8, Micikevicius et al.,
+      arXiv 2209.05433): relative error <= 2^-4 (e4m3) or 2^-3 (e5m2) for normal values; values
+      below the smallest subnormal times s flush to zero (e4m3 spans 2^-9..448, e5m2 2^-16..57344,
+      so a group whose values span more than about 2e5 (e4m3) or 4e9 (e5m2) loses its smallest).
+      The error is carried by error feedback like any other.
+
+    Stochastic rounding (``generator`` given; INT4 and INT2 only): the code is
+    ``floor(v / s + u)`` with u uniform in [0, 1) drawn from ``generator``, so ``E[decoded] = v``
+    (Gupta et al., ICML 2015); the error is below one step s.
+
+    Args:
+        values: 1-D float tensor of m >= 0 finite values (math in fp32).
+        fmt: a key of ``VALUE_BITS``.
+        group_size: values per scale group.
+        segment_counts: int64 ``(S,)`` values per segment (groups restart at each); None: one segment.
+        generator: random generator on the values' device for stochastic rounding; None rounds to nearest.
+
+    Returns:
+        ``(packed, scales, decoded)``: uint8 codes ``(packed_bytes(m, fmt),)``, fp32 scales
+        ``(n_groups,)`` and the fp32 decoded values ``(m,)``.
+
+    Raises:
+        ValueError: unknown format, or stochastic rounding asked for INT1/FP8.
+    """
+    if fmt not in VALUE_BITS:
+        raise ValueError(f"unknown value format {fmt!r}; allowed: {', '.join(VALUE_BITS)}")
+    if generator is not None and fmt not in ("int4", "int2"):
+        raise ValueError(f"stochastic rounding is defined for int4 and int2, not {fmt!r}")
+    m = values.numel()
+    if segment_counts is None:
+        segment_counts = torch.tensor([m], device=values.device)
+    if fmt == "int4" and generator is None:
+        return quantize_int4(values, group_size, segment_counts, return_dequantized=True)
+    v = values.float()
+    gid, n_groups = int4_group_ids(segment_counts, group_size)
+    scales = group_scales(v, gid, n_groups, fmt)
+    s = scales[gid]
+    if fmt == "int1":
+        positive = v >= 0
+        return pack_bits(positive.to(torch.uint8), 1), scales, torch.where(positive, s, -s)
+    if fmt in FP8_DTYPES:
+        codes = _divide_by_scale(v, s).to(FP8_DTYPES[fmt])
+        return codes.view(torch.uint8), scales, codes.float() * s
+    # code offsets: INT4 nibbles hold q + 8 (as quantize_int4), INT2 codes q + 2
+    lo, hi, offset, code_offset = (-INT4_QMAX, INT4_QMAX, 0.0, 8) if fmt == "int4" else (-2, 1, 0.5, 2)
+    t = _divide_by_scale(v, s) - offset
+    u = 0.5 if generator is None else torch.rand(m, generator=generator, device=v.device)
+    q = torch.floor(t + u).clamp_(lo, hi)
+    codes = (q + code_offset).to(torch.uint8)
+    return pack_bits(codes, VALUE_BITS[fmt]), scales, (q + offset) * s
+
+
+def dequantize_values(packed: torch.Tensor, scales: torch.Tensor, numel: int, fmt: str, group_size: int,
+                      segment_counts: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Inverse of :func:`quantize_values` (either rounding): fp32 tensor of shape ``(numel,)``.
+
+    Raises:
+        ValueError: unknown format, or the number of scales or bytes does not match.
+    """
+    if fmt == "int4":
+        return dequantize_int4(packed, scales, numel, group_size, segment_counts)
+    if fmt not in VALUE_BITS:
+        raise ValueError(f"unknown value format {fmt!r}; allowed: {', '.join(VALUE_BITS)}")
+    if segment_counts is None:
+        segment_counts = torch.tensor([numel], device=packed.device)
+    gid, n_groups = int4_group_ids(segment_counts, group_size)
+    if n_groups != scales.numel() or gid.numel() != numel or packed.numel() != packed_bytes(numel, fmt):
+        raise ValueError(f"dequantize_values: {scales.numel()} scales and {packed.numel()} bytes for {n_groups} "
+                         f"groups of {numel} {fmt} values")
+    s = scales[gid]
+    if fmt in FP8_DTYPES:
+        return packed.view(FP8_DTYPES[fmt]).float() * s
+    codes = unpack_bits(packed, VALUE_BITS[fmt], numel).float()
+    if fmt == "int1":
+        return torch.where(codes > 0, s, -s)
+    return (codes - 2 + 0.5) * s  # int2
+
+
+# ---- weight formats (quantized parameter all-gather) ----------------------------------------
+# Group-wise absmax scaling as in ZeRO++ qwZ (Wang et al., arXiv 2306.10209, section 4.1):
+# s = absmax / qmax per group of group_size consecutive elements, code = v / s.
+WEIGHT_QMAX = {"int8": 127.0, "fp8_e4m3": 448.0, "int4": float(INT4_QMAX)}
+
+
+def weight_code_bytes(numel: int, fmt: str) -> int:
+    """Bytes of the codes of ``numel`` weights in ``fmt`` (1 per element, INT4 half of that, rounded up)."""
+    return int4_packed_bytes(numel) if fmt == "int4" else numel
+
+
+def weight_num_groups(numel: int, group_size: int) -> int:
+    """Scale groups of ``numel`` weights: ``ceil(numel / group_size)``."""
+    return -(-numel // group_size)
+
+
+def quantize_weights(x: torch.Tensor, fmt: str, group_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a flat weight shard with group-wise absmax scales.
+
+    Formats: ``"int8"`` (symmetric, round to nearest, error <= s/2), ``"fp8_e4m3"`` (the value
+    divided by s cast to float8 e4m3fn: relative error <= 2^-4, absolute <= 16 s in the top
+    binade), ``"int4"`` (as :func:`quantize_int4`).
+
+    Args:
+        x: 1-D float tensor of n >= 0 finite weights (fp32, bf16 or fp16; math in fp32).
+        fmt: one of ``WEIGHT_QMAX``.
+        group_size: elements per scale.
+
+    Returns:
+        ``(codes, scales)``: uint8 codes of shape ``(weight_code_bytes(n, fmt),)`` and fp32 scales
+        of shape ``(weight_num_groups(n, group_size),)``.
+
+    Raises:
+        ValueError: unknown format.
+    """
+    if fmt not in WEIGHT_QMAX:
+        raise ValueError(f"unknown weight format {fmt!r}; allowed: {', '.join(WEIGHT_QMAX)}")
+    if fmt == "int4":
+        return quantize_int4(x, group_size)
+    n = x.numel()
+    groups = weight_num_groups(n, group_size)
+    padded = torch.nn.functional.pad(x.float(), (0, groups * group_size - n)).view(groups, group_size)
+    scales = padded.abs().amax(dim=1) / WEIGHT_QMAX[fmt]
+    scaled = _divide_by_scale(padded, scales[:, None])
+    if fmt == "int8":
+        codes = torch.round(scaled).clamp_(-127, 127).to(torch.int8)
+    else:
+        codes = scaled.to(torch.float8_e4m3fn)
+    return codes.view(-1)[:n].view(torch.uint8), scales
+
+
+def dequantize_weights(codes: torch.Tensor, scales: torch.Tensor, numel: int, fmt: str, group_size: int) -> torch.Tensor:
+    """Inverse of :func:`quantize_weights`: fp32 tensor of shape ``(numel,)``."""
+    if fmt == "int4":
+        return dequantize_int4(codes, scales, numel, group_size)
+    values = codes.view(torch.int8 if fmt == "int8" else torch.float8_e4m3fn).float()
+    groups = scales.numel()
+    padded = torch.nn.functional.pad(values, (0, groups * group_size - numel)).view(groups, group_size)
+    return (padded * scales[:, None]).view(-1)[:numel]

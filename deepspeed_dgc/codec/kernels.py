@@ -1,0 +1,182 @@
+"""The fused ops (C++/OpenMP on CPU, CUDA on GPU) and the choice between them and the reference.
+
+- :class:`FusedCPUOps` (``csrc/dgc/dgc_cpu.cpp``): one OpenMP pass over the dense data;
+- :class:`FusedCUDAOps` (``csrc/dgc/dgc_cuda.cu``): accumulation, INT4 codes and decode as CUDA kernels,
+  selection and packing of the kept ~density fraction as torch ops on the device.
+
+Both give the bytes and residual bits of :class:`~deepspeed_dgc.codec.reference.ReferenceOps`. They code
+INT4 rounded to nearest with varint positions; a job asking for anything else (another format,
+stochastic rounding, bitmap positions, raw values) runs the reference code, which gives the same bytes
+either way, so ranks may mix the two paths. :func:`get_ops` picks one from ``dgc.kernels``.
+"""
+
+import logging
+from typing import Sequence, Tuple
+
+import torch
+
+from . import wire
+from .formats import int4_group_ids, int4_group_scales, pack_nibbles
+from .indices import decode_positions
+from .job import CompressJob, CompressOutput
+from .reference import REFERENCE, ReferenceOps
+
+logger = logging.getLogger("deepspeed_dgc")
+
+KERNEL_CHOICES = ("auto", "fused", "reference")
+_warned = set()
+
+
+class DGCKernelError(RuntimeError):
+    """``dgc.kernels`` is ``"fused"`` and the fused op cannot load here (the message says why)."""
+
+
+def fused_can_decode(quantize: bool, value_format: str, index_coding: str, sparse: Sequence[bool]) -> bool:
+    """Whether the fused ops decode such a payload: INT4 values with varint positions (or none sent)."""
+    return quantize and value_format == "int4" and (index_coding == "varint" or not any(sparse))
+
+
+def fused_can_code(job: CompressJob) -> bool:
+    """Whether the fused ops code this job themselves: what they decode, rounded to nearest."""
+    return (fused_can_decode(job.quantize, job.value_format, job.index_coding, job.sparse)
+            and job.rounding_generator is None)
+
+
+def _row_decodable(row: wire.RowLayout) -> bool:
+    return fused_can_decode(row.quantize, row.value_format, row.index_coding, row.sparse)
+
+
+class FusedCPUOps(ReferenceOps):
+    """The fused OpenMP op (``dgc_cpu_op``): one pass over the dense data; INT4 only."""
+
+    name = "fused-cpu"
+
+    def __init__(self, op):
+        self.op = op
+
+    def compress(self, job: CompressJob) -> CompressOutput:
+        if not fused_can_code(job):
+            return ReferenceOps.compress(self, job)
+        empty_f = torch.empty(0, dtype=torch.float32)
+        empty_l = torch.empty(0, dtype=torch.long)
+        if job.threshold is not None:
+            fixed = [float(job.threshold)] * len(job.srcs)
+        else:
+            fixed = [-1.0 if t is None else float(t) for t in (job.reuse_thresholds or [None] * len(job.srcs))]
+        payloads, residuals, finite, kept, used = self.op.compress_bucket(
+            [s.contiguous() for s in job.srcs], list(job.offsets), list(job.row_strides),
+            [empty_f if r is None else r.contiguous() for r in job.residuals], list(job.residual_numels),
+            list(job.numels), list(job.chunks), list(job.sparse), list(job.row_owner), job.targets(),
+            [empty_l if s is None else s for s in job.samples], float(job.divisor), job.group_size, job.fingerprint,
+            job.want_residual, fixed, job.threshold is None)
+        report = job.reuse_thresholds is not None or job.threshold is not None
+        return CompressOutput(list(payloads), list(residuals) if finite and job.want_residual else None, finite, kept,
+                              [t if t >= 0 and report else None for t in used])
+
+    def decode_add(self, out: torch.Tensor, body: wire.Body, row: wire.RowLayout) -> None:
+        if not _row_decodable(row):
+            return ReferenceOps.decode_add(self, out, body, row)
+        self.op.decode_add(out, body.values.contiguous(), body.scales.contiguous(), body.index_bytes.contiguous(),
+                           body.kept, body.n_indexed, list(row.seg_real), list(row.chunks), list(row.sparse),
+                           row.group_size)
+
+
+class FusedCUDAOps(ReferenceOps):
+    """The CUDA op (``dgc_cuda_op``): accumulation, INT4 coding and decode as CUDA kernels."""
+
+    name = "fused-cuda"
+
+    def __init__(self, op):
+        self.op = op
+
+    def accumulate(self, job: CompressJob) -> Tuple[torch.Tensor, torch.Tensor]:
+        C = sum(job.chunks)
+        acc_m = torch.empty(job.rows, C, dtype=torch.float32, device=job.srcs[0].device)
+        owners = torch.tensor(job.row_owner, dtype=torch.long, device=acc_m.device)
+        col = 0
+        reals = []
+        for i, src in enumerate(job.srcs):
+            residual = job.residuals[i]
+            self.op.accumulate(acc_m, col, src, job.offsets[i], job.row_strides[i], job.numels[i], job.chunks[i],
+                               owners, residual if residual is not None else torch.empty(0, device=acc_m.device),
+                               float(job.divisor), _stream())
+            reals.append(job.real_mask(i, acc_m.device))
+            col += job.chunks[i]
+        return acc_m, torch.cat(reals, dim=1)
+
+    def decode_add(self, out: torch.Tensor, body: wire.Body, row: wire.RowLayout) -> None:
+        if not _row_decodable(row):
+            return ReferenceOps.decode_add(self, out, body, row)
+        pos, counts = decode_positions(out.numel(), body.index_bytes, body.kept, body.n_indexed, row.seg_real,
+                                       row.chunks, row.sparse)
+        gid, n_groups = int4_group_ids(counts, row.group_size)
+        if n_groups != body.scales.numel():
+            raise ValueError(f"{body.scales.numel()} scales for {n_groups} groups")
+        self.op.dequant_add(out, pos, body.values.contiguous(), body.scales.contiguous(), gid, _stream())
+
+    def _quantize(self, vals: torch.Tensor, job: CompressJob, segment_counts_: torch.Tensor):
+        if job.value_format != "int4" or job.rounding_generator is not None:
+            return ReferenceOps._quantize(self, vals, job, segment_counts_)
+        gid, n_groups = int4_group_ids(segment_counts_, job.group_size)
+        scales = int4_group_scales(vals, gid, n_groups)
+        nibbles, decoded = self.op.int4_encode(vals.contiguous(), scales, gid, _stream())
+        return pack_nibbles(nibbles), scales, decoded
+
+
+def _stream() -> int:
+    """The current CUDA stream as an integer handle, for the CUDA op's launchers."""
+    return torch.cuda.current_stream().cuda_stream
+
+
+def load_fused_op(device_type: str):
+    """Load the fused op for a torch device type (``"cpu"`` or ``"cuda"``).
+
+    Returns:
+        The extension module.
+
+    Raises:
+        RuntimeError: no compiler, no CUDA, missing sources or a failed build (message says why).
+    """
+    from op_builder import builder_for_device  # deferred: imports deepspeed's builders
+    return builder_for_device(device_type)().load()
+
+
+def get_ops(kernels: str, device_type: str, quantize: bool):
+    """The implementation ``dgc.kernels`` asks for on this device.
+
+    Args:
+        kernels: ``"auto"``, ``"fused"`` or ``"reference"``.
+        device_type: torch device type of the gradients (``"cpu"``, ``"cuda"``, ...).
+        quantize: whether payloads are quantized (the fused ops code INT4 and hand the rest to the reference).
+
+    Returns:
+        :class:`~deepspeed_dgc.codec.reference.ReferenceOps`, :class:`FusedCPUOps` or :class:`FusedCUDAOps`.
+
+    Raises:
+        DGCKernelError: ``"fused"`` was asked for and the op cannot load or cannot serve this config.
+        ValueError: unknown ``kernels``.
+    """
+    if kernels not in KERNEL_CHOICES:
+        raise ValueError(f"unknown kernels {kernels!r}; allowed: {', '.join(KERNEL_CHOICES)}")
+    if kernels == "reference":
+        return REFERENCE
+    if not quantize:
+        if kernels == "fused":
+            raise DGCKernelError("'dgc.kernels' is \"fused\" but 'dgc.quantization' is \"none\": the fused ops only "
+                                 "code INT4 payloads; use \"auto\" or \"reference\"")
+        return REFERENCE
+    if device_type not in ("cpu", "cuda"):
+        reason = f"no fused op for device type {device_type!r}"
+    else:
+        try:
+            op = load_fused_op(device_type)
+            return FusedCUDAOps(op) if device_type == "cuda" else FusedCPUOps(op)
+        except Exception as err:  # noqa: BLE001 -- any build/load failure means "fall back" (or fail for "fused")
+            reason = f"{type(err).__name__}: {err}".strip()
+    if kernels == "fused":
+        raise DGCKernelError(f"'dgc.kernels' is \"fused\" but the fused {device_type} op cannot load: {reason}")
+    if (device_type, reason) not in _warned:
+        _warned.add((device_type, reason))
+        logger.warning("deepspeed_dgc: fused %s op unavailable (%s); using the PyTorch reference path", device_type,
+                       reason)
+    return REFERENCE

@@ -1,0 +1,205 @@
+"""Checkpoint side-car: the extension's per-rank state next to DeepSpeed's per-rank files.
+
+``engine.save_checkpoint(dir, tag)`` also writes ``dir/tag/dgc_state_dp_rank_{r:05d}.pt`` on every rank:
+committed residuals (in their storage form), the threshold-sampling generators, the reused top-k thresholds,
+the warm-up clock, local momenta and the telemetry totals. ``engine.load_checkpoint`` reads it back, so a
+resumed run continues exactly as an uninterrupted one. DeepSpeed's own files are untouched
+(``zero_to_fp32`` keeps working); the side-car loads with ``torch.load(weights_only=True)``.
+"""
+
+import glob
+import os
+from typing import Dict, Optional
+
+import torch
+
+from ..memory.error_feedback import ErrorFeedback
+from .state import DGCState
+
+FORMAT = 1
+SIDECAR_GLOB = "dgc_state_dp_rank_*.pt"
+
+
+def sidecar_name(dp_rank: int) -> str:
+    """File name of a rank's side-car."""
+    return f"dgc_state_dp_rank_{dp_rank:05d}.pt"
+
+
+def sidecar_path(ckpt_dir: str, tag: str, dp_rank: int) -> str:
+    """Path of this rank's side-car file in checkpoint ``ckpt_dir/tag``."""
+    return os.path.join(ckpt_dir, str(tag), sidecar_name(dp_rank))
+
+
+def residual_layout(state: DGCState) -> str:
+    """What the residuals' shapes depend on besides the world size: the topology and node size."""
+    if state.cfg.topology == "flat":
+        return "flat"
+    return f"hierarchical, {state.reducer.ranks_per_node} ranks per node"
+
+
+def save_state(state: DGCState, ckpt_dir: str, tag: str, world_size: int) -> str:
+    """Write this rank's side-car; returns its path. Residuals are unscaled, in their storage form
+    (:meth:`~deepspeed_dgc.memory.error_feedback.ErrorFeedback.export`: fp32 or bf16 tensors, ``(codes, scales)``
+    for fp8), with ``residual_storage`` naming it."""
+    path = sidecar_path(ckpt_dir, tag, state.dp_rank)
+    reducer = state.reducer.export_state()
+    payload = {
+        "format": FORMAT,
+        "world_size": world_size,
+        "dp_rank": state.dp_rank,
+        "config": state.cfg.model_dump(mode="json"),
+        "residual_layout": residual_layout(state),
+        "residual_storage": state.memory.storage,
+        "residuals": state.memory.export(),
+        "generators": reducer["generators"],
+        "thresholds": reducer["thresholds"],
+        "steps_applied": reducer["steps_applied"],
+        "stats": state.stats.totals(),
+        "momentum": state.momentum.export() if state.momentum is not None else None,
+    }
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    torch.save(payload, path)
+    return path
+
+
+def sidecar_dir(ckpt_dir: str, tag: str) -> str:
+    """The tag directory holding the side-cars: ``tag`` itself, or for a universal checkpoint made by
+    DeepSpeed's ``ds_to_universal`` (``<tag>_universal``, which does not copy them) the source tag."""
+    here = os.path.join(ckpt_dir, str(tag))
+    if str(tag).endswith("_universal") and not glob.glob(os.path.join(here, SIDECAR_GLOB)):
+        source = os.path.join(ckpt_dir, str(tag)[:-len("_universal")])
+        if glob.glob(os.path.join(source, SIDECAR_GLOB)):
+            return source
+    return here
+
+
+def _clear(state: DGCState) -> None:
+    """Nothing loaded: residuals, thresholds and momenta restart from zero."""
+    state.memory.clear()
+    state.reducer.clear_thresholds()
+    if state.momentum is not None:
+        state.momentum.clear()
+
+
+def _momentum_note(state: DGCState, saved: Optional[dict]) -> str:
+    """Restore nothing more, but say what happens to momenta saved or missing (for the log)."""
+    if state.momentum is None:
+        if saved and saved.get("momenta"):
+            return (f"; its {len(saved['momenta'])} saved local momenta are IGNORED: this run has neither "
+                    "'dgc.momentum_correction' nor 'dgc.compressed_momentum', so that momentum is lost")
+        return ""
+    if not saved:
+        state.momentum.clear()
+        return "; no saved momentum: the local momentum restarts at zero (compressed momentum: its warm-up too)"
+    return f"; local momentum of {len(saved['momenta'])} tensors, {int(saved['steps_done'])} steps done"
+
+
+def load_state(state: DGCState, ckpt_dir: str, tag: str, world_size: int, device: torch.device) -> str:
+    """Restore this rank's side-car into ``state``; returns what was done, for the log.
+
+    Same data-parallel world size: residuals, sampling generators, thresholds and telemetry come back as saved.
+    Another world size (a universal checkpoint), flat topology: the residuals of all saved ranks are summed and
+    split evenly over this run's ranks, so the gradient not yet sent is conserved (up to the rounding of the
+    residual storage when it is not fp32; each residual is one rank's unsent share of the mean gradient); the
+    generators restart from this rank's seed. Another world size with the hierarchical topology (residuals live
+    on node-level slices), a checkpoint without side-cars (saved without DGC) or one whose side-cars disagree:
+    the residuals restart at zero and the message says why. Nothing is half-loaded.
+    """
+    sdir = sidecar_dir(ckpt_dir, tag)
+    first = os.path.join(sdir, sidecar_name(0))
+    if not os.path.isfile(first):
+        _clear(state)
+        return f"no deepspeed_dgc state in {sdir} (checkpoint saved without DGC?): error-feedback residuals start at zero"
+    head = torch.load(first, map_location="cpu", weights_only=True)
+    if head.get("format") != FORMAT:
+        _clear(state)
+        return f"deepspeed_dgc state in {first} has format {head.get('format')}, not {FORMAT}: residuals restart at zero"
+    if head.get("world_size") == world_size:
+        return _load_same_world(state, sdir, head, device)
+    return _load_resharded(state, sdir, head, world_size, device)
+
+
+def _load_same_world(state: DGCState, sdir: str, head: dict, device) -> str:
+    path = os.path.join(sdir, sidecar_name(state.dp_rank))
+    saved_layout = head.get("residual_layout", "flat")
+    if saved_layout != residual_layout(state):
+        _clear(state)
+        return (f"deepspeed_dgc state in {path} holds residuals of the {saved_layout} topology, this run uses "
+                f"{residual_layout(state)}: they do not fit, so they are dropped and restart at zero")
+    payload = torch.load(path, map_location="cpu", weights_only=True)
+    saved_storage = payload.get("residual_storage", "fp32")  # side-cars without it hold fp32
+    state.memory.restore(payload["residuals"], saved_storage, device)
+    stats = payload["stats"]
+    state.reducer.restore_state({"generators": payload["generators"], "thresholds": payload.get("thresholds", {}),
+                                 # side-cars without it: the steps taken, as the clock counted then
+                                 "steps_applied": payload.get("steps_applied", stats.get("steps", 0))})
+    state.stats.restore_totals(stats)
+    momentum = payload.get("momentum")
+    note = _momentum_note(state, momentum)
+    if state.momentum is not None and momentum:
+        state.momentum.restore(momentum, device)
+    if saved_storage != state.memory.storage and len(state.memory):
+        note += (f"; the residuals were stored in {saved_storage} and are now stored in {state.memory.storage} "
+                 "('dgc.residual_dtype'), so they were rounded once")
+    return f"restored deepspeed_dgc state from {path}: {len(state.memory)} residuals, step {state.stats.steps}{note}"
+
+
+def _load_resharded(state: DGCState, sdir: str, head: dict, world_size: int, device) -> str:
+    saved_world = head.get("world_size")
+    where = f"deepspeed_dgc state in {sdir} was saved at data-parallel world size {saved_world}, this run has {world_size}"
+    if head.get("residual_layout", "flat") != "flat" or residual_layout(state) != "flat":
+        _clear(state)
+        return (f"{where}; residuals of the hierarchical topology live on node-level slices and cannot be "
+                "re-sharded, so they are dropped and restart at zero")
+    sides = []
+    for r in range(saved_world):
+        p = os.path.join(sdir, sidecar_name(r))
+        if not os.path.isfile(p):
+            _clear(state)
+            return f"{where} but {p} is missing: residuals cannot be re-sharded and restart at zero"
+        sides.append(torch.load(p, map_location="cpu", weights_only=True))
+    total = _sum_over_ranks([{k: ErrorFeedback.decode(v) for k, v in s["residuals"].items()} for s in sides])
+    saved_momenta = [s["momentum"]["momenta"] for s in sides if s.get("momentum")]
+    momenta = _sum_over_ranks(saved_momenta) if saved_momenta else None
+    if total is None or (saved_momenta and momenta is None):
+        _clear(state)
+        return f"{where}; the saved side-cars hold different residual or momentum sets: they restart at zero"
+    state.memory.load({k: (v / world_size).float().to(device) for k, v in total.items()})
+    state.reducer.clear_thresholds()  # each rank's own: estimated afresh on the new ranks
+    state.stats.restore_totals(head["stats"])  # step counters (the density schedule's clock) are global: rank 0's
+    state.reducer.restore_state({"steps_applied": head.get("steps_applied", head["stats"].get("steps", 0))})
+    saved = None if momenta is None else {"momenta": momenta, "steps_done": sides[0]["momentum"]["steps_done"]}
+    note = _momentum_note(state, saved)
+    if state.momentum is not None and saved:
+        state.momentum.restore(saved, device, 1.0 / world_size)
+    return (f"{where}: re-sharded {len(total)} residuals (summed over the {saved_world} saved ranks, split evenly "
+            f"over this run's, so the gradient not yet sent is conserved); sampling restarts from this rank's seed{note}")
+
+
+def _sum_over_ranks(per_rank) -> Optional[Dict]:
+    """float64 sums per key of the ranks' tensors, or None when the ranks hold different keys or shapes."""
+    total = None
+    for entries in per_rank:
+        if total is None:
+            total = {k: v.double() for k, v in entries.items()}
+        elif set(total) != set(entries) or any(total[k].shape != v.shape for k, v in entries.items()):
+            return None
+        else:
+            for k, v in entries.items():
+                total[k] += v.double()
+    return total if total is not None else {}
+
+
+def tag_of(load_dir: str, tag, universal: bool = False) -> str:
+    """The tag DeepSpeed loaded: the given one, else the content of ``latest`` (``latest_universal``
+    when the engine loads universal checkpoints)."""
+    if tag is None:
+        with open(os.path.join(load_dir, "latest_universal" if universal else "latest")) as f:
+            return f.read().strip()
+    return str(tag)
+
+
+def sidecars_in(load_dir: str, tag: str):
+    """The side-car files of a checkpoint (any rank's: the world size may have changed)."""
+    sdir = sidecar_dir(load_dir, tag)
+    return sdir, glob.glob(os.path.join(sdir, SIDECAR_GLOB))

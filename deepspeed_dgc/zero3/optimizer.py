@@ -1,0 +1,234 @@
+"""The owners' side of the momentum methods: optimizer checks, Adam's frozen preconditioner, the owners' steps.
+
+Under ZeRO-3 each rank owns a partition of every parameter and runs the basic optimizer on it
+(``zero_optimizer.optimizer``, over the flat fp32 partitions of its sub-groups). The momentum states of
+:mod:`deepspeed_dgc.memory.momentum` change what the ranks send; these functions change what the owners do
+with the sum:
+
+- ``compressed_momentum`` (1-bit Adam, Tang et al., ICML 2021, sections 3.1-3.3): at the freeze, the owners'
+  ``1 / (sqrt(v_hat) + eps)`` (:func:`frozen_preconditioner`), then :func:`frozen_variance_step`
+  ``p <- p (1 - lr wd) - lr u`` with ``u`` the sum of what the ranks sent;
+- ``momentum_correction`` (DGC, Lin et al., ICLR 2018, section 3.1): :func:`dgc_sgd_step`, SGD without momentum
+  on the velocities the ranks sent, plus the momentum of the weight-decay term alone.
+
+:mod:`deepspeed_dgc.zero3.patches` installs the steps on the optimizer.
+"""
+
+from typing import Callable, Dict, Hashable, List, Tuple
+
+import torch
+from deepspeed import comm as dist
+
+from ..config import DGCConfigError
+
+# optimizers whose state holds Adam's "exp_avg_sq" and whose param groups hold lr, betas, eps, weight_decay
+ADAM_TYPES = ("Adam", "AdamW", "FusedAdam", "DeepSpeedCPUAdam")
+V_FLOOR = 0.01  # frozen v_hat is at least this times its parameter's mean (see frozen_preconditioner)
+
+
+def decoupled_weight_decay(optimizer) -> bool:
+    name = type(optimizer).__name__
+    if name == "AdamW":
+        return True
+    if name == "Adam":
+        return bool(optimizer.defaults.get("decoupled_weight_decay", False))
+    return bool(getattr(optimizer, "adam_w_mode", getattr(optimizer, "adamw_mode", True)))
+
+
+def check_optimizer(optimizer, gradient_accumulation_steps: int, fp16: bool = False, offload: bool = False) -> float:
+    """Check that the owners' optimizer is Adam-like and the job fits; returns Adam's beta1.
+
+    Raises:
+        DGCConfigError: another optimizer, L2 (not decoupled) weight decay, gradient accumulation,
+            param groups with different beta1, fp16 (the update, about 1 per element, times the loss
+            scale would overflow ZeRO-3's fp16 gradient partitions) or optimizer offload.
+    """
+    name = type(optimizer).__name__
+    if fp16:
+        raise DGCConfigError("'dgc.compressed_momentum' does not support 'fp16' engines (after the freeze the "
+                             "partitions carry the update times the loss scale, which overflows fp16); use bf16 or fp32")
+    if offload:
+        raise DGCConfigError("'dgc.compressed_momentum' does not support 'zero_optimization.offload_optimizer' "
+                             "(the frozen preconditioner lives with the gradients)")
+    if name not in ADAM_TYPES:
+        raise DGCConfigError(f"'dgc.compressed_momentum' needs an Adam optimizer ({', '.join(ADAM_TYPES)}), got {name}")
+    if gradient_accumulation_steps != 1:
+        raise DGCConfigError("'dgc.compressed_momentum' needs 'gradient_accumulation_steps' = 1 (got "
+                             f"{gradient_accumulation_steps})")
+    if not decoupled_weight_decay(optimizer) and any(g.get("weight_decay", 0.0) for g in optimizer.param_groups):
+        raise DGCConfigError("'dgc.compressed_momentum' needs decoupled weight decay (AdamW) or 'weight_decay' = 0: "
+                             "with L2 decay the frozen-variance update is not linear in the momentum")
+    betas = {tuple(g["betas"]) for g in optimizer.param_groups}
+    if len({b[0] for b in betas}) != 1:
+        raise DGCConfigError(f"'dgc.compressed_momentum' needs one beta1 for all param groups, got {sorted(betas)}")
+    return float(next(iter(betas))[0])
+
+
+
+def frozen_preconditioner(opt, precondition: bool, group,
+                          key_of: Callable[[torch.nn.Parameter], Hashable]) -> Tuple[Dict[Hashable, torch.Tensor],
+                                                                                      List[torch.Tensor]]:
+    """Freeze Adam's second moment: this owner's ``1 / (sqrt(max(v_hat, floor)) + eps)``, and with
+    ``precondition`` every parameter's, gathered from all owners.
+
+    ``v_hat = v_T / (1 - b2^T)`` at the freeze step T. ``floor`` is ``V_FLOOR`` times the parameter's mean
+    ``v_hat`` over its partition on this owner: Adam's ``v`` is of the compressed gradients of the warm-up, so a
+    coordinate whose gradient was always rounded to zero has ``v = 0`` while its local momentum is not; without
+    the floor its frozen step would be ``m / eps``.
+
+    Args:
+        opt: the ZeRO-3 optimizer (``DeepSpeedZeroOptimizer_Stage3``) whose basic optimizer is Adam.
+        precondition: gather every parameter's preconditioner (collective over ``group``: an all-gather).
+        group: the data-parallel process group.
+        key_of: the stable key of a parameter.
+
+    Returns:
+        ``(by_key, owner_inv)``: with ``precondition``, key -> bf16 ``(ds_numel,)`` of every parameter (else
+        empty); and this owner's fp32 preconditioner per sub-group, shaped as its flat fp32 partition.
+
+    Raises:
+        DGCConfigError: a sub-group has no ``exp_avg_sq`` (optimizer state not loaded, or not Adam).
+    """
+    basic = opt.optimizer
+    missing = [i for i, flat in enumerate(opt.fp32_partitioned_groups_flat) if "exp_avg_sq" not in basic.state.get(flat, {})]
+    if missing:
+        raise DGCConfigError(f"'dgc.compressed_momentum': cannot freeze Adam's second moment, sub-group(s) {missing} "
+                             "have no 'exp_avg_sq' (optimizer state not loaded or not Adam)")
+    params: List[torch.nn.Parameter] = []
+    parts: List[torch.Tensor] = []
+    owner_inv: List[torch.Tensor] = []
+    for i, sub_group in enumerate(opt.fp16_groups):
+        flat = opt.fp32_partitioned_groups_flat[i]
+        st = basic.state[flat]
+        param_group = basic.param_groups[opt.sub_group_to_group_id[i]]
+        v_hat = st["exp_avg_sq"].float() / (1.0 - param_group["betas"][1]**float(st["step"]))
+        inv = torch.empty_like(v_hat)
+        for p in sub_group:
+            _, offset, count = opt.grad_position[opt.get_param_id(p)]
+            v = v_hat.narrow(0, offset, count)
+            floor = V_FLOOR * float(v.mean()) if count else 0.0
+            inv.narrow(0, offset, count).copy_(1.0 / (v.clamp(min=floor).sqrt() + param_group["eps"]))
+            params.append(p)
+            parts.append(inv.narrow(0, offset, count))
+        owner_inv.append(inv)
+    if not precondition:
+        return {}, owner_inv
+    return _gather(params, parts, group, key_of), []
+
+
+def _gather(params, parts, group, key_of) -> Dict[Hashable, torch.Tensor]:
+    """Every owner's partitions of each parameter's preconditioner, concatenated, in bf16 (2 bytes per parameter)."""
+    world = dist.get_world_size(group=group)
+    local = torch.cat(parts) if parts else torch.empty(0)
+    gathered = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(gathered, local, group=group)
+    out, col = {}, 0
+    for p, part in zip(params, parts):
+        c = part.numel()
+        out[key_of(p)] = torch.cat([g[col:col + c] for g in gathered])[:p.ds_numel].to(torch.bfloat16)
+        col += c
+    return out
+
+
+@torch.no_grad()
+def frozen_variance_step(optimizer, owner_inv: Dict[int, torch.Tensor], decoupled: bool, closure=None):
+    """The owners' step after the freeze: ``p <- p (1 - lr wd) - lr u`` for every param with a gradient.
+
+    ``p.grad`` holds ``u``, the sum over ranks of their compressed momenta: already preconditioned
+    when ``owner_inv`` is empty, else multiplied here by this owner's frozen ``1 / (sqrt(v_hat) + eps)``
+    (``owner_inv[id(p)]``). Adam's state (``exp_avg``, ``exp_avg_sq``, ``step``) stays as at the freeze.
+    Returns the closure's loss, or None.
+    """
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():
+            loss = closure()
+    for group in optimizer.param_groups:
+        lr, wd = group["lr"], group.get("weight_decay", 0.0)
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            u = p.grad
+            if owner_inv:
+                u = u * owner_inv[id(p)]
+            if wd and decoupled:
+                p.mul_(1.0 - lr * wd)
+            p.add_(u, alpha=-lr)
+    return loss
+
+
+def check_sgd_optimizer(optimizer, gradient_accumulation_steps: int, fp16: bool = False, offload: bool = False) -> float:
+    """Check that the owners' optimizer is momentum SGD and the job fits ``momentum_correction``; returns the momentum.
+
+    Args:
+        optimizer: the owners' basic optimizer (``zero_optimizer.optimizer``).
+        gradient_accumulation_steps: the engine's.
+        fp16: whether the engine runs fp16 with loss scaling.
+        offload: whether the optimizer is offloaded.
+
+    Raises:
+        DGCConfigError: another optimizer (naming it), momentum 0, Nesterov, dampening, ``maximize``,
+            param groups with different momenta, gradient accumulation, fp16 or optimizer offload; the
+            message names the ds_config key.
+    """
+    name = type(optimizer).__name__
+    if name != "SGD":
+        raise DGCConfigError(f"'dgc.momentum_correction' is DGC's correction for momentum SGD and needs the SGD "
+                             f"optimizer (torch.optim.SGD, ds_config \"SGD\") with momentum > 0, got {name}; for Adam use "
+                             "'dgc.compressed_momentum'")
+    momenta = {float(g.get("momentum", 0.0)) for g in optimizer.param_groups}
+    if len(momenta) != 1 or next(iter(momenta)) <= 0.0:
+        raise DGCConfigError(f"'dgc.momentum_correction' needs 'optimizer.params.momentum' > 0, the same for all param "
+                             f"groups, got {sorted(momenta)}")
+    for key in ("nesterov", "dampening", "maximize"):
+        bad = sorted({g.get(key) for g in optimizer.param_groups if g.get(key)})
+        if bad:
+            raise DGCConfigError(f"'dgc.momentum_correction' supports SGD without 'optimizer.params.{key}' "
+                                 f"(got {bad[0]!r}): plain momentum only")
+    if gradient_accumulation_steps != 1:
+        raise DGCConfigError("'dgc.momentum_correction' needs 'gradient_accumulation_steps' = 1 (got "
+                             f"{gradient_accumulation_steps})")
+    if fp16:
+        raise DGCConfigError("'dgc.momentum_correction' does not support 'fp16' engines; use bf16 or fp32")
+    if offload:
+        raise DGCConfigError("'dgc.momentum_correction' does not support 'zero_optimization.offload_optimizer'")
+    return next(iter(momenta))
+
+
+@torch.no_grad()
+def dgc_sgd_step(optimizer, closure=None):
+    """The owners' SGD step under ``momentum_correction``: ``p <- p - lr (u + b)`` with ``b <- m b + wd p``.
+
+    Installed as the bound ``step`` of the owners' ``torch.optim.SGD``. Each ``p`` is a flat fp32
+    partition (ZeRO-3's sub-group); ``p.grad`` holds ``u``, the sum over ranks of what they sent for
+    it, unscaled (the momentum already applied by the senders); the weight-decay term gets its own
+    momentum buffer (``state[p]["momentum_buffer"]``), so with every element sent the update equals
+    ``torch.optim.SGD``'s (DGC's reference optimizer, Lin et al. 2018, applies the same split).
+
+    Args:
+        optimizer: the SGD optimizer (its param groups give lr, momentum and weight_decay).
+        closure: optional, re-evaluates the loss.
+
+    Returns:
+        The closure's loss, or None.
+    """
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():
+            loss = closure()
+    for group in optimizer.param_groups:
+        lr, wd, m = group["lr"], group.get("weight_decay", 0.0), group["momentum"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            d_p = p.grad
+            if wd:
+                state = optimizer.state[p]
+                buf = state.get("momentum_buffer")
+                if buf is None:
+                    buf = state["momentum_buffer"] = p.detach().mul(wd)
+                else:
+                    buf.mul_(m).add_(p, alpha=wd)
+                d_p = d_p.add(buf)
+            p.add_(d_p, alpha=-lr)
+    return loss

@@ -1,0 +1,465 @@
+"""Every patch this extension makes to DeepSpeed, in one place: the seams, the version check, install and uninstall.
+
+DeepSpeed 0.19.8 has no public hook for the gradient reduce-scatter of ZeRO-3, so the extension replaces, and
+can put back, exactly these (:data:`SEAMS`):
+
+==========================================================  ==========  =============================================
+seam                                                        scope       what replaces it
+==========================================================  ==========  =============================================
+``DeepSpeedEngine._configure_zero_optimizer``               class       builds the ZeRO-3 optimizer, then :func:`install`
+                                                                        when ``"dgc": {"enabled": true}``
+``DeepSpeedEngine.__init__``                                class       an enabled ``"dgc"`` section that no ZeRO-3
+                                                                        optimizer consumed is an error
+``DeepSpeedZeroOptimizer_Stage3.__avg_scatter_grads``       instance    the compressed reduce-scatter of a bucket
+``DeepSpeedZeroOptimizer_Stage3.step``                      instance    commits or rolls back error feedback, telemetry
+``DeepSpeedEngine.save_checkpoint`` / ``load_checkpoint``   instance    also write / read the side-car
+``partition_parameters._dist_allgather_fn``                 module      the quantized parameter all-gather
+``<owners' torch optimizer>.step``, ``clip_grad``           instance    the owners' steps of the momentum methods
+==========================================================  ==========  =============================================
+
+Class-level wrappers are installed by :func:`activate` (``import deepspeed_dgc``) and removed by
+:func:`deactivate`; instance patches by :func:`install` and removed by :func:`uninstall`. The work itself is
+done elsewhere: :mod:`.reduce_scatter`, :mod:`.allgather`, :mod:`.optimizer`, :mod:`.checkpoint`.
+"""
+
+import functools
+import logging
+import types
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import deepspeed
+from deepspeed import comm as dist
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.zero import partition_parameters
+from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+from ..codec.kernels import DGCKernelError
+from ..comm.agreement import check_agreement, ranks_failing
+from ..comm.communicators import DGCBackendError, check_mpi_world
+from ..comm.topology import resolve_ranks_per_node
+from ..config import DGCConfig, DGCConfigError, check_engine_compatible, parse_dgc_config
+from ..memory.momentum import CompressedMomentum, MomentumCorrection
+from . import checkpoint
+from . import optimizer as owners
+from .allgather import QuantizedAllGather, zero_shard_padding
+from .state import STATE_ATTR, DGCState
+
+logger = logging.getLogger("deepspeed_dgc")
+
+TESTED_DEEPSPEED = "0.19.8"
+SEAM = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
+_ORIGINALS = "_dgc_originals"  # instance attribute: the methods an install replaced, for uninstall
+
+
+@dataclass(frozen=True)
+class Seam:
+    """One place of DeepSpeed the extension replaces: ``owner.name``, at class, instance or module scope."""
+    owner: object
+    name: str
+    scope: str
+    purpose: str
+
+
+SEAMS = (
+    Seam(DeepSpeedEngine, "_configure_zero_optimizer", "class", "install DGC on the ZeRO-3 optimizer it builds"),
+    Seam(DeepSpeedEngine, "__init__", "class", "refuse an enabled 'dgc' section nothing consumed"),
+    Seam(DeepSpeedZeroOptimizer_Stage3, SEAM, "instance", "the compressed reduce-scatter of one bucket"),
+    Seam(DeepSpeedZeroOptimizer_Stage3, "step", "instance", "commit or roll back error feedback; telemetry"),
+    Seam(DeepSpeedEngine, "save_checkpoint", "instance", "write the side-car too"),
+    Seam(DeepSpeedEngine, "load_checkpoint", "instance", "read the side-car too"),
+    Seam(partition_parameters, "_dist_allgather_fn", "module", "the quantized parameter all-gather"),
+)
+
+
+class DGCSeamError(ImportError):
+    """The installed DeepSpeed lacks the methods this extension replaces."""
+
+
+def check_seam() -> None:
+    """Fail loudly when DeepSpeed lacks a method we replace (another DeepSpeed version).
+
+    Raises:
+        DGCSeamError: naming the missing methods and the installed DeepSpeed version.
+    """
+    missing = [s.name for s in SEAMS if not hasattr(s.owner, s.name)]
+    if missing:
+        raise DGCSeamError(f"deepspeed_dgc needs {', '.join(missing)}, which deepspeed {deepspeed.__version__} lacks; "
+                           f"install the DeepSpeed version range in setup.py (tested: {TESTED_DEEPSPEED})")
+
+
+# ---- class level: activate / deactivate -----------------------------------------------------------
+
+
+def activate() -> None:
+    """Install the class-level wrappers on ``DeepSpeedEngine`` once (idempotent). Called by ``import deepspeed_dgc``.
+
+    Raises:
+        DGCSeamError: DeepSpeed lacks a seam (:func:`check_seam`).
+    """
+    check_seam()
+    for name, wrap in (("_configure_zero_optimizer", _wrap_configure_zero_optimizer), ("__init__", _wrap_engine_init)):
+        current = getattr(DeepSpeedEngine, name)
+        if not getattr(current, "_dgc_original", None):
+            wrapped = wrap(current)
+            wrapped._dgc_original = current
+            setattr(DeepSpeedEngine, name, wrapped)
+
+
+def deactivate() -> None:
+    """Remove the class-level wrappers (engines built afterwards are stock; installed ones keep their patches)."""
+    for name in ("_configure_zero_optimizer", "__init__"):
+        original = getattr(getattr(DeepSpeedEngine, name), "_dgc_original", None)
+        if original is not None:
+            setattr(DeepSpeedEngine, name, original)
+
+
+def _engine_dgc_config(engine) -> Optional[DGCConfig]:
+    return parse_dgc_config(engine.config if isinstance(engine.config, dict) else {})
+
+
+def _wrap_configure_zero_optimizer(orig):
+
+    @functools.wraps(orig)
+    def _configure_zero_optimizer(self, optimizer):  # DeepSpeed passes it by keyword too
+        cfg = _engine_dgc_config(self)
+        if self.zero_optimization_stage() == 3:
+            # every ZeRO-3 rank takes part, DGC on or off: a rank whose "dgc" section differs (even
+            # one that has it disabled or absent) fails here, on every rank, naming the key
+            effective = cfg or DGCConfig()
+            check_agreement(effective, None, effective.timeout_s)
+        if cfg is None or not cfg.enabled:
+            opt = orig(self, optimizer)
+            if self.zero_optimization_stage() == 3:
+                _patch_plain_loading(self)  # a DGC checkpoint loaded here says what is ignored
+            return opt
+        check_engine_compatible(cfg, self)
+        opt = orig(self, optimizer)
+        install(self, opt, cfg)
+        return opt
+
+    return _configure_zero_optimizer
+
+
+def _wrap_engine_init(orig):
+
+    @functools.wraps(orig)
+    def __init__(self, *args, **kwargs):
+        orig(self, *args, **kwargs)
+        cfg = _engine_dgc_config(self)
+        if cfg is not None and cfg.enabled and getattr(self, STATE_ATTR, None) is None:
+            check_engine_compatible(cfg, self)  # names the clashing key, e.g. a stage other than 3
+            raise RuntimeError("'dgc.enabled' is true but no ZeRO-3 optimizer was created to compress "
+                               "(an optimizer and 'zero_optimization.stage' = 3 are required)")
+
+    return __init__
+
+
+# ---- instance level: install / uninstall ----------------------------------------------------------
+
+
+def install(engine, opt, cfg: DGCConfig) -> DGCState:
+    """Patch a ZeRO-3 optimizer instance of ``engine`` with the compressed reduce-scatter.
+
+    Collective over the world: resolves ranks per node (with the hierarchical topology, checks that every rank
+    found the same; the other settings were compared before the optimizer was built), checks that the fused op
+    loads everywhere when ``kernels`` is ``"fused"``, and builds the communicators.
+
+    Args:
+        engine: the ``DeepSpeedEngine`` that owns ``opt``.
+        opt: a ``DeepSpeedZeroOptimizer_Stage3`` (or subclass) instance.
+        cfg: the enabled ``"dgc"`` config.
+
+    Returns:
+        The :class:`~deepspeed_dgc.zero3.state.DGCState` now attached to both engine and optimizer.
+
+    Raises:
+        DGCConfigError: no optimizer was given (ZeRO-3 then only offloads parameters); settings
+            differ between ranks; hpZ and the hierarchical topology disagree on the node size; the optimizer
+            does not fit the momentum method asked for.
+        DGCBackendError: ``comm_backend`` ``"mpi"`` without mpi4py or outside an MPI job.
+        DGCKernelError: ``kernels`` ``"fused"`` and the fused op cannot load on some rank (on every rank).
+        DGCSeamError: ``opt`` is not a ZeRO-3 optimizer with the expected method.
+    """
+    _check_optimizer_instance(opt)
+    ranks_per_node = _check_job(engine, cfg)
+    state = DGCState.build(cfg, engine.global_rank, ranks_per_node, _momentum_state(engine, opt, cfg))
+    _choose_kernels(state, engine.global_rank)
+    comms = state.reducer.comms_for(opt.dp_process_group)  # collective: every rank builds its groups now
+    if comms.hierarchical and comms.n_nodes == 1 and engine.global_rank == 0:
+        logger.warning("deepspeed_dgc: 'dgc.topology' is \"hierarchical\" but all %d ranks are on one node "
+                       "(%d ranks per node): gradients are reduced densely inside the node and nothing is "
+                       "compressed", comms.world_size, comms.ranks_per_node)
+    state.params = list(engine.module.parameters())
+    state.stats.world_size = comms.world_size
+    state.stats.n_params = sum(getattr(p, "ds_numel", p.numel()) for p in state.params)
+    state.dp_rank = dist.get_rank(group=opt.dp_process_group)
+    state.monitor = getattr(engine, "monitor", None)
+    state.samples_seen = lambda: getattr(engine, "global_samples", 0)
+    if cfg.weights.quantization != "none":
+        zero_shard_padding(state.params, state.dp_rank)
+    _patch_instance(engine, opt, state)
+    return state
+
+
+def uninstall(engine) -> None:
+    """Undo :func:`install` on an engine: its optimizer and checkpoint methods are stock again, the owners' step and
+    gradient clipping as before, the parameter all-gather as before the install. Nothing when DGC is not on it."""
+    state = getattr(engine, STATE_ATTR, None)
+    if state is None:
+        return
+    opt = engine.optimizer
+    for obj in (opt, engine, opt.optimizer):
+        for name, value in getattr(obj, _ORIGINALS, {}).items():
+            if value is None:
+                obj.__dict__.pop(name, None)
+            else:
+                setattr(obj, name, value)
+        obj.__dict__.pop(_ORIGINALS, None)
+    stock = getattr(partition_parameters._dist_allgather_fn, "stock", None)
+    if stock is not None:
+        partition_parameters._dist_allgather_fn = stock
+    for obj in (opt, engine):
+        obj.__dict__.pop(STATE_ATTR, None)
+
+
+def _replace(obj, name: str, value) -> None:
+    """``obj.name = value``, remembering the instance's own attribute (None: it had none) for :func:`uninstall`."""
+    originals = obj.__dict__.setdefault(_ORIGINALS, {})
+    originals.setdefault(name, obj.__dict__.get(name))
+    setattr(obj, name, value)
+
+
+def _check_optimizer_instance(opt) -> None:
+    if isinstance(opt, DeepSpeedZeRoOffload):
+        raise DGCConfigError("'dgc.enabled' requires an optimizer: without one, ZeRO-3 only partitions parameters "
+                             "and reduces no gradients (pass an optimizer or an 'optimizer' section)")
+    if not isinstance(opt, DeepSpeedZeroOptimizer_Stage3) or not hasattr(opt, SEAM):
+        raise DGCSeamError(f"deepspeed_dgc can only patch a ZeRO-3 optimizer, got {type(opt).__name__}")
+
+
+def _check_job(engine, cfg: DGCConfig) -> int:
+    """What must hold across the job before anything is built; returns the ranks per node."""
+    ranks_per_node, source = resolve_ranks_per_node(cfg)
+    if cfg.topology == "hierarchical":  # the launcher's node size must agree too (the rest already did)
+        check_agreement(cfg, ranks_per_node, cfg.timeout_s)
+    if cfg.comm_backend == "mpi":
+        problem = check_mpi_world()
+        if problem:
+            raise DGCBackendError(f"'dgc.comm_backend' = \"mpi\": {problem}")
+    hpz = engine.zero_hpz_partition_size()
+    if cfg.topology == "hierarchical" and hpz > 1 and hpz != ranks_per_node:
+        raise DGCConfigError(f"'zero_optimization.zero_hpz_partition_size' = {hpz} but 'dgc.topology' = \"hierarchical\" "
+                             f"uses {ranks_per_node} ranks per node (from {source}): both must describe the same node; "
+                             f"set 'dgc.ranks_per_node' = {hpz} or the hpZ size to {ranks_per_node}")
+    if (cfg.compressed_momentum is not None or cfg.momentum_correction) and engine.torch_autocast_enabled():
+        raise DGCConfigError("'dgc.compressed_momentum' and 'dgc.momentum_correction' do not support 'torch_autocast' "
+                             "(its loss scaling skips steps the extension does not see); use 'bf16' or fp32")
+    return ranks_per_node
+
+
+def _momentum_state(engine, opt, cfg: DGCConfig):
+    """The momentum state the config asks for, after checking that the owners' optimizer fits it; or None."""
+    offload = bool(getattr(opt, "offload_optimizer", False))
+    if cfg.compressed_momentum is not None:
+        beta1 = owners.check_optimizer(opt.optimizer, engine.gradient_accumulation_steps(), engine.fp16_enabled(),
+                                          offload)
+        return CompressedMomentum(cfg.compressed_momentum, beta1)
+    if cfg.momentum_correction:
+        m = owners.check_sgd_optimizer(opt.optimizer, engine.gradient_accumulation_steps(), engine.fp16_enabled(),
+                                          offload)
+        return MomentumCorrection(cfg, m, dist.get_world_size(group=opt.dp_process_group))
+    return None
+
+
+def _choose_kernels(state: DGCState, global_rank: int) -> None:
+    """Load the compression ops now; with ``kernels`` ``"fused"`` every rank fails if any rank cannot load them."""
+    cfg, failure = state.cfg, ""
+    try:
+        ops = state.reducer.ops_for(get_accelerator().device_name())  # "fused" that cannot load fails here
+    except DGCKernelError as err:
+        failure = str(err)
+    if cfg.kernels == "fused":  # same config on every rank (checked): all take part, all fail together
+        bad = ranks_failing(not failure, "the fused-op check", cfg.timeout_s)
+        if bad:
+            raise DGCKernelError(failure or f"'dgc.kernels' is \"fused\" but the fused op could not load on rank(s) "
+                                 f"{bad} (see their logs)")
+    state.stats.kernels = ops.name
+    if global_rank == 0:
+        logger.info("deepspeed_dgc: compression by the %s path (dgc.kernels = %s)", ops.name, cfg.kernels)
+
+
+def _patch_instance(engine, opt, state: DGCState) -> None:
+    cfg = state.cfg
+    _replace(opt, SEAM, _avg_scatter_grads(opt, state))
+    _replace(opt, "step", _step(opt, state))
+    _replace(engine, "save_checkpoint", _save_checkpoint(engine, state))
+    _replace(engine, "load_checkpoint", _load_checkpoint(engine, state))
+    if isinstance(state.momentum, MomentumCorrection):
+        # a bound method, as torch's own (LR schedulers wrap optimizer.step.__func__): the senders applied the momentum
+        _replace(opt.optimizer, "step", types.MethodType(owners.dgc_sgd_step, opt.optimizer))
+        if opt.clip_grad and engine.global_rank == 0:
+            logger.warning("deepspeed_dgc: 'gradient_clipping' = %s is switched off under 'dgc.momentum_correction' "
+                           "(it would clip the summed velocity); DGC clips each rank's gradient instead: "
+                           "'dgc.local_clip_norm' (now %s)", opt.clip_grad, cfg.local_clip_norm)
+        _replace(opt, "clip_grad", 0.0)
+    _install_allgather(cfg, state)
+    setattr(opt, STATE_ATTR, state)
+    setattr(engine, STATE_ATTR, state)
+
+
+def _avg_scatter_grads(opt, state: DGCState) -> Callable:
+    """The replacement of ``opt.__avg_scatter_grads(params, communication_data_type)``: stock's contract (this rank's
+    partitions of the mean, in ``gradient_accumulation_dtype``), our collective."""
+
+    def avg_scatter_grads(params_to_reduce, communication_data_type):
+        opt._assert_same_partition_group(params_to_reduce)
+        group = opt._get_param_partition_group(params_to_reduce[0])
+        partitions, result = state.reducer.reduce_scatter([p.grad for p in params_to_reduce],
+                                                          [state.key_of(p) for p in params_to_reduce], group,
+                                                          communication_data_type, loss_scale=float(opt.loss_scale))
+        state.stats.record(result)
+        world = state.reducer.comms_for(group).world_size
+        averaging_world_size = opt._gradient_averaging_world_size(params_to_reduce, world)
+        if averaging_world_size != world:  # sequence/expert parallel averaging, as stock
+            partitions = [g.mul(world / float(averaging_world_size)) for g in partitions]
+        return [g.to(opt.gradient_accumulation_dtype) for g in partitions]
+
+    return avg_scatter_grads
+
+
+def _step(opt, state: DGCState) -> Callable:
+    """``opt.step`` followed by the end of the step for DGC: commit or roll back, the freeze of compressed momentum."""
+    step = opt.step
+
+    @functools.wraps(step)
+    def dgc_step(*args, **kwargs):
+        out = step(*args, **kwargs)
+        if state.cfg.weights.quantization != "none":  # the step copied stale padding back into the shards
+            zero_shard_padding(state.params, state.dp_rank)
+        applied = not opt.overflow
+        state.commit_step(applied)
+        momentum = state.momentum
+        if isinstance(momentum, CompressedMomentum) and momentum.freeze_due():
+            state.start_momentum_phase()
+            freeze(opt, state)
+            if state.global_rank == 0:
+                logger.info("deepspeed_dgc: Adam's second moment frozen after step %d; compressing the momentum (%s) "
+                            "from now on", momentum.steps_done, momentum.cfg.quantization)
+        state.close_step(applied, _persistent_gather_bytes(opt))
+        return out
+
+    return dgc_step
+
+
+def freeze(opt, state: DGCState) -> None:
+    """Freeze Adam's second moment on the owners and switch their step to the frozen-variance update
+    (:func:`~deepspeed_dgc.zero3.optimizer.frozen_variance_step`); gradient clipping goes off (after the freeze the
+    "gradient" is the update). Collective over the data-parallel group with ``precondition``."""
+    momentum = state.momentum
+    by_key, owner_inv = owners.frozen_preconditioner(opt, momentum.cfg.precondition, opt.dp_process_group,
+                                                        state.key_of)
+    momentum.set_frozen(by_key, owner_inv)
+    inv_by_flat = {id(opt.fp32_partitioned_groups_flat[i]): inv for i, inv in enumerate(owner_inv)}
+    decoupled = owners.decoupled_weight_decay(opt.optimizer)
+
+    def step(basic, closure=None):
+        return owners.frozen_variance_step(basic, inv_by_flat, decoupled, closure)
+
+    _replace(opt.optimizer, "step", types.MethodType(step, opt.optimizer))  # bound, as torch's
+    _replace(opt, "clip_grad", 0.0)
+
+
+def unfreeze(opt, state: DGCState) -> None:
+    """Undo :func:`freeze` (before a checkpoint is loaded): Adam's own step and the gradient clipping come back."""
+    originals = opt.optimizer.__dict__.get(_ORIGINALS, {})
+    if "step" in originals:
+        value = originals.pop("step")
+        opt.optimizer.__dict__.pop("step", None) if value is None else setattr(opt.optimizer, "step", value)
+    clip = opt.__dict__.get(_ORIGINALS, {}).pop("clip_grad", None)
+    if clip is not None:
+        opt.clip_grad = clip
+    state.momentum.unfreeze()
+
+
+def _persistent_gather_bytes(opt) -> int:
+    """Bytes this rank sends in the post-step all-gather of persistent parameters (not compressed)."""
+    params = getattr(opt, "persistent_parameters", None) or []
+    if not params:
+        return 0
+    return sum((opt.partition_count - 1) * p.ds_tensor.ds_numel * p.ds_tensor.element_size() for p in params)
+
+
+def _install_allgather(cfg: DGCConfig, state: DGCState) -> None:
+    """Replace ``partition_parameters._dist_allgather_fn`` (process-wide; the latest engine's settings win)."""
+    current = partition_parameters._dist_allgather_fn
+    stock = current.stock if isinstance(current, QuantizedAllGather) else current
+    partition_parameters._dist_allgather_fn = QuantizedAllGather(cfg.weights.quantization, cfg.weights.group_size,
+                                                                 state.stats.record_param_gather, stock, cfg.timeout_s,
+                                                                 state.reducer.ranks_per_node)
+
+
+def _save_checkpoint(engine, state: DGCState) -> Callable:
+    save = engine.save_checkpoint
+
+    @functools.wraps(save)
+    def save_checkpoint(save_dir, tag=None, *args, **kwargs):
+        tag_used = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+        out = save(save_dir, tag, *args, **kwargs)
+        checkpoint.save_state(state, save_dir, tag_used, engine.dp_world_size)
+        return out
+
+    return save_checkpoint
+
+
+def _loaded_tag(engine, load_dir, tag) -> str:
+    universal = getattr(engine, "load_universal_checkpoint", lambda: False)()
+    return checkpoint.tag_of(load_dir, tag, universal)
+
+
+def _load_checkpoint(engine, state: DGCState) -> Callable:
+    load = engine.load_checkpoint
+
+    @functools.wraps(load)
+    def load_checkpoint(load_dir, tag=None, *args, **kwargs):
+        load_path, client_state = load(load_dir, tag, *args, **kwargs)
+        if load_path is None:
+            return load_path, client_state
+        m = state.momentum
+        if isinstance(m, CompressedMomentum) and m.frozen:  # the loaded state decides afresh whether Adam is frozen
+            unfreeze(engine.optimizer, state)
+        msg = checkpoint.load_state(state, load_dir, _loaded_tag(engine, load_dir, tag), engine.dp_world_size,
+                                    engine.device)
+        if isinstance(m, CompressedMomentum) and m.freeze_due():  # every rank loads: collective
+            freeze(engine.optimizer, state)
+        routine = msg.startswith("restored") and "IGNORED" not in msg and "rounded once" not in msg
+        (logger.info if routine else logger.warning)(f"[deepspeed_dgc] rank {state.global_rank}: {msg}")
+        return load_path, client_state
+
+    return load_checkpoint
+
+
+def _patch_plain_loading(engine) -> None:
+    """For a ZeRO-3 engine without DGC: say so when ``load_checkpoint`` meets a DGC side-car.
+
+    DeepSpeed's weights and optimizer state load as usual; the residuals of the side-car (what a DGC run had not
+    sent yet) are ignored, and this logs a warning naming the files, on every rank.
+    """
+    load = engine.load_checkpoint
+
+    @functools.wraps(load)
+    def load_checkpoint(load_dir, tag=None, *args, **kwargs):
+        load_path, client_state = load(load_dir, tag, *args, **kwargs)
+        if load_path is not None:
+            sdir, found = checkpoint.sidecars_in(load_dir, _loaded_tag(engine, load_dir, tag))
+            if found:
+                logger.warning(f"[deepspeed_dgc] rank {engine.global_rank}: checkpoint {load_path} holds deepspeed_dgc "
+                               f"state ({len(found)} dgc_state_dp_rank_*.pt files in {sdir}, saved with DGC on); this run "
+                               "has DGC off, so its error-feedback residuals are ignored (and so are any local momenta "
+                               "of 'momentum_correction' or 'compressed_momentum'). DeepSpeed's weights and "
+                               "optimizer state loaded as usual")
+        return load_path, client_state
+
+    _replace(engine, "load_checkpoint", load_checkpoint)

@@ -1,0 +1,435 @@
+"""The compressed reduce-scatter that replaces ZeRO-3's ``__avg_scatter_grads``: one bucket, top-down.
+
+Per bucket of full local gradients ``g_1..g_T`` on a group of W ranks, :meth:`CompressedReduceScatter.reduce_scatter`
+runs these steps in order (GRACE's ``step``, Xu et al., ICDCS 2021):
+
+1. entry: the loss scale and the averaging over W are removed once, by dividing the sources by ``W * loss_scale``
+   inside the first fp32 pass; a momentum state (:mod:`deepspeed_dgc.memory.momentum`) may replace the gradients
+   by its momenta; the bucket's density, codec and fingerprint are fixed;
+2. residual in: the error-feedback residuals join a :class:`~deepspeed_dgc.codec.job.CompressJob`;
+3. encode: the fused op or the reference selects, quantizes and codes one payload per owner
+   (:mod:`deepspeed_dgc.codec`), and returns the new residuals;
+4. exchange: one uneven all-to-all of the payloads (:mod:`deepspeed_dgc.comm`);
+5. decode and sum: every sender's payload for this rank's partition, summed densely in fp32
+   (:func:`~deepspeed_dgc.codec.wire.decode_sum`);
+6. stage: the new residuals (committed after an applied step), reused thresholds, momentum masking;
+7. exit: the loss scale is restored once, and this rank's slice of each tensor is handed back.
+
+Hierarchical topology (N nodes of L ranks): step 1 is preceded by a dense reduce-scatter inside the node
+(ZeRO++ qgZ's two hops, arXiv 2306.10209, section 4.2); steps 2-6 then run on the node-level sums of this
+rank's owners, between the ranks of the same local rank on every node.
+
+Output contract (tested against stock DeepSpeed): one tensor per input, this rank's slice
+``flat[r*c : min((r+1)*c, n)]`` (possibly empty) of the mean over the group. In lossless mode (density 1, no
+quantization) it is bit-identical to stock at 2 ranks.
+"""
+
+from dataclasses import dataclass
+from typing import Dict, Hashable, List, Optional, Sequence, Tuple
+
+import torch
+from deepspeed import comm as dist
+
+from ..codec import wire
+from ..codec.entropy import deflate, inflate
+from ..codec.job import CompressJob, CompressOutput
+from ..codec.kernels import get_ops
+from ..codec.selection import draw_samples, sample_indices
+from ..comm.topology import ReduceComms, build_reduce_comms, resolve_ranks_per_node
+from ..config import DGCConfig
+from ..memory.error_feedback import ErrorFeedback
+from ..memory.momentum import MomentumState
+from ..telemetry import ReduceResult
+
+
+@dataclass
+class Bucket:
+    """One call's plan, fixed at entry (step 1).
+
+    Attributes:
+        keys: stable key of each tensor; numels: elements per tensor; chunks: ``ceil(n_i / W)``.
+        srcs: what is compressed (the gradients in the communication dtype, or a momentum state's values).
+        divisor: the sources are divided by it in the first fp32 pass (``W * loss_scale`` for gradients, 1 for
+            momenta, which are divided already).
+        loss_scale: restored on exit.
+        density, quantization, group_size: the codec of this bucket; sparse: per tensor, top-k or sent whole.
+        comm_dtype: of raw values and of the dense intra-node hop; fingerprint: written in every header.
+        momentum_sources: the sources came from the momentum state (which then sees the exchange, step 6).
+    """
+    keys: List[Hashable]
+    numels: List[int]
+    chunks: List[int]
+    srcs: List[torch.Tensor]
+    divisor: float
+    loss_scale: float
+    density: float
+    quantization: str
+    group_size: int
+    sparse: List[bool]
+    comm_dtype: torch.dtype
+    fingerprint: int
+    momentum_sources: bool
+
+
+class CompressedReduceScatter:
+    """Sparsified, quantized reduce-scatter with error feedback for one ZeRO-3 optimizer.
+
+    Args:
+        cfg: the enabled ``"dgc"`` config (its ``topology``, ``comm_backend`` and ``timeout_s``
+            choose the communicators).
+        memory: residual store (error feedback).
+        seed: seed of the random generator used to sample for threshold estimation; give each
+            rank its own (e.g. a constant plus the global rank) for reproducible runs.
+        ranks_per_node: ranks per node (None: :func:`~deepspeed_dgc.comm.topology.resolve_ranks_per_node`
+            at first use, collective).
+        ops: the compression implementation (None: :func:`~deepspeed_dgc.codec.kernels.get_ops` for
+            ``cfg.kernels`` and the gradients' device, at first use).
+        momentum: a :class:`~deepspeed_dgc.memory.momentum.MomentumState`, or None.
+
+    Attributes:
+        steps_applied: optimizer steps applied so far (skipped steps do not count): the clock of the density
+            warm-up. :meth:`end_step` advances it.
+        thresholds: threshold reuse, key -> ``[threshold (unscaled), density it was estimated for, exchanges it has
+            served, whether it selected momentum]``.
+    """
+
+    def __init__(self, cfg: DGCConfig, memory: ErrorFeedback, seed: int = 0, ranks_per_node: Optional[int] = None,
+                 ops=None, momentum: Optional[MomentumState] = None):
+        self.cfg = cfg
+        self.memory = memory
+        self.seed = seed
+        self.ranks_per_node = ranks_per_node
+        self.ops = ops
+        self.momentum = momentum
+        self.steps_applied = 0
+        self.thresholds: Dict[Hashable, list] = {}
+        self._generators: Dict[str, torch.Generator] = {}
+        self._comms = {}
+        self._density = cfg.density if isinstance(cfg.density, float) else cfg.density_max
+
+    # ---- the bucket path ------------------------------------------------------------------------
+
+    def reduce_scatter(self, grads: Sequence[torch.Tensor], keys: Sequence[Hashable], group, comm_dtype: torch.dtype,
+                       loss_scale: float = 1.0) -> Tuple[List[torch.Tensor], ReduceResult]:
+        """Mean over the group of each gradient, scattered by owner rank, compressed on the wire.
+
+        Args:
+            grads: full local gradients, one per parameter, any shape (n_i elements), any float dtype, multiplied
+                by ``loss_scale``. Every rank passes tensors of the same sizes in the same order.
+            keys: error-feedback key of each gradient (a stable identity of its parameter).
+            group: process group of the partition (None: the world).
+            comm_dtype: dtype of values on the wire when ``quantization`` is ``"none"`` (and of the
+                dense intra-node hop).
+            loss_scale: the fp16 loss scale the gradients carry (1 for bf16 and fp32).
+
+        Returns:
+            ``(partitions, result)``: per gradient, an fp32 tensor of this rank's slice of the
+            mean, shape ``(max(0, min(c, n - r*c)),)``, in the gradients' (scaled) units; and a
+            :class:`~deepspeed_dgc.telemetry.ReduceResult`.
+
+        Raises:
+            DGCProtocolError: a payload from another rank does not match this rank's
+                expectation (config or bucket differ between ranks); every rank that receives
+                such a payload raises.
+            DGCTimeoutError: an exchange did not finish within ``dgc.timeout_s``.
+        """
+        comms = self.comms_for(group)
+        bucket = self._enter(grads, keys, comms, comm_dtype, loss_scale, group)
+        if comms.hierarchical:
+            intra_before, inter_before = comms.intra.wire_bytes, comms.inter.wire_bytes
+            out, finite, kept = self._two_hops(bucket, comms)
+            intra_bytes = comms.intra.wire_bytes - intra_before
+            inter_bytes = comms.inter.wire_bytes - inter_before
+        else:
+            job = self._job(bucket, bucket.srcs, [0] * len(bucket.srcs), bucket.chunks,
+                            list(range(comms.world_size)), bucket.numels, bucket.divisor)
+            out, finite, kept = self._compress_exchange(bucket, job, comms.flat, comms.rank)
+            sent = comms.flat.last_sent_bytes
+            intra_bytes = sum(b for d, b in enumerate(sent) if comms.dest_nodes[d] == comms.dest_nodes[comms.rank])
+            inter_bytes = sum(sent) - intra_bytes
+        outputs = self._exit(out, finite, bucket, comms.rank)
+        world = comms.world_size
+        off_node = sum(1 for node in comms.dest_nodes if node != comms.dest_nodes[comms.rank])
+        result = ReduceResult(wire_bytes=intra_bytes + inter_bytes,
+                              dense_fp32_bytes=sum((world - 1) / world * n * 4 for n in bucket.numels),
+                              kept=kept,
+                              numel=sum(bucket.numels),
+                              finite=finite,
+                              intra_node_wire_bytes=intra_bytes,
+                              inter_node_wire_bytes=inter_bytes,
+                              inter_node_dense_fp32_bytes=sum(off_node / world * n * 4 for n in bucket.numels))
+        return outputs, result
+
+    def _enter(self, grads, keys, comms: ReduceComms, comm_dtype, loss_scale: float, group) -> Bucket:
+        """Step 1: what is compressed, divided by what, with which codec."""
+        world = comms.world_size
+        numels = [g.numel() for g in grads]
+        # stock casts to the communication dtype and pre-divides by W; the loss scale goes with the division
+        srcs = [g.reshape(-1).to(comm_dtype) for g in grads]
+        divisor = float(world) * loss_scale
+        momenta = self.momentum.sources(keys, grads, divisor) if self.momentum is not None else None
+        if momenta is not None:
+            srcs, divisor = momenta, 1.0
+        override = self.momentum.codec() if self.momentum is not None else None
+        density = self.step_density() if override is None else override[0]
+        if density == "auto" or density is None:
+            density = self._auto_density(srcs, keys, divisor, group)
+        self._density = density
+        _, quantization, group_size = self.codec()
+        sparse = [self.is_sparse(n) for n in numels]
+        description = [self.codec(), self.cfg.stochastic_rounding, self.cfg.index_coding, self.cfg.min_numel,
+                       self.cfg.topology, self.ranks_per_node if self.cfg.topology == "hierarchical" else None,
+                       str(comm_dtype), list(numels), list(sparse)]
+        return Bucket(keys=list(keys), numels=numels, chunks=[-(-n // world) for n in numels], srcs=srcs,
+                      divisor=divisor, loss_scale=loss_scale, density=density, quantization=quantization,
+                      group_size=group_size, sparse=sparse, comm_dtype=comm_dtype,
+                      fingerprint=wire.fingerprint(description), momentum_sources=momenta is not None)
+
+    def _job(self, bucket: Bucket, srcs, offsets, strides, row_owner, residual_numels, divisor) -> CompressJob:
+        """Step 2: the job of one exchange, with this rank's residuals and threshold samples (drawn from this
+        rank's generator in tensor order)."""
+        density, quantization, group_size = bucket.density, bucket.quantization, bucket.group_size
+        threshold = self.cfg.threshold if self.threshold_active() else None
+        ef = self.cfg.error_feedback and not (density >= 1.0 and quantization == "none" and threshold is None)
+        device = srcs[0].device
+        job = CompressJob(srcs=srcs,
+                          offsets=offsets,
+                          row_strides=strides,
+                          numels=bucket.numels,
+                          chunks=bucket.chunks,
+                          sparse=bucket.sparse,
+                          row_owner=row_owner,
+                          residuals=[self.memory.get(k) if ef else None for k in bucket.keys],
+                          residual_numels=residual_numels,
+                          divisor=divisor,
+                          density=density,
+                          samples=[],
+                          group_size=group_size,
+                          quantize=quantization != "none",
+                          value_dtype=bucket.comm_dtype,
+                          fingerprint=bucket.fingerprint,
+                          want_residual=ef,
+                          value_format=quantization if quantization != "none" else "int4",
+                          index_coding=self.cfg.index_coding_for(density),
+                          threshold=threshold,
+                          raw_scale=bucket.loss_scale)
+        if self.cfg.threshold_reuse_steps > 1 and threshold is None:
+            job.reuse_thresholds = [self._reusable(k, density) for k in bucket.keys]
+        estimate = [s and (job.reuse_thresholds is None or job.reuse_thresholds[i] is None)
+                    for i, s in enumerate(bucket.sparse)]
+        job.samples = draw_samples([sum(job.real_counts(i)) for i in range(len(bucket.numels))], estimate, density,
+                                   self._generator(device), device)
+        if self.cfg.stochastic_rounding and quantization in ("int4", "int2"):
+            job.rounding_generator = self._generator(device)
+        return job
+
+    def _compress_exchange(self, bucket: Bucket, job: CompressJob, comm, my_row: int) -> Tuple[torch.Tensor, bool, int]:
+        """Steps 3-6: encode every row, exchange, decode and sum this rank's row, stage what lasts.
+
+        Returns:
+            ``(out, finite, kept)``: the fp32 sum over senders of row ``my_row``, shape ``(C,)``, unscaled; whether
+            this rank's input was finite (it sends nothing otherwise); values it sent.
+        """
+        ops = self.ops_for(job.srcs[0].device.type)
+        result = ops.compress(job)
+        received = self._exchange(comm, result.payloads)
+        out = wire.decode_sum(received, job.row_layout(my_row), ops.decode_add)
+        self._stage(bucket, job, result)
+        return out, result.finite, result.kept
+
+    def _exchange(self, comm, payloads: List[torch.Tensor]) -> List[torch.Tensor]:
+        """Step 4: one uneven all-to-all of the payloads (entropy-coded around it with ``entropy_coding``)."""
+        if self.cfg.entropy_coding == "zlib":
+            return [inflate(b, src) for src, b in enumerate(comm.all_to_all([deflate(p) for p in payloads]))]
+        return comm.all_to_all(payloads)
+
+    def _stage(self, bucket: Bucket, job: CompressJob, result: CompressOutput) -> None:
+        """Step 6: the new residuals and thresholds, and what the momentum state learns from the exchange."""
+        if job.reuse_thresholds is not None and result.finite:
+            self._remember_thresholds(job, bucket.keys, result.thresholds)
+        if result.residuals is None:
+            return
+        before = list(job.residuals)
+        for key, residual in zip(bucket.keys, result.residuals):
+            self.memory.stage(key, residual)
+        if bucket.momentum_sources:
+            self.momentum.after_exchange(bucket.keys, bucket.srcs, before, result.residuals, bucket.sparse)
+
+    def _exit(self, out: torch.Tensor, finite: bool, bucket: Bucket, rank: int) -> List[torch.Tensor]:
+        """Step 7: the loss scale restored, stock's rounding to the communication dtype for raw values, this
+        rank's slice of each tensor (NaN everywhere when this rank's input was not finite, so that DeepSpeed's
+        overflow check skips the step on every rank)."""
+        if bucket.loss_scale != 1:
+            out.mul_(bucket.loss_scale)
+        if bucket.quantization == "none" and bucket.comm_dtype != torch.float32:
+            out = out.to(bucket.comm_dtype).float()  # stock's result is in the communication dtype
+        if not finite:
+            out.fill_(float("nan"))
+        outputs, col = [], 0
+        for n, c in zip(bucket.numels, bucket.chunks):
+            outputs.append(out.narrow(0, col, max(0, min(c, n - rank * c))))
+            col += c
+        return outputs
+
+    def _two_hops(self, bucket: Bucket, comms: ReduceComms) -> Tuple[torch.Tensor, bool, int]:
+        """Hierarchical topology: a dense reduce-scatter of ``g / W`` inside the node, in the communication dtype,
+        then steps 2-6 on the node-level sums of this rank's owners (divided by the loss scale on entry)."""
+        L, N, world = comms.ranks_per_node, comms.n_nodes, comms.world_size
+        srcs, chunks = bucket.srcs, bucket.chunks
+        device = srcs[0].device
+        C = sum(chunks)
+        # owner matrix of g/W: row o = owner o's slices of every tensor, zero-padded
+        cols = [
+            torch.nn.functional.pad(s.float().div(world), (0, world * c - s.numel())).view(world, c)
+            for s, c in zip(srcs, chunks)
+        ]
+        acc_m = torch.cat(cols, dim=1)
+        payloads = [wire.as_bytes(acc_m[j::L].to(bucket.comm_dtype)) for j in range(L)]  # rows of owners k*L + j
+        received = comms.intra.all_to_all(payloads)
+        node_sum = torch.zeros(N, C, dtype=torch.float32, device=device)
+        for buf in received:  # in local-rank order, the same on every rank
+            node_sum.add_(buf.view(bucket.comm_dtype).view(N, C).float())
+        owners = [k * L + comms.local_rank for k in range(N)]
+        if N == 1:
+            row = node_sum[0]
+            if bucket.loss_scale != 1:
+                row.div_(bucket.loss_scale)  # _exit restores it
+            return row, True, sum(max(0, min(c, n - owners[0] * c)) for n, c in zip(bucket.numels, chunks))
+        starts = [sum(chunks[:i]) for i in range(len(chunks))]
+        job = self._job(bucket, [node_sum.view(-1)] * len(srcs), starts, [C] * len(srcs), owners,
+                        [N * c for c in chunks], bucket.loss_scale)
+        return self._compress_exchange(bucket, job, comms.inter, comms.node)
+
+    # ---- what a bucket is compressed with ---------------------------------------------------------
+
+    def ops_for(self, device_type: str):
+        """The compression implementation (fused or reference), chosen once."""
+        if self.ops is None:
+            self.ops = get_ops(self.cfg.kernels, device_type, self.cfg.quantization != "none")
+        return self.ops
+
+    def comms_for(self, group) -> ReduceComms:
+        """The communicators of ``group``, created once per group (collective over the world the first time)."""
+        if group not in self._comms:
+            if self.ranks_per_node is None:
+                self.ranks_per_node = resolve_ranks_per_node(self.cfg)[0]
+            self._comms[group] = build_reduce_comms(self.cfg, group, self.ranks_per_node)
+        return self._comms[group]
+
+    def codec(self) -> Tuple[float, str, int]:
+        """``(density, quantization, group_size)`` of the current exchange: the top-level keys, or the momentum
+        state's own (compressed momentum after the freeze); the density as :meth:`step_density` or ``"auto"``
+        chose it."""
+        override = self.momentum.codec() if self.momentum is not None else None
+        if override is not None:
+            return self._density, override[1], override[2]
+        return self._density, self.cfg.quantization, self.cfg.group_size
+
+    def step_density(self) -> Optional[float]:
+        """Density of this step from the schedule: dense warm-up steps, then DGC's geometric warm-up
+        from max(0.25, density) to ``density`` (Lin et al. 2018, section 3.4), then ``density``; None when
+        ``"auto"`` chooses per bucket. Counts applied steps only."""
+        cfg, t = self.cfg, self.steps_applied
+        if t < cfg.warmup_dense_steps:
+            return 1.0
+        if cfg.density == "auto":
+            return None
+        t -= cfg.warmup_dense_steps
+        if t < cfg.warmup_steps:
+            start, frac = max(0.25, cfg.density), t / cfg.warmup_steps
+            return start**(1.0 - frac) * cfg.density**frac
+        return cfg.density
+
+    def threshold_active(self) -> bool:
+        """Whether this step keeps by the fixed ``threshold``: set, and neither a dense warm-up step nor a
+        momentum state's own codec."""
+        own = self.momentum is not None and self.momentum.codec() is not None
+        return self.cfg.threshold is not None and not own and self.steps_applied >= self.cfg.warmup_dense_steps
+
+    def is_sparse(self, numel: int) -> bool:
+        """Whether a tensor of ``numel`` elements is top-k sparsified (else sent whole, still quantized)."""
+        return (self.codec()[0] < 1.0 or self.threshold_active()) and numel >= self.cfg.min_numel
+
+    def _auto_density(self, srcs: Sequence[torch.Tensor], keys: Sequence[Hashable], divisor: float, group) -> float:
+        """The smallest density leaving at most ``energy_budget`` of the accumulator's energy unsent, estimated on
+        DGC's 1% samples of every tensor that is sparsified, clamped to the bounds; then the largest over the
+        ranks of ``group`` (one all-reduce of one value), so every rank uses the same."""
+        cfg = self.cfg
+        device = srcs[0].device
+        mags = []
+        for g, key in zip(srcs, keys):
+            n = g.numel()
+            if n < cfg.min_numel:
+                continue
+            flat = g.reshape(-1)
+            sample = sample_indices(n, 1, self._generator(device), device)
+            acc = (flat if sample is None else flat[sample]).float() / divisor
+            residual = self.memory.get(key) if cfg.topology == "flat" and cfg.error_feedback else None
+            if residual is not None:
+                acc += residual if sample is None else residual[sample]
+            mags.append(acc.abs())
+        want = cfg.density_max
+        if mags:
+            energy = torch.sort(torch.cat(mags).double().square(), descending=True).values
+            total = float(energy.sum())
+            if total > 0:
+                kept_share = torch.cumsum(energy, 0) / total
+                needed = int(torch.searchsorted(kept_share, torch.tensor(1.0 - cfg.energy_budget, dtype=torch.float64))) + 1
+                want = needed / energy.numel()
+        want = torch.tensor([min(cfg.density_max, max(cfg.density_min, want))], dtype=torch.float32, device=device)
+        dist.all_reduce(want, op=dist.ReduceOp.MAX, group=group)
+        return float(want.item())
+
+    # ---- threshold reuse ------------------------------------------------------------------------
+
+    def _reusable(self, key: Hashable, density: float) -> Optional[float]:
+        """The stored threshold of ``key`` if it was estimated for ``density`` and for the same quantity (gradients
+        or momentum) and has served fewer than ``threshold_reuse_steps`` exchanges, else None (estimate anew)."""
+        entry = self.thresholds.get(key)
+        if (entry is None or len(entry) != 4 or entry[1] != density or entry[2] >= self.cfg.threshold_reuse_steps
+                or entry[3] != self._sends_momentum()):
+            return None
+        return entry[0]
+
+    def _sends_momentum(self) -> bool:
+        return self.momentum is not None and self.momentum.sending
+
+    def _remember_thresholds(self, job: CompressJob, keys, used: Sequence[Optional[float]]) -> None:
+        """After a finite exchange: store the thresholds just estimated, count one more use of the reused ones."""
+        for i, (key, t) in enumerate(zip(keys, used)):
+            if job.reuse_thresholds[i] is not None:
+                self.thresholds[key][2] += 1
+            elif t is not None:
+                self.thresholds[key] = [t, job.density, 1, self._sends_momentum()]
+            else:  # nothing selected by a threshold (sent whole): estimate afresh next time
+                self.thresholds.pop(key, None)
+
+    # ---- between steps --------------------------------------------------------------------------
+
+    def end_step(self, applied: bool) -> None:
+        """The optimizer step ended: an applied step advances the warm-up clock."""
+        if applied:
+            self.steps_applied += 1
+
+    def clear_thresholds(self) -> None:
+        """Forget every stored threshold (estimated afresh at the next exchange)."""
+        self.thresholds = {}
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        key = str(device)
+        if key not in self._generators:
+            self._generators[key] = torch.Generator(device=device).manual_seed(self.seed)
+        return self._generators[key]
+
+    def export_state(self) -> dict:
+        """What a checkpoint keeps: the sampling generators' states, the stored thresholds, the warm-up clock."""
+        return {"generators": {dev: g.get_state() for dev, g in self._generators.items()},
+                "thresholds": {k: list(v) for k, v in self.thresholds.items()},
+                "steps_applied": self.steps_applied}
+
+    def restore_state(self, saved: dict) -> None:
+        """Put :meth:`export_state` back (generators of devices not saved restart from the seed)."""
+        for dev, gen_state in saved.get("generators", {}).items():
+            self._generator(torch.device(dev)).set_state(gen_state)
+        self.thresholds = {k: list(v) for k, v in saved.get("thresholds", {}).items()}
+        self.steps_applied = int(saved.get("steps_applied", self.steps_applied))

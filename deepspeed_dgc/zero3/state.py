@@ -1,0 +1,97 @@
+"""Everything the extension keeps for one engine, and what happens to it at the end of an optimizer step."""
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, List, Optional
+
+import torch
+
+from ..config import DGCConfig
+from ..memory.error_feedback import ErrorFeedback
+from ..memory.momentum import MomentumState
+from ..telemetry import DGCStats, StepStats, log_step
+from .reduce_scatter import CompressedReduceScatter
+
+SEED_BASE = 0x5EED  # threshold samples of rank r are drawn from a generator seeded SEED_BASE + r
+STATE_ATTR = "_dgc_state"  # the engine's and its optimizer's attribute holding the DGCState
+
+
+@dataclass
+class DGCState:
+    """The extension's state for one engine (reachable as ``engine._dgc_state``; scripts use
+    :func:`deepspeed_dgc.get_stats`).
+
+    Attributes:
+        cfg: the enabled ``"dgc"`` config.
+        global_rank: this process's rank; dp_rank: its rank in the data-parallel group.
+        memory: error-feedback residuals; reducer: the compressed reduce-scatter; stats: telemetry.
+        momentum: a momentum state (``compressed_momentum`` or ``momentum_correction``), or None.
+        params: the engine's parameters (ZeRO-3 shards), in module order.
+        monitor: DeepSpeed's monitor (telemetry events), or None.
+        samples_seen: the engine's sample count (the x axis of monitor events).
+    """
+    cfg: DGCConfig
+    global_rank: int
+    memory: ErrorFeedback
+    reducer: CompressedReduceScatter
+    stats: DGCStats
+    momentum: Optional[MomentumState] = None
+    dp_rank: int = 0
+    params: List[torch.nn.Parameter] = field(default_factory=list)
+    monitor: Any = None
+    samples_seen: Callable[[], int] = lambda: 0
+
+    @classmethod
+    def build(cls, cfg: DGCConfig, global_rank: int, ranks_per_node: Optional[int] = None,
+              momentum: Optional[MomentumState] = None) -> "DGCState":
+        """A fresh state: residual storage from ``cfg``, a reducer seeded for this rank."""
+        memory = ErrorFeedback(cfg.residual_storage, offload=cfg.residual_offload)
+        reducer = CompressedReduceScatter(cfg, memory, seed=SEED_BASE + global_rank, ranks_per_node=ranks_per_node,
+                                          momentum=momentum)
+        return cls(cfg=cfg, global_rank=global_rank, memory=memory, reducer=reducer,
+                   stats=DGCStats(residual_storage=cfg.residual_storage), momentum=momentum)
+
+    @staticmethod
+    def key_of(param: torch.nn.Parameter) -> Hashable:
+        """The key of a parameter's residual and momentum: its ZeRO-3 ``ds_id``."""
+        return param.ds_id
+
+    def commit_step(self, applied: bool) -> None:
+        """The optimizer step ended: commit this window's residuals and momenta if it was applied, roll them back
+        if it was skipped (overflow); an applied step advances the density warm-up."""
+        if applied:
+            self.memory.commit()
+            if self.momentum is not None:
+                self.momentum.commit()
+        else:
+            self.memory.rollback()
+            if self.momentum is not None:
+                self.momentum.rollback()
+        self.reducer.end_step(applied)
+
+    def close_step(self, applied: bool, uncovered_gather_bytes: int = 0) -> StepStats:
+        """Close the step's telemetry (after :meth:`commit_step`); log it every ``stats_interval`` steps."""
+        self.stats.state_bytes = self.memory.state_bytes() + (self.momentum.state_bytes() if self.momentum else 0)
+        self.stats.host_state_bytes = self.memory.host_state_bytes()
+        log_now = (self.stats.steps + 1) % self.cfg.stats_interval == 0
+        s = self.stats.end_step(not applied, self.memory.residual_norm() if log_now else None, uncovered_gather_bytes)
+        if log_now:
+            log_step(s, self.global_rank, self.monitor, self.samples_seen())
+        return s
+
+    def start_momentum_phase(self) -> None:
+        """The gradient phase's residuals are in gradient units: the momentum phase starts with none (its reused
+        thresholds are told apart by the reducer)."""
+        self.memory.clear()
+
+
+def get_stats(engine) -> Optional[DGCStats]:
+    """This rank's compression telemetry for ``engine``, or None when DGC is not enabled on it.
+
+    Args:
+        engine: a ``DeepSpeedEngine`` from ``deepspeed.initialize``.
+
+    Returns:
+        :class:`~deepspeed_dgc.telemetry.DGCStats` (bytes are this rank's, in bytes).
+    """
+    state = getattr(engine, STATE_ATTR, None)
+    return None if state is None else state.stats

@@ -1,0 +1,161 @@
+"""benchmarks/bench_network.py: the rate-limited namespace, its clean-up, one real launch inside it,
+argument checks and the reduction of launches to speed-ups (the full benchmark is `make bench`)."""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import bench_network as bn  # noqa: E402
+
+needs_root = pytest.mark.skipif(bn.check_privileges() is not None, reason=f"bench_network: {bn.check_privileges()}")
+
+SENDER = """
+import socket, sys, threading, time
+n = int(sys.argv[1])
+server = socket.socket(); server.bind(("127.0.0.1", 0)); server.listen()
+got = []
+def receive():
+    conn, _ = server.accept(); total = 0
+    while True:
+        data = conn.recv(1 << 20)
+        if not data:
+            break
+        total += len(data)
+    got.append(total)
+t = threading.Thread(target=receive); t.start()
+client = socket.create_connection(server.getsockname())
+start = time.perf_counter(); client.sendall(b"x" * n); client.close(); t.join()
+print(time.perf_counter() - start, got[0])
+"""
+
+
+def _namespaces() -> str:
+    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+
+
+def _transfer(ns: bn.Namespace, nbytes: int) -> tuple[float, int, int]:
+    """(seconds, bytes received, loopback tx bytes) of one TCP transfer on 127.0.0.1 inside ``ns``."""
+    counter = ns.prefix() + ["cat", "/sys/class/net/lo/statistics/tx_bytes"]
+    before = int(subprocess.run(counter, capture_output=True, text=True, check=True).stdout)
+    out = subprocess.run(ns.prefix() + [sys.executable, "-c", SENDER, str(nbytes)], capture_output=True, text=True,
+                         check=True, timeout=60).stdout.split()
+    after = int(subprocess.run(counter, capture_output=True, text=True, check=True).stdout)
+    return float(out[0]), int(out[1]), after - before
+
+
+@needs_root
+def test_namespace_limits_the_loopback_and_is_deleted():
+    name = f"dgctest{uuid.uuid4().hex[:8]}"
+    nbytes = 3_000_000
+    with bn.Namespace(name) as ns:
+        assert name in _namespaces()
+        ns.set_rate("20mbit")
+        limited_s, received, tx = _transfer(ns, nbytes)
+        ns.set_rate(None)
+        free_s, _, _ = _transfer(ns, nbytes)
+    assert name not in _namespaces()
+    assert received == nbytes
+    assert tx >= nbytes  # every byte crossed the namespace's loopback (plus TCP/IP headers)
+    floor_s = nbytes * 8 / 20e6
+    assert limited_s > 0.8 * floor_s, f"{nbytes} B at 20 Mbit/s took {limited_s:.2f} s (floor {floor_s:.2f} s)"
+    assert free_s < limited_s / 3
+
+
+@needs_root
+def test_namespace_is_deleted_after_a_failure():
+    name = f"dgctest{uuid.uuid4().hex[:8]}"
+    with pytest.raises(RuntimeError, match="boom"):
+        with bn.Namespace(name) as ns:
+            ns.set_rate("1gbit")
+            raise RuntimeError("boom")
+    assert name not in _namespaces()
+
+
+@needs_root
+def test_one_launch_inside_the_namespace_records_steps_and_bytes(tmp_path):
+    args = bn.parse_args(["--rates", "1gbit", "--out-dir", str(tmp_path), "--n-layer", "1", "--n-embd", "32",
+                          "--n-head", "2", "--block-size", "32"])
+    with bn.Namespace(f"dgctest{uuid.uuid4().hex[:8]}") as ns:
+        ns.set_rate("1gbit")
+        summary = bn.launch(ns, bn.BY_NAME["int4_ef_wint4"], args, 3, 3, 1, "smoke")
+    assert len(summary["step_times_s"]) == 3 and min(summary["step_times_s"]) > 0
+    assert len(summary["step_net_tx_bytes"]) == 3
+    # the namespace counter sees at least what rank 0 sent through the extension (gradients and weights)
+    grads_and_params = (summary["grad_wire_bytes_total"] + summary["param_wire_bytes_total"]) / 3
+    assert statistics.median(summary["step_net_tx_bytes"]) >= grads_and_params
+    assert summary["dgc_stats"]["steps"] == 3
+    assert json.loads((tmp_path / "configs" / "int4_ef_wint4.json").read_text())["dgc"]["weights"]["quantization"] == "int4"
+
+
+def test_without_root_it_says_so_and_exits_2(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert bn.main(["--out-dir", str(tmp_path)]) == 2
+    assert "needs root" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # nothing measured, nothing written
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rates", "fast"], "not a tc rate"),
+    (["--rates", "0mbit"], "not a tc rate"),
+    (["--configs", "dgc_autox"], "unknown"),
+    (["--configs", "nope"], "unknown"),
+    (["--warmup-steps", "1"], "--warmup-steps must be >= 2"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
+])
+def test_bad_arguments_are_named(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        bn.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_stock_baselines_are_always_run():
+    assert bn.parse_args(["--configs", "dgc_d001"]).configs == ["stock_fp32", "stock_bf16", "dgc_d001"]
+    assert bn.BY_NAME["dgc_auto"].dgc["density"] == "auto"
+    assert bn.parse_rate_bits("100mbit") == 1e8 and bn.parse_rate_bits("1gbit") == 1e9
+
+
+def _summary(val_losses, steps=20):
+    return {"final_val_loss": val_losses[-1][1], "val_losses": val_losses, "steps": steps, "dgc_stats": None,
+            "grad_wire_bytes_total": None, "param_wire_bytes_total": None, "compression_ratio": 1.0}
+
+
+def test_analysis_takes_medians_of_same_round_ratios_and_the_time_to_the_stock_loss():
+    args = bn.parse_args(["--configs", "int4_ef_wint4", "--rates", "100mbit", "--converge-steps", "20"])
+    convergence = {
+        "stock_fp32": _summary([[10, 2.6], [20, 2.4]]),
+        "stock_bf16": _summary([[10, 2.6], [20, 2.41]]),
+        "int4_ef_wint4": _summary([[10, 2.39], [20, 2.35]]),
+    }
+    # rounds drift: round 2 is twice as slow for everyone; ratios within a round stay put
+    rounds = [{"stock_fp32": (10.0, 1e8), "stock_bf16": (7.0, 7e7), "int4_ef_wint4": (2.0, 1e7)},
+              {"stock_fp32": (20.0, 1e8), "stock_bf16": (14.0, 7e7), "int4_ef_wint4": (4.0, 1e7)},
+              {"stock_fp32": (12.0, 1e8), "stock_bf16": (8.4, 7e7), "int4_ef_wint4": (2.4, 1e7)}]
+    results = bn.analyse(args, convergence, {"100mbit": rounds})
+    r = results["rates"]["100mbit"]
+    assert r["int4_ef_wint4"]["speedup_vs_fp32"] == pytest.approx(5.0)
+    assert r["int4_ef_wint4"]["speedup_vs_bf16"] == pytest.approx(3.5)
+    assert r["int4_ef_wint4"]["step_s"] == pytest.approx(2.4)
+    assert r["int4_ef_wint4"]["wire_vs_stock_fp32"] == pytest.approx(10.0)
+    assert r["int4_ef_wint4"]["time_to_stock_loss_s"] == pytest.approx(10 * 2.4)  # reached at step 10
+    assert r["stock_bf16"]["time_to_stock_loss_s"] is None  # 2.41 > 2.4: not reached
+    assert results["configs"]["int4_ef_wint4"]["val_gap_pct"] == pytest.approx(100 * (2.35 - 2.4) / 2.4)
+    table = bn.markdown(args, results, {"date": "today", "machine": "here", "n_params": 1000})
+    assert "| 5.00x | 3.50x |" in table and "not reached" in table
+
+
+def test_reuse_convergence_takes_matching_runs_and_trains_the_missing(tmp_path):
+    args = bn.parse_args(["--reuse-convergence", str(tmp_path), "--converge-steps", "80"])
+    (tmp_path / "converge_stock_fp32.json").write_text(json.dumps({"steps": 80, "seed": 1234, "final_val_loss": 2.5}))
+    (tmp_path / "converge_stock_bf16.json").write_text(json.dumps({"steps": 40, "seed": 1234}))
+    assert bn.reused(args, bn.BY_NAME["stock_fp32"])["final_val_loss"] == 2.5
+    assert bn.reused(args, bn.BY_NAME["dgc_auto"]) is None  # not in that run: trained
+    with pytest.raises(SystemExit, match="steps 40"):
+        bn.reused(args, bn.BY_NAME["stock_bf16"])

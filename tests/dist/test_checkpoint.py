@@ -1,0 +1,161 @@
+"""Checkpoint and resume with DGC state (residuals, sampling generators, thresholds, momenta, telemetry) in real
+processes: bit-identical resume, checkpoints without the side-car, DGC checkpoints into runs without DGC, another
+world size through a universal checkpoint."""
+
+import glob
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+
+from dist_launch import launch
+from deepspeed_dgc.memory.error_feedback import ErrorFeedback
+
+from .test_engine import SPARSE, engine_argv, run_engine
+
+STEPS = 10
+MOMENTUM = {"dgc": dict(SPARSE, compressed_momentum={"freeze_step": 3, "quantization": "int2"})}
+# thresholds estimated at steps 0, 3, 6, 9: the checkpoint after step 5 holds one mid-reuse
+MC = {"dgc": dict(SPARSE, momentum_correction=True, local_clip_norm=1.0, threshold_reuse_steps=3),
+      "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.01}},
+      "zero_allow_untested_optimizer": True}
+_SHARED = {}
+
+
+def uninterrupted():
+    """The 10-step run every resume test compares against, which saves a checkpoint after step 5 without changing
+    its course (run once per session). Returns ``(src_dir, records)``: a directory holding ``ckpt/``, and the run's
+    records per rank."""
+    if "full" not in _SHARED:
+        src = tempfile.mkdtemp()
+        _SHARED["full"] = (src, run_engine(out=src, steps=STEPS, ckpt=f"{src}/ckpt", save_at=5, config={"dgc": SPARSE}))
+    return _SHARED["full"]
+
+
+def saved_at_step_5():
+    """A fresh copy of the uninterrupted run's checkpoint saved at step 5 by 2 ranks."""
+    src, _ = uninterrupted()
+    out = tempfile.mkdtemp()
+    shutil.copytree(os.path.join(src, "ckpt"), os.path.join(out, "ckpt"))
+    return out
+
+
+def resume(out, config, world=2):
+    """Load the latest checkpoint of ``out/ckpt`` and run steps 5..9; returns (records, launch results)."""
+    return run_engine(world, out=out, steps=STEPS, ckpt=f"{out}/ckpt", resume_at=5, config=config, logs=True)
+
+
+def test_resume_is_bit_identical():
+    _, full = uninterrupted()
+    out = saved_at_step_5()
+    sidecars = sorted(glob.glob(f"{out}/ckpt/*/dgc_state_dp_rank_*.pt"))
+    assert len(sidecars) == 2
+    saved = torch.load(sidecars[0], weights_only=True)  # plain tensors and containers only
+    assert saved["world_size"] == 2 and saved["residuals"]
+    second, _ = resume(out, {"dgc": SPARSE})
+    for r in range(2):
+        # new processes continue exactly where the first ones stopped
+        assert second[r]["losses"] == full[r]["losses"][5:]
+        for a, b in zip(second[r]["params"][-1], full[r]["params"][-1]):
+            assert torch.equal(a, b)
+        assert second[r]["residuals"][-1].keys() == full[r]["residuals"][-1].keys()
+        for k in full[r]["residuals"][-1]:
+            assert torch.equal(second[r]["residuals"][-1][k], full[r]["residuals"][-1][k])
+        assert second[r]["stats"]["steps"] == STEPS
+    # DeepSpeed's own files still load: the fp32 weights from the ZeRO checkpoint
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    state = get_fp32_state_dict_from_zero_checkpoint(f"{out}/ckpt")
+    assert set(state) == {"l1.weight", "l1.bias", "ln.weight", "ln.bias", "l2.weight", "l2.bias"}
+
+
+def test_checkpoint_without_dgc_state_says_residuals_restart():
+    _, full = uninterrupted()
+    out = saved_at_step_5()
+    for path in glob.glob(f"{out}/ckpt/*/dgc_state_dp_rank_*.pt"):
+        os.unlink(path)
+    second, results = resume(out, {"dgc": SPARSE})
+    for r in range(2):
+        assert "error-feedback residuals start at zero" in results[r].stderr + results[r].stdout
+        assert second[r]["residuals"][-1]  # training went on and built new residuals
+        assert second[r]["losses"] != full[r]["losses"][5:]  # the side-car is what makes resume exact
+
+
+def test_dgc_checkpoint_into_a_run_without_dgc_says_what_is_ignored():
+    """Saved with DGC, loaded with DGC off: DeepSpeed's weights load as usual (the first step after loading starts
+    from the saved weights: its loss equals the uninterrupted DGC run's sixth loss), and every rank says that the
+    side-car's residuals are ignored."""
+    _, full = uninterrupted()
+    out = saved_at_step_5()
+    second, results = resume(out, {})
+    for r in range(2):
+        log = results[r].stderr + results[r].stdout
+        assert "this run has DGC off, so its error-feedback residuals are ignored" in log, log[-2000:]
+        assert "dgc_state_dp_rank_" in log
+        assert second[r]["stats"] is None
+        assert second[r]["losses"][0] == full[r]["losses"][5]  # same weights at the start of step 6
+        assert second[r]["losses"][1:] != full[r]["losses"][6:]  # then stock ZeRO-3 reduces differently
+
+
+def test_world_size_2_saved_loaded_at_3():
+    """DeepSpeed refuses a ZeRO checkpoint at another data-parallel size (every rank raises); its universal
+    checkpoint (ds_to_universal) loads at 3 ranks, and the DGC residuals of the 2 saved ranks are re-sharded: summed
+    and split evenly, so the gradient not yet sent is conserved (up to the rounding of the default fp8 storage of
+    each rank's share; the arithmetic is checked exactly in fp32 by tests/unit/zero3/test_checkpoint.py)."""
+    out = saved_at_step_5()
+    refused = launch(3, "engine_worker.py", engine_argv(out, steps=STEPS, ckpt=f"{out}/ckpt", resume_at=5,
+                                                        config={"dgc": SPARSE}), timeout_s=240)
+    for r in refused:
+        assert r.returncode != 0  # no hang, no silent partial load
+    assert any("used a DP world size of 2 but the current world size is 3" in r.stderr for r in refused)
+    tag = open(f"{out}/ckpt/latest").read().strip()
+    conv = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                           f"{out}/ckpt/{tag}", "--output_folder", f"{out}/ckpt/{tag}_universal",
+                           "--num_extract_workers", "1", "--num_merge_workers", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert conv.returncode == 0, conv.stderr[-3000:]
+    third, results = resume(out, {"dgc": SPARSE, "checkpoint": {"load_universal": True}}, world=3)
+    sides = [torch.load(f"{out}/ckpt/{tag}/dgc_state_dp_rank_{r:05d}.pt", weights_only=True) for r in range(2)]
+    assert all(s["residual_storage"] == "fp8" for s in sides)  # "auto" on the flat topology
+    saved = [{k: ErrorFeedback.decode(v) for k, v in s["residuals"].items()} for s in sides]
+    for r in range(3):
+        log = results[r].stderr + results[r].stdout
+        assert "saved at data-parallel world size 2, this run has 3: re-sharded" in log, log[-2000:]
+        assert len(third[r]["losses"]) == 5 and all(math.isfinite(x) for x in third[r]["losses"])
+    loaded = [third[r]["loaded_residuals"] for r in range(3)]
+    assert set(loaded[0]) == set(saved[0])
+    for k in saved[0]:
+        before = saved[0][k].double() + saved[1][k].double()
+        after = sum(loaded[r][k].double() for r in range(3))
+        # fp8 e4m3: relative error <= 2^-4; values far below their group's absmax may flush to zero
+        assert bool(((after - before).abs() <= 2**-4 * before.abs() + 1e-5 * float(before.abs().max())).all())
+        assert not torch.equal(after, before) or bool((before == 0).all())  # really stored in fp8
+        assert torch.equal(loaded[0][k], loaded[2][k])  # an even split
+
+
+@pytest.mark.parametrize("config", [MOMENTUM, MC], ids=["compressed_momentum", "momentum_correction"])
+def test_resume_with_local_momentum_is_bit_identical(config):
+    """Saved at step 5, resumed in new processes: losses, parameters, residuals and the local momenta equal the
+    uninterrupted run's bit for bit. compressed_momentum: frozen after step 3, and the resumed run is frozen again.
+    momentum_correction: SGD (density 0.1, INT4, masking, local clipping, weight decay, thresholds reused for 3
+    steps): the velocities and the thresholds being reused are in the side-car, the weight-decay momentum in the
+    optimizer state."""
+    out = tempfile.mkdtemp()
+    full = run_engine(out=out, steps=STEPS, ckpt=f"{out}/ckpt", save_at=5, config=config)
+    second, _ = resume(out, config)
+    for r in range(2):
+        assert second[r]["losses"] == full[r]["losses"][5:]
+        assert all(torch.equal(a, b) for a, b in zip(second[r]["params"][-1], full[r]["params"][-1]))
+        mom_a, mom_b = second[r]["momenta"][-1], full[r]["momenta"][-1]
+        assert mom_a.keys() == mom_b.keys() and mom_a
+        assert all(torch.equal(mom_a[k], mom_b[k]) for k in mom_b)
+        res_a, res_b = second[r]["residuals"][-1], full[r]["residuals"][-1]
+        assert res_a.keys() == res_b.keys() and all(torch.equal(res_a[k], res_b[k]) for k in res_b)
+        if config is MOMENTUM:
+            assert second[r]["frozen"] and full[r]["frozen"]
+        else:  # momentum factor masking happened
+            assert any(bool((v == 0).any()) for v in mom_b.values())

@@ -1,0 +1,277 @@
+"""ZeRO-3 through deepspeed.initialize in real processes: the seam against stock DeepSpeed, overflow, refused configs,
+ranks that disagree (tests/workers/engine_worker.py and config_worker.py)."""
+
+import csv
+import json
+import os
+import tempfile
+
+import pytest
+import torch
+
+from dist_launch import check_ok, launch
+
+LOSSLESS = {"enabled": True, "density": 1.0, "quantization": "none", "min_numel": 0}
+SPARSE = {"enabled": True, "density": 0.1, "quantization": "int4", "min_numel": 256, "stats_interval": 1}
+
+
+def engine_argv(out, **options):
+    """engine_worker.py's arguments: ``--key value`` per option (``config`` as JSON), ``--key`` for True."""
+    argv = ["--out", out]
+    for key, value in options.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value is not None and value is not False:
+            argv += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+    return argv
+
+
+def run_engine(world=2, timeout_s=240, out=None, logs=False, **options):
+    """engine_worker.py on ``world`` ranks with these options; the records of every rank (and with ``logs`` the
+    launch's per-rank results, holding their output)."""
+    out = out or tempfile.mkdtemp()
+    results = launch(world, "engine_worker.py", engine_argv(out, **options), timeout_s=timeout_s)
+    check_ok(results)
+    records = [torch.load(f"{out}/rank{r}.pt") for r in range(world)]
+    return (records, results) if logs else records
+
+
+@pytest.mark.parametrize("comm", [{}, {"communication_data_type": "bf16"}], ids=["fp32comm", "bf16comm"])
+def test_lossless_bit_identical_to_stock(comm):
+    """density 1 + no quantization, gradient accumulation 2, 4 steps: same losses, full gradients and fp32
+    parameters as stock ZeRO-3, bit for bit (fp32 or bf16 communication)."""
+    stock = run_engine(config=comm, gas=2)
+    ours = run_engine(config=dict(comm, dgc=LOSSLESS), gas=2)
+    for r in range(2):
+        assert ours[r]["losses"] == stock[r]["losses"]
+        for step, (a, b) in enumerate(zip(ours[r]["grads"], stock[r]["grads"])):
+            for x, y in zip(a, b):
+                assert torch.equal(x, y), f"rank {r} step {step}: gradients differ"
+        for step, (a, b) in enumerate(zip(ours[r]["params"], stock[r]["params"])):
+            for x, y in zip(a, b):
+                assert torch.equal(x, y), f"rank {r} step {step}: parameters differ"
+        # parameters moved, so the comparison is not between two untouched models
+        assert not torch.equal(stock[r]["params"][0][0], stock[r]["params"][-1][0])
+        stats = ours[r]["stats"]
+        # every micro-step of every step went through our reduce-scatter: stock's fp32 bytes for all parameters
+        n_params = sum(p.numel() for p in ours[r]["params"][0])
+        assert stats["dense_fp32_bytes_total"] == 4 * 2 * n_params * 4 / 2
+        assert stats["steps"] == 4 and stats["wire_bytes_total"] > 0
+
+
+@pytest.mark.parametrize("world, dgc", [(3, LOSSLESS), (4, dict(LOSSLESS, topology="hierarchical", ranks_per_node=2))],
+                         ids=["w3-flat", "w4-hierarchical-2x2"])
+def test_lossless_matches_stock_within_rounding(world, dgc):
+    """At 3 ranks, or 4 ranks as 2 nodes of 2 (a sum inside each node, then across nodes), the summation order
+    differs from gloo's, so equality is within float32 rounding."""
+    stock, ours = run_engine(world, gas=2), run_engine(world, gas=2, config={"dgc": dgc})
+    for r in range(world):
+        for a, b in zip(ours[r]["losses"], stock[r]["losses"]):
+            assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
+        for step, (a, b) in enumerate(zip(ours[r]["grads"], stock[r]["grads"])):
+            for x, y in zip(a, b):
+                torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-7)
+        for x, y in zip(ours[r]["params"][-1], stock[r]["params"][-1]):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+        assert not torch.equal(stock[r]["params"][0][0], stock[r]["params"][-1][0])
+        if dgc.get("topology") == "hierarchical":  # the two hops really ran
+            assert ours[r]["stats"]["grad_intra_node_wire_bytes_total"] > 0
+            assert ours[r]["stats"]["grad_inter_node_wire_bytes_total"] > 0
+
+
+OVERFLOW = {
+    "fp16": dict(config={"dgc": SPARSE, "fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1,
+                                                   "loss_scale_window": 1000}}, allow_fp16=True),
+    "bf16_offload": dict(config={"dgc": dict(SPARSE, residual_offload=True), "bf16": {"enabled": True},
+                                 "csv_monitor": {"enabled": True, "job_name": "monitor"}}),
+    "bf16_momentum": dict(config={"dgc": dict(SPARSE, compressed_momentum={"freeze_step": 1, "quantization": "int2"}),
+                                  "bf16": {"enabled": True}}),
+}
+
+
+@pytest.mark.parametrize("case", list(OVERFLOW))
+def test_inf_on_one_rank_skips_step_everywhere(case):
+    """Inf in rank 1's input at step 2: every rank skips that step, parameters and residuals stay as they were,
+    residuals stay finite, and training goes on. ``bf16_offload``: residuals offloaded to host memory, telemetry to
+    DeepSpeed's CSV monitor. ``bf16_momentum``: compressed_momentum frozen after step 1 (step 2 sends momentum): the
+    local momenta also roll back and stay finite (fp16 engines are refused with compressed_momentum)."""
+    out = tempfile.mkdtemp()
+    options = dict(OVERFLOW[case])
+    if "csv_monitor" in options["config"]:
+        options["config"] = dict(options["config"], csv_monitor={"enabled": True, "output_path": out,
+                                                                 "job_name": "monitor"})
+    ranks = run_engine(out=out, inf_at=2, **options)
+    for r, rec in enumerate(ranks):
+        assert rec["skipped"] == [0, 0, 1, 1], f"rank {r}"
+        for x, y in zip(rec["params"][2], rec["params"][3]):  # params before / after step 2
+            assert torch.equal(x, y)
+        assert not all(torch.equal(x, y) for x, y in zip(rec["params"][3], rec["params"][4]))  # step 3 applied
+        assert rec["residuals"][1], "sparse compression left no residuals"
+        for res in rec["residuals"]:
+            assert all(bool(torch.isfinite(v).all()) for v in res.values())
+        for k in rec["residuals"][1]:
+            assert torch.equal(rec["residuals"][1][k], rec["residuals"][2][k])
+        assert not all(torch.equal(rec["residuals"][2][k], rec["residuals"][3][k]) for k in rec["residuals"][2])
+        assert rec["stats"]["skipped_steps"] == 1
+        assert all(l == l and abs(l) != float("inf") for i, l in enumerate(rec["losses"]) if not (r == 1 and i == 2))
+        if case == "bf16_momentum":
+            assert len(rec["momenta"]) == 4 and rec["momenta"][1]
+            for mom in rec["momenta"]:
+                assert all(bool(torch.isfinite(v).all()) for v in mom.values())
+            assert all(torch.equal(rec["momenta"][1][k], rec["momenta"][2][k]) for k in rec["momenta"][1])
+            assert not all(torch.equal(rec["momenta"][2][k], rec["momenta"][3][k]) for k in rec["momenta"][2])
+            assert rec["stats"]["state_bytes_per_param"] > 6  # residual + momentum + preconditioner
+    if case == "fp16":
+        assert [rec["loss_scale"] for rec in ranks][0] == [256.0, 256.0, 128.0, 128.0]
+    elif case == "bf16_offload":  # telemetry reaches DeepSpeed's monitor (CSV here), one row per step (stats_interval 1)
+        assert all(rec["stats"]["host_state_bytes"] == rec["stats"]["state_bytes"] > 0 for rec in ranks)  # offloaded
+        with open(os.path.join(out, "monitor", "Train_dgc_compression_ratio.csv")) as f:
+            rows = list(csv.reader(f))[1:]
+        assert len(rows) == 4 and all(float(v) > 1 for _, v in rows)
+        assert os.path.exists(os.path.join(out, "monitor", "Train_dgc_residual_norm.csv"))
+
+
+BAD = {  # case -> ds_config override (merged into the worker's BASE; None removes a key)
+    "misspelled": {"dgc": {"enabled": True, "densty": 0.1}},
+    "density_range": {"dgc": {"enabled": True, "density": 1.5}},
+    "quantization_value": {"dgc": {"enabled": True, "quantization": "int3"}},
+    "stage2": {"dgc": {"enabled": True}, "zero_optimization": {"stage": 2}},
+    "no_reduce_scatter": {"dgc": {"enabled": True}, "zero_optimization": {"stage": 3, "reduce_scatter": False}},
+    "qgz": {"dgc": {"enabled": True}, "zero_optimization": {"stage": 3, "zero_quantized_gradients": True}},
+    "stage0": {"dgc": {"enabled": True}, "zero_optimization": {"stage": 0}},
+    "qwz": {"dgc": {"enabled": True, "weights": {"quantization": "int8"}},
+            "zero_optimization": {"stage": 3, "zero_quantized_weights": True}},
+    "nontrainable": {"dgc": {"enabled": True, "weights": {"quantization": "fp8_e4m3"}},
+                     "zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": True}},
+    "weights_format": {"dgc": {"enabled": True, "weights": {"quantization": "int2"}}},
+    "no_optimizer": {"dgc": {"enabled": True}, "optimizer": None},
+    "backend_value": {"dgc": {"enabled": True, "comm_backend": "nccl"}},
+    "topology_value": {"dgc": {"enabled": True, "topology": "ring"}},
+    "timeout_zero": {"dgc": {"enabled": True, "timeout_s": 0}},
+    "hpz_node_mismatch": {"dgc": {"enabled": True, "topology": "hierarchical", "ranks_per_node": 1},
+                          "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}},
+    "nodes_do_not_divide": {"dgc": {"enabled": True, "topology": "hierarchical", "ranks_per_node": 3}},
+    "mpi_without_mpirun": {"dgc": {"enabled": True, "comm_backend": "mpi"}},
+    "mpi4py_missing": {"dgc": {"enabled": True, "comm_backend": "mpi"}},
+    "kernels_value": {"dgc": {"enabled": True, "kernels": "fast"}},
+    "fused_missing_on_rank1": {"dgc": {"enabled": True, "kernels": "fused"}},
+    "momentum_sgd": {"dgc": {"enabled": True, "compressed_momentum": {"freeze_step": 2}},
+                     "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
+                     "zero_allow_untested_optimizer": True},
+    "momentum_gas": {"dgc": {"enabled": True, "compressed_momentum": {"freeze_step": 2}},
+                     "gradient_accumulation_steps": 2},
+    "momentum_hierarchical": {"dgc": {"enabled": True, "topology": "hierarchical",
+                                      "compressed_momentum": {"freeze_step": 2}}},
+    "sr_with_fp8": {"dgc": {"enabled": True, "quantization": "fp8_e4m3", "stochastic_rounding": True}},
+    "density_auto_typo": {"dgc": {"enabled": True, "density": "Auto"}},
+    "residual_dtype_value": {"dgc": {"enabled": True, "residual_dtype": "fp16"}},
+    "momentum_fp16": {"dgc": {"enabled": True, "compressed_momentum": {"freeze_step": 2}},
+                      "fp16": {"enabled": True}},
+    "mc_with_adam": {"dgc": {"enabled": True, "momentum_correction": True}},
+    "mc_sgd_no_momentum": {"dgc": {"enabled": True, "momentum_correction": True},
+                           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_allow_untested_optimizer": True},
+    "momentum_autocast": {"dgc": {"enabled": True, "compressed_momentum": {"freeze_step": 2}},
+                          "torch_autocast": {"enabled": True, "dtype": "bfloat16"}},
+    "mc_maximize": {"dgc": {"enabled": True, "momentum_correction": True},
+                    "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9, "maximize": True}},
+                    "zero_allow_untested_optimizer": True},
+    "mc_nesterov": {"dgc": {"enabled": True, "momentum_correction": True},
+                    "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9, "nesterov": True}},
+                    "zero_allow_untested_optimizer": True},
+    "mc_and_compressed_momentum": {"dgc": {"enabled": True, "momentum_correction": True,
+                                           "compressed_momentum": {"freeze_step": 2}}},
+    "local_clip_without_mc": {"dgc": {"enabled": True, "local_clip_norm": 1.0}},
+}
+
+EXPECTED = {  # case -> what its DGCConfigError names
+    "misspelled": "dgc.densty",
+    "density_range": "dgc.density",
+    "quantization_value": "dgc.quantization",
+    "stage2": "zero_optimization.stage",
+    "no_reduce_scatter": "zero_optimization.reduce_scatter",
+    "qgz": "zero_optimization.zero_quantized_gradients",
+    "stage0": "zero_optimization.stage",
+    "qwz": "zero_optimization.zero_quantized_weights",
+    "nontrainable": "zero_optimization.zero_quantized_nontrainable_weights",
+    "weights_format": "dgc.weights.quantization",
+    "no_optimizer": "optimizer",
+    "backend_value": "dgc.comm_backend",
+    "topology_value": "dgc.topology",
+    "timeout_zero": "dgc.timeout_s",
+    "hpz_node_mismatch": "zero_optimization.zero_hpz_partition_size",
+    "nodes_do_not_divide": "dgc.ranks_per_node",
+    "kernels_value": "dgc.kernels",
+    "momentum_sgd": "dgc.compressed_momentum",
+    "momentum_gas": "gradient_accumulation_steps",
+    "momentum_hierarchical": "dgc.compressed_momentum",
+    "sr_with_fp8": "dgc.stochastic_rounding",
+    "density_auto_typo": "dgc.density",
+    "residual_dtype_value": "dgc.residual_dtype",
+    "momentum_fp16": "'fp16'",
+    "mc_with_adam": "needs the SGD optimizer",
+    "mc_sgd_no_momentum": "'optimizer.params.momentum' > 0",
+    "mc_nesterov": "'optimizer.params.nesterov'",
+    "mc_maximize": "'optimizer.params.maximize'",
+    "momentum_autocast": "'torch_autocast'",
+    "mc_and_compressed_momentum": "exclude each other",
+    "local_clip_without_mc": "dgc.local_clip_norm",
+}
+MISMATCH = {  # rank 1 differs: case -> (rank 1's difference, key named, value on rank 0, value on rank 1)
+    "mismatch_density": ({"rank1_config": {"dgc": {"density": 0.2}}}, "'dgc.density'", "0.1", "0.2"),
+    "mismatch_version": ({"rank1_version": "0.0.0-other"}, "'deepspeed_dgc version'", "'0.1.0'", "'0.0.0-other'"),
+    "mismatch_disabled": ({"rank1_config": {"dgc": {"enabled": False}}}, "'dgc.enabled'", "True", "False"),
+}
+SPECIAL = {"mpi4py_missing": {"hide_mpi4py": True}, "fused_missing_on_rank1": {"hide_fused_op_on_rank": 1},
+           "momentum_fp16": {"allow_fp16": True}}
+
+
+@pytest.fixture(scope="module")
+def config_errors():
+    """Every refused config and every disagreement, in one launch of 2 ranks (each case in turn)."""
+    out = tempfile.mkdtemp()
+    cases = {}
+    for name, override in BAD.items():
+        if name != "fused_missing_on_rank1":  # last: it hides the op on rank 1 for good
+            cases[name] = dict(config=override, **SPECIAL.get(name, {}))
+    for name, (difference, _, _, _) in MISMATCH.items():
+        cases[name] = dict(config={"dgc": dict(SPARSE)}, step=True, **difference)
+    cases["fused_missing_on_rank1"] = dict(config=BAD["fused_missing_on_rank1"], **SPECIAL["fused_missing_on_rank1"])
+    with open(f"{out}/cases.json", "w") as f:
+        json.dump(cases, f)
+    check_ok(launch(2, "config_worker.py", ["--out", out, "--cases", f"{out}/cases.json"], timeout_s=300))
+    return [torch.load(f"{out}/rank{r}.pt") for r in range(2)]
+
+
+def test_bad_config_fails_on_every_rank_naming_the_key(config_errors):
+    ranks = config_errors
+    for r, messages in enumerate(ranks):
+        for case, key in EXPECTED.items():
+            msg = messages[case]
+            assert msg is not None, f"rank {r}: {case} was accepted"
+            assert msg.startswith("DGCConfigError") and key in msg, f"rank {r} {case}: {msg}"
+            if case.startswith("mc_") and "exclude" not in msg:
+                assert "dgc.momentum_correction" in msg, msg
+    for r, messages in enumerate(ranks):  # mpi4py works here, but the processes were not started by mpirun
+        msg = messages["mpi_without_mpirun"]
+        assert msg is not None and msg.startswith("DGCBackendError") and "dgc.comm_backend" in msg, msg
+        assert "MPI world of 1, torch world is 2" in msg and "mpirun" in msg, msg
+        msg = messages["mpi4py_missing"]
+        assert msg is not None and msg.startswith("DGCBackendError") and "mpi4py cannot be imported" in msg, msg
+    for r, messages in enumerate(ranks):  # the fused op cannot load on rank 1 only: both ranks fail, naming it
+        msg = messages["fused_missing_on_rank1"]
+        assert msg is not None and msg.startswith("DGCKernelError"), msg
+        assert ("no C++ compiler" in msg) if r == 1 else ("could not load on rank(s) [1]" in msg), msg
+    assert "allowed keys: enabled, density" in ranks[0]["misspelled"]
+    assert "'fp8_e5m2' or 'none'" in ranks[0]["quantization_value"]
+
+
+@pytest.mark.parametrize("case", list(MISMATCH))
+def test_ranks_that_disagree_fail_on_every_rank(config_errors, case):
+    """Rank 1 runs another density, another package version, or DGC disabled: both ranks raise at initialize,
+    naming the key and both values, instead of mixing formats or hanging."""
+    _, key, v0, v1 = MISMATCH[case]
+    for r, messages in enumerate(config_errors):
+        msg = messages[case]
+        assert msg is not None and msg.startswith("DGCConfigError") and "differ between ranks" in msg, f"rank {r}: {msg}"
+        assert f"{key} is {v0} on rank 0 but {v1} on rank(s) [1]" in msg, msg

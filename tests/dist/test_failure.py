@@ -1,0 +1,32 @@
+"""A rank that dies or hangs mid-training makes the others fail within dgc.timeout_s, not hang."""
+
+import tempfile
+
+import pytest
+import torch
+
+from dist_launch import launch
+
+from .test_engine import SPARSE, engine_argv
+
+FAIL_TIMEOUT_S = 8.0
+MARGIN_S = 15.0  # process start-up of the error path, traceback printing, teardown
+
+
+@pytest.mark.parametrize("mode, expected", [("die", ("DGCCommError", "DGCTimeoutError")),
+                                            ("hang", ("DGCTimeoutError", ))])
+def test_peer_failure_ends_the_other_rank_with_an_error(mode, expected):
+    out = tempfile.mkdtemp()
+    argv = engine_argv(out, steps=6, fault=mode, config={"dgc": dict(SPARSE, timeout_s=FAIL_TIMEOUT_S)})
+    ranks = launch(2, "engine_worker.py", argv, timeout_s=FAIL_TIMEOUT_S + 120)
+    failed_at = float(open(f"{out}/failed_at").read())
+    rank0 = ranks[0]
+    assert rank0.returncode != 0, "rank 0 finished training although its peer was gone"
+    err = torch.load(f"{out}/rank0_error.pt")
+    assert any(word in err["error"] for word in expected), err["error"]
+    if mode == "hang":  # our collective noticed, after timeout_s and not much later
+        assert "dgc.timeout_s = 8" in err["error"]
+        assert FAIL_TIMEOUT_S - 1 <= err["at"] - failed_at <= FAIL_TIMEOUT_S + MARGIN_S
+    assert rank0.ended_at - failed_at <= FAIL_TIMEOUT_S + MARGIN_S, "rank 0 took too long to exit"
+    if mode == "die":
+        assert ranks[1].returncode == -9

@@ -1,0 +1,139 @@
+"""The momentum methods through ZeRO-3 in 2 real processes, against stock DeepSpeed and float64 replays of what each
+rank recorded: compressed momentum (1-bit Adam) and DGC's momentum correction (momentum SGD)."""
+
+import math
+
+import pytest
+import torch
+
+from deepspeed_dgc.zero3.optimizer import V_FLOOR
+
+from .test_engine import LOSSLESS, SPARSE, run_engine
+
+SGD = {"optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.01}},
+       "zero_allow_untested_optimizer": True}
+
+
+def test_compressed_momentum_is_adam_before_the_freeze_and_uses_the_frozen_v_after():
+    """compressed_momentum, lossless otherwise, frozen after step 3, momentum sent raw: steps 1-3 equal stock
+    ZeRO-3 Adam bit for bit; every step equals a float64 reference of Adam with ZeRO-3's gradient clipping
+    (steps 1-3) and of the
+    frozen-variance update p <- p (1 - lr wd) - lr m / (sqrt(max(v_hat_3, floor)) + eps) (steps 4-6), with m the
+    sum of the ranks' momenta of their own (unclipped) gradients and floor 1% of the mean v_hat over each owner's
+    partition."""
+    stock = run_engine(timeout_s=300, steps=6, local_grads=True)
+    ours = run_engine(timeout_s=300, steps=6, local_grads=True, lr_scheduler=True, config={"dgc": dict(
+        LOSSLESS, compressed_momentum={"freeze_step": 3, "quantization": "none", "precondition": False})})
+    for r in range(2):
+        for t in range(4):
+            assert all(torch.equal(a, b) for a, b in zip(stock[r]["params"][t], ours[r]["params"][t])), (r, t)
+    opt = ours[0]["optimizer"]
+    assert opt["type"] in ("Adam", "AdamW")
+    lr, (b1, b2), eps = opt["lr"], opt["betas"], opt["eps"]
+    wd = opt["weight_decay"] if opt["type"] == "AdamW" else 0.0
+    params = [p.double() for p in ours[0]["params"][0]]
+    m = [torch.zeros_like(p) for p in params]
+    v = [torch.zeros_like(p) for p in params]
+    local_m = [torch.zeros_like(p) for p in params]
+    inv = None
+    for t in range(1, 7):
+        grads = [(a.double() + b.double()) / 2 for a, b in zip(ours[0]["local_grads"][t - 1], ours[1]["local_grads"][t - 1])]
+        clip = 1.0
+        if t <= 3 and opt["gradient_clipping"] > 0:  # ZeRO-3 clips by the global norm; after the freeze it does not
+            norm = math.sqrt(sum(float(g.square().sum()) for g in grads))
+            clip = max(1.0, (norm + 1e-6) / opt["gradient_clipping"])
+        for i, g in enumerate(grads):
+            g = g.reshape(params[i].shape)
+            local_m[i] = b1 * local_m[i] + (1 - b1) * g  # the ranks' momenta: of their own, unclipped gradients
+            m[i] = b1 * m[i] + (1 - b1) * g / clip  # Adam's, of the clipped mean gradient
+            if t <= 3:
+                v[i] = b2 * v[i] + (1 - b2) * (g / clip)**2
+                update = (m[i] / (1 - b1**t)) / ((v[i] / (1 - b2**t)).sqrt() + eps)
+            else:
+                if t == 4 and i == 0:
+                    inv = []
+                    for vi in v:
+                        v_hat = (vi / (1 - b2**3)).reshape(-1)
+                        c = math.ceil(v_hat.numel() / 2)
+                        padded = torch.nn.functional.pad(v_hat, (0, 2 * c - v_hat.numel())).view(2, c)
+                        floors = V_FLOOR * padded.mean(dim=1, keepdim=True)  # per owner partition, padding included
+                        inv.append((1 / (torch.maximum(padded, floors).sqrt() + eps)).reshape(-1)[:v_hat.numel()])
+                update = local_m[i] * inv[i].view(params[i].shape)
+            params[i] = params[i] * (1 - lr * wd) - lr * update
+        for r in range(2):
+            for i, (got, want) in enumerate(zip(ours[r]["params"][t], params)):
+                torch.testing.assert_close(got.double(), want, rtol=2e-5, atol=2e-6, msg=f"rank {r} step {t} param {i}")
+    # the freeze changed the trajectory (the comparison after it is not stock Adam again)
+    assert not all(torch.allclose(a, b, atol=1e-6) for a, b in zip(stock[0]["params"][6], ours[0]["params"][6]))
+    # lossless: no residual; fp32 local momentum (4 B) and this owner's fp32 1/(sqrt(v_hat)+eps) on half the params
+    assert ours[0]["stats"]["state_bytes_per_param"] == pytest.approx(4.0 + 4.0 / 2, rel=0.02)
+
+
+def test_momentum_correction_dense_equals_stock_momentum_sgd():
+    """DGC's momentum correction with every element sent and nothing quantized is momentum SGD: the ranks apply the
+    momentum to their own gradients, the owners apply it only to the weight-decay term (SGD, momentum 0.9, weight
+    decay 0.01, 6 steps, 2 ranks, compared with stock ZeRO-3 at every step)."""
+    stock = run_engine(timeout_s=300, steps=6, local_grads=True, config=dict(SGD, gradient_clipping=0.0))
+    # DeepSpeed's clipping (1.0) must be switched off by momentum_correction, else this run would differ from stock
+    ours = run_engine(timeout_s=300, steps=6, local_grads=True, lr_scheduler=True,
+                      config=dict(SGD, gradient_clipping=1.0, dgc=dict(LOSSLESS, momentum_correction=True)))
+    assert ours[0]["optimizer"]["type"] == "SGD" and ours[0]["optimizer"]["momentum"] == 0.9
+    for r in range(2):
+        for t in range(7):
+            for a, b in zip(ours[r]["params"][t], stock[r]["params"][t]):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert ours[r]["skipped"][-1] == 0 and len(ours[r]["momenta"]) == 6
+    # momentum really acts: the last step is not lr * (mean gradient + wd p)
+    lr, last = 0.05, 5
+    mean_g = [(a + b) / 2 for a, b in zip(stock[0]["local_grads"][last], stock[1]["local_grads"][last])]
+    plain = [p - lr * (g.view(p.shape) + 0.01 * p) for p, g in zip(stock[0]["params"][last], mean_g)]
+    assert max(float((x - y).abs().max()) for x, y in zip(plain, stock[0]["params"][last + 1])) > 1e-4
+
+
+def test_momentum_correction_masks_the_sent_velocity_and_the_owner_applies_only_what_was_sent():
+    """density 0.1, no quantization, local_clip_norm 0.05, weight decay 0.01, 2 ranks, 6 steps, checked in float64
+    from what each rank recorded: the velocity is u = 0.9 u + clip(g) / 2 (each tensor's local gradient clipped to
+    norm 0.05); error feedback accumulates u; where top-k sent an element its residual and its velocity are 0
+    (momentum factor masking), elsewhere both carry on; and every parameter moves by exactly -lr (sum over ranks
+    of what they sent + b), b = 0.9 b + wd p (the owner adds momentum to the weight-decay term only)."""
+    ranks = run_engine(timeout_s=300, steps=6, local_grads=True, lr_scheduler=True, config=dict(
+        SGD, gradient_clipping=0.0, dgc=dict(SPARSE, quantization="none", momentum_correction=True, local_clip_norm=0.05)))
+    lr, m, clip, wd = 0.05, 0.9, 0.05, 0.01
+    wd_buf = None
+    ids = ranks[0]["keys"]
+    shapes = [p.shape for p in ranks[0]["params"][0]]
+    clipped = kept_total = 0
+    for t in range(6):
+        sent_sum = [torch.zeros(s, dtype=torch.float64).reshape(-1) for s in shapes]
+        for r in range(2):
+            rec = ranks[r]
+            for i, key in enumerate(ids):
+                g = rec["local_grads"][t][i].double().reshape(-1)
+                norm = float(g.norm())
+                if norm > clip:
+                    g, clipped = g * (clip / norm), clipped + 1
+                u_prev = rec["momenta"][t - 1][key].double() if t else torch.zeros_like(g)
+                e_prev = rec["residuals"][t - 1][key].double() if t and key in rec["residuals"][t - 1] else torch.zeros_like(g)
+                u_pre = m * u_prev + g / 2
+                acc = u_pre + e_prev
+                e = rec["residuals"][t][key].double()
+                u = rec["momenta"][t][key].double()
+                sparse = g.numel() >= 256
+                if sparse:
+                    kept = e == 0
+                    n_kept = int(kept.sum())
+                    assert 0 < n_kept < g.numel() // 2, (t, r, i, n_kept)
+                    kept_total += n_kept
+                    assert torch.all(u[kept] == 0), (t, r, i)  # masked
+                    torch.testing.assert_close(u[~kept], u_pre[~kept], rtol=1e-5, atol=1e-7)
+                    torch.testing.assert_close(e[~kept], acc[~kept], rtol=1e-5, atol=1e-7)
+                else:  # sent whole, never masked
+                    torch.testing.assert_close(u, u_pre, rtol=1e-5, atol=1e-7)
+                    assert torch.all(e == 0)
+                sent_sum[i] += acc - e
+        before = [p.double().reshape(-1) for p in ranks[0]["params"][t]]
+        wd_buf = [wd * p for p in before] if wd_buf is None else [m * b + wd * p for b, p in zip(wd_buf, before)]
+        for i in range(len(ids)):
+            after = ranks[0]["params"][t + 1][i].double().reshape(-1)
+            torch.testing.assert_close(after, before[i] - lr * (sent_sum[i] + wd_buf[i]), rtol=1e-5, atol=2e-6)
+    assert clipped > 0 and kept_total > 0

@@ -1,0 +1,286 @@
+"""The fused CPU op against the PyTorch reference (same payload bytes, residual bits and kept counts), its checks
+of bad input, and the choice between fused and reference (``dgc.kernels``).
+
+Random buckets of odd sizes: flat and hierarchical layouts, fp32/bf16/fp16 sources, loss scale 1 and 1024 (in the
+divisor), with and without residual, 1-3 owner rows, and samples crafted to force DGC's lowering rounds and its exact
+top-k step; a NaN makes both send nothing.
+"""
+
+import math
+import types
+import zlib
+
+import pytest
+import torch
+
+from deepspeed_dgc.codec import wire
+from deepspeed_dgc.codec.kernels import DGCKernelError, FusedCPUOps, fused_can_code, get_ops, load_fused_op
+from deepspeed_dgc.codec.reference import REFERENCE
+from deepspeed_dgc.codec.selection import topk_threshold
+
+from .jobs import SIZES, assert_same, make_job
+from .test_wire import check_decodes_to_what_was_accumulated
+
+
+@pytest.fixture(scope="module")
+def fused():
+    return FusedCPUOps(load_fused_op("cpu"))
+
+
+@pytest.mark.parametrize("hierarchical", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("numels", SIZES)
+def test_fused_cpu_equals_reference(fused, hierarchical, rows, numels):
+    # every tensor sparsified, some with no real element in this rank's rows (hierarchical, small tensors)
+    assert_same(REFERENCE.compress(make_job(numels, rows, hierarchical=hierarchical, min_numel=0)),
+                 fused.compress(make_job(numels, rows, hierarchical=hierarchical, min_numel=0)))
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for loss_scale in (1.0, 1024.0):
+            for residual in (True, False):
+                seed = zlib.crc32(repr((rows, numels, str(dtype), loss_scale, residual)).encode()) % 1000
+                job = make_job(numels, rows, hierarchical=hierarchical, dtype=dtype, residual=residual,
+                           loss_scale=loss_scale, seed=seed)
+                ref = REFERENCE.compress(job)
+                assert ref.kept > 0 or not any(any(job.real_counts(i)) for i in range(len(numels)))
+                assert_same(ref, fused.compress(job))
+
+
+def _sample_of(which):
+    """Samples made of the smallest (forces the exact top-k step) or largest (forces lowering) magnitudes."""
+
+    def make(job):
+        out = []
+        for i, src in enumerate(job.srcs):
+            if not job.sparse[i]:
+                out.append(None)
+                continue
+            mag = (src.float() / job.divisor + job.residuals[i]).abs()
+            order = torch.argsort(mag, descending=(which == "largest"))
+            out.append(order[:2000].repeat(3))
+        return out
+
+    return make
+
+
+@pytest.mark.parametrize("which", ["smallest", "largest"])
+def test_threshold_corrections_match(fused, which):
+    job = make_job([100_000, 7], 2, density=0.01, samples=_sample_of(which), min_numel=64)
+    ref = REFERENCE.compress(job)
+    assert_same(ref, fused.compress(job))
+    k = 1000
+    kept_big = ref.kept - 7  # the 7-element tensor is sent whole
+    if which == "smallest":
+        assert kept_big == k  # exact top-k step (no ties among random floats)
+    else:
+        assert 0.8 * k <= kept_big <= 1.3 * k  # lowered until at least 0.8 k
+
+
+@pytest.mark.parametrize("hierarchical", [False, True])
+@pytest.mark.parametrize("numels", SIZES[1:])
+def test_reused_and_fixed_thresholds_match(fused, hierarchical, numels):
+    """Thresholds the fused op returns equal the reference's; reusing them on the next step's values (some
+    tensors reused, some estimated, loss scale 1024) gives the same bytes and bits, as does the fixed-threshold
+    mode; a reused threshold keeping everything is cut to exactly k, one keeping too few is not lowered."""
+    first = make_job(numels, 2, hierarchical=hierarchical, loss_scale=1024.0, density=0.1)
+    assert all(t is None for t in REFERENCE.compress(first).thresholds + fused.compress(first).thresholds)
+    first.reuse_thresholds = [None] * len(numels)  # estimate all, report them
+    ref = REFERENCE.compress(first)
+    assert_same(ref, fu := fused.compress(first))
+    assert fu.thresholds == ref.thresholds
+    assert [t is not None for t in ref.thresholds] == [s and sum(first.real_counts(i)) > k for i, (s, k) in
+                                                        enumerate(zip(first.sparse, first.targets()))]
+    nxt = make_job(numels, 2, hierarchical=hierarchical, loss_scale=1024.0, density=0.1)  # the next step: same scales
+    for src in {id(x): x for x in nxt.srcs}.values():
+        src.mul_(torch.rand(src.shape, generator=torch.Generator().manual_seed(7)).add_(0.7).to(src.dtype))
+    nxt.reuse_thresholds = [t if i % 2 == 0 else None for i, t in enumerate(ref.thresholds)]
+    nxt.samples = [s if nxt.reuse_thresholds[i] is None else None for i, s in enumerate(nxt.samples)]
+    ref2 = REFERENCE.compress(nxt)
+    assert_same(ref2, fu2 := fused.compress(nxt))
+    assert fu2.thresholds == ref2.thresholds
+    reused = [i for i, t in enumerate(nxt.reuse_thresholds) if t is not None]
+    assert any(ref2.thresholds[i] == nxt.reuse_thresholds[i] for i in reused)  # kept what reached it
+    for i in reused:  # or cut to the k largest, when more than 1.3 k reached it
+        assert ref2.thresholds[i] >= nxt.reuse_thresholds[i]
+    n = max(numels)  # one tensor: the kept count is that tensor's
+    for reuse in (0.0, 1e9):
+        job = make_job([n], 2, hierarchical=hierarchical, density=0.1, seed=9)
+        job.reuse_thresholds = [reuse]
+        ref3 = REFERENCE.compress(job)
+        assert_same(ref3, fused.compress(job))
+        assert ref3.kept == (job.targets()[0] if reuse == 0.0 else 0)
+    fixed = make_job(numels, 2, hierarchical=hierarchical, loss_scale=1024.0, density=0.1, seed=11)
+    fixed.threshold = 0.3
+    ref4 = REFERENCE.compress(fixed)
+    assert_same(ref4, fused.compress(fixed))
+    assert all(t == pytest.approx(0.3, rel=1e-7) for t, s in zip(ref4.thresholds, fixed.sparse) if s)
+
+
+def test_mostly_zero_tensor(fused):
+    """Most elements exactly 0: the lowering rounds run out; both keep the same elements."""
+    job = make_job([50_000], 2, density=0.1, residual=False)
+    job.srcs[0][torch.arange(50_000) % 97 != 0] = 0
+    assert_same(REFERENCE.compress(job), fused.compress(job))
+
+
+def test_non_finite_sends_nothing(fused):
+    job = make_job([3, 5000], 2)
+    job.srcs[1][1234] = float("nan")
+    ref, fu = REFERENCE.compress(job), fused.compress(job)
+    assert_same(ref, fu)
+    assert not fu.finite and fu.kept == 0 and fu.residuals is None
+    assert all(p.numel() == 20 for p in fu.payloads)  # header only
+
+
+def test_topk_threshold_binding(fused):
+    g = torch.Generator().manual_seed(3)
+    for n, k in ((5000, 50), (100_000, 1000), (3000, 2999)):
+        mag = torch.randn(n, generator=g).abs()
+        sample = torch.randint(0, n, (1500, ), generator=g)
+        assert fused.op.topk_threshold(mag, k, sample) == float(topk_threshold(mag, k, sample))
+        assert fused.op.topk_threshold(mag, k, torch.empty(0, dtype=torch.long)) == float(topk_threshold(mag, k, None))
+
+
+@pytest.mark.parametrize("hierarchical", [False, True])
+def test_decode_add_equals_reference(fused, hierarchical):
+    """The fused decode adds the same bits as the reference for every row; malformed bodies raise ValueError in
+    both: a truncated varint, one position too many, an index past the row."""
+    job = make_job([5, 3000, 2, 65537, 64], 3, hierarchical=hierarchical, seed=11)
+    out = REFERENCE.compress(job)
+    for row, payload in enumerate(out.payloads):
+        layout = job.row_layout(row)
+        body = wire.parse(payload, 0, layout)
+        sums = []
+        for ops in (REFERENCE, fused):
+            acc = torch.randn(layout.row_numel, generator=torch.Generator().manual_seed(row))
+            ops.decode_add(acc, body, layout)
+            sums.append(acc)
+        assert torch.equal(sums[0], sums[1])
+        for bad_index, bad_n in ((body.index_bytes[:-1], body.n_indexed), (body.index_bytes, body.n_indexed + 1),
+                                 (torch.tensor([0xFF, 0xFF, 0x7F], dtype=torch.uint8), 1)):
+            bad = wire.Body(body.kept - body.n_indexed + bad_n, bad_n, body.scales, body.values, bad_index)
+            for ops in (REFERENCE, fused):
+                with pytest.raises(ValueError):
+                    ops.decode_add(torch.zeros(layout.row_numel), bad, layout)
+
+
+def _leb(v):
+    out = []
+    while v >= 128:
+        out.append(v & 0x7F | 0x80)
+        v >>= 7
+    return out + [v]
+
+
+def test_bad_inputs_raise_instead_of_touching_memory(fused):
+    """Inputs a corrupted payload or a wrong caller could produce: errors, never a crash or a write
+    outside the buffers (each of these crashed or wrote out of bounds before being checked)."""
+    op = fused.op
+    two = torch.tensor([0x99, 0x09], dtype=torch.uint8)
+    # varint gaps that wrap the int64 position around to a negative index
+    wrap = torch.tensor(_leb(0) + _leb(2**63 - 1) + _leb(2**63 - 1 - 4), dtype=torch.uint8)
+    for ops in (REFERENCE, fused):
+        layout = wire.RowLayout(1, [100], [90], [True], True, "int4", 16, torch.float32, "varint")
+        with pytest.raises(ValueError, match="past the partition"):
+            ops.decode_add(torch.zeros(100), wire.Body(3, 3, torch.tensor([1.0]), two, wrap), layout)
+    ok_index = torch.tensor(_leb(3) + _leb(5), dtype=torch.uint8)
+    bad_calls = [
+        dict(out=torch.zeros(1)),  # smaller than the row
+        dict(sparse=[]),  # lists of different lengths
+        dict(seg_real=[120]),  # more real elements than columns
+        dict(group_size=0),
+    ]
+    for bad in bad_calls:
+        args = dict(out=torch.zeros(100), values=two, scales=torch.tensor([1.0]), index_bytes=ok_index, kept=2,
+                    n_indexed=2, seg_real=[90], seg_chunks=[100], sparse=[True], group_size=16)
+        args.update(bad)
+        with pytest.raises((RuntimeError, ValueError), match="decode_add"):  # the C++ op's checks name the function
+            op.decode_add(*args.values())
+    empty_l = torch.empty(0, dtype=torch.long)
+    base = dict(srcs=[torch.randn(100)], offsets=[0], strides=[50], residuals=[torch.randn(100)], residual_numels=[100],
+                numels=[100], chunks=[50], sparse=[True], row_owner=[0, 1], ks=[5], samples=[empty_l], divisor=2.0,
+                group_size=16, fingerprint=1, want_residual=True, fixed=[-1.0], reuse=False)
+    op.compress_bucket(*base.values())  # the valid call works
+    for bad, match in ((dict(residuals=[torch.randn(10)], residual_numels=[10]), "residual_numels"),
+                       (dict(residuals=[torch.empty(0)], residual_numels=[0]), "residual_numels"),
+                       (dict(offsets=[-1000]), "offsets"), (dict(ks=[0]), "ks"), (dict(ks=[-1]), "ks"),
+                       (dict(fingerprint=2**40), "fingerprint"), (dict(strides=[10]), "strides"),
+                       (dict(fixed=[]), "differ in length")):
+        with pytest.raises(RuntimeError, match=match):
+            op.compress_bucket(*dict(base, **bad).values())
+    for k in (0, -1, 11):
+        with pytest.raises(RuntimeError, match="k must be in"):
+            op.topk_threshold(torch.rand(10), k, empty_l)
+
+
+@pytest.fixture
+def no_compiler(monkeypatch, tmp_path):
+    """No prebuilt op, no loaded op, no compiler."""
+    from deepspeed.ops.op_builder.builder import OpBuilder
+    from op_builder.dgc import DGCCPUBuilder
+    monkeypatch.setattr(DGCCPUBuilder, "prebuilt_module", lambda self: None)
+    monkeypatch.setattr(OpBuilder, "_loaded_ops", {})
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    import deepspeed_dgc.codec.kernels as kernels
+    monkeypatch.setattr(kernels, "_warned", set())
+
+
+def test_stale_prebuilt_op_is_rebuilt_with_a_warning(monkeypatch, caplog):
+    """A prebuilt module of an older calling convention (an editable install not reinstalled after a pull) is
+    not loaded: the builder says so and JIT-builds from the sources instead."""
+    from deepspeed.ops.op_builder.builder import OpBuilder
+    from op_builder.dgc import DGCCPUBuilder
+    assert load_fused_op("cpu").ABI == DGCCPUBuilder.ABI  # the op built from these sources declares it
+    stale, fresh = types.SimpleNamespace(), types.SimpleNamespace(ABI=DGCCPUBuilder.ABI)  # ABI absent: 1
+    monkeypatch.setattr(OpBuilder, "_loaded_ops", {})
+    monkeypatch.setattr(DGCCPUBuilder, "prebuilt_module", lambda self: stale)
+    monkeypatch.setattr(DGCCPUBuilder, "jit_load", lambda self, verbose=False: fresh)
+    with caplog.at_level("WARNING", logger="deepspeed_dgc"):
+        assert DGCCPUBuilder().load() is fresh
+    assert f"calling convention 1, these sources need {DGCCPUBuilder.ABI}" in caplog.text
+
+
+def test_fused_without_compiler_fails_clearly(no_compiler):
+    with pytest.raises(DGCKernelError, match=r"'dgc.kernels' is \"fused\" but the fused cpu op cannot load: .*"
+                       r"no C\+\+ compiler \(/nonexistent/c\+\+\)"):
+        get_ops("fused", "cpu", True)
+
+
+def test_auto_without_compiler_falls_back_with_one_warning(no_compiler, caplog):
+    with caplog.at_level("WARNING", logger="deepspeed_dgc"):
+        assert get_ops("auto", "cpu", True) is REFERENCE
+        assert get_ops("auto", "cpu", True) is REFERENCE
+    warnings = [r.getMessage() for r in caplog.records if "using the PyTorch reference path" in r.getMessage()]
+    assert len(warnings) == 1 and "no C++ compiler" in warnings[0]
+
+
+def test_dispatch_choices():
+    assert get_ops("reference", "cpu", True) is REFERENCE
+    assert get_ops("auto", "cpu", False) is REFERENCE  # raw values: reference only
+    assert get_ops("auto", "cpu", True).name == "fused-cpu"
+    with pytest.raises(DGCKernelError, match="only code INT4"):
+        get_ops("fused", "cpu", False)
+    with pytest.raises(ValueError, match="unknown kernels 'fast'"):
+        get_ops("fast", "cpu", True)
+
+
+@pytest.mark.parametrize("fmt, coding, sr", [("int2", "varint", False), ("int4", "bitmap", False),
+                                              ("int4", "varint", True), ("fp8_e5m2", "varint", False)])
+def test_what_the_fused_op_does_not_code_is_still_coded_right(fused, fmt, coding, sr):
+    """Jobs the fused op hands on (another format, bitmap positions, stochastic rounding): its payloads decode to
+    within the format's bound of a float64 oracle of the accumulator, the residuals are the accumulator minus what
+    was sent, and each tensor keeps within DGC's bounds."""
+    job = make_job([5, 3000, 2, 20000, 64], 2, value_format=fmt, index_coding=coding, density=0.1, seed=8)
+    if sr:
+        job.rounding_generator = torch.Generator().manual_seed(3)
+    assert not fused_can_code(job)
+    check_decodes_to_what_was_accumulated(job, fused.compress(job), fused)
+
+
+def test_dense_jobs_stay_on_the_fused_op_whatever_the_index_coding():
+    """Positions are never sent when no tensor is sparse, so a dense job with "bitmap" is still fused work."""
+    job = make_job([100], 2, density=1.0, index_coding="bitmap")
+    job.sparse = [False]
+    assert fused_can_code(job)
+    job.sparse = [True]
+    assert not fused_can_code(job)

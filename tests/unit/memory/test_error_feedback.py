@@ -1,0 +1,124 @@
+"""Error feedback: staging, commit and rollback, storage dtypes, pinned-host offload, and conservation of every
+gradient through real compression against a float64 oracle."""
+
+import pytest
+import torch
+
+from deepspeed_dgc.codec import wire
+from deepspeed_dgc.codec.job import CompressJob
+from deepspeed_dgc.codec.reference import REFERENCE
+from deepspeed_dgc.codec.selection import draw_samples, target_count
+from deepspeed_dgc.memory.error_feedback import ErrorFeedback
+
+
+def _values(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=g) * torch.rand(n, generator=g).pow(3) * 10
+
+
+def test_stage_commit_rollback():
+    m = ErrorFeedback()
+    a, b = torch.randn(10), torch.randn(10)
+    m.stage(1, a)
+    assert m.get(1) is a and m.committed == {}
+    m.commit()
+    assert m.get(1) is a
+    m.stage(1, b)
+    assert m.get(1) is b  # later micro-steps of the window build on the staged value
+    m.rollback()
+    assert m.get(1) is a  # a skipped step leaves the committed residual as it was
+    assert m.state_bytes() == 40
+    assert m.residual_norm() == pytest.approx(float(a.norm()), rel=1e-6)
+
+
+@pytest.mark.parametrize("storage", ["fp32", "bf16", "fp8"])
+def test_offloaded_residuals_equal_device_ones_and_reuse_their_host_buffers(storage):
+    """residual_offload: every read gives the bits the same memory without offload gives, through commits, a
+    rollback, a load and a new shape; the committed copies are host tensors whose buffers are allocated once per
+    key and shape, then overwritten (a rollback leaves them as they were)."""
+    gen = torch.Generator().manual_seed(5)
+    plain, off = ErrorFeedback(storage), ErrorFeedback(storage, offload=True)
+    ptrs = None
+
+    def parts(m, k):
+        stored = m.committed[k]
+        return stored if isinstance(stored, tuple) else (stored, )
+
+    for step in range(4):
+        for m in (plain, off):
+            g = torch.Generator().manual_seed(100 + step)
+            for k, n in ((1, 300), (2, 1000)):
+                m.stage(k, torch.randn(n, generator=g) * 10.0**step)
+            m.rollback() if step == 2 else m.commit()
+        for k in (1, 2):
+            assert torch.equal(off.get(k), plain.get(k))
+            assert all(t.device.type == "cpu" for t in parts(off, k))
+        now = [t.data_ptr() for k in (1, 2) for t in parts(off, k)]
+        assert ptrs is None or now == ptrs  # the same host buffers, overwritten
+        ptrs = now
+    assert off.host_state_bytes() == off.state_bytes() == plain.state_bytes() and plain.host_state_bytes() == 0
+    assert off.residual_norm() == plain.residual_norm()
+    loaded = {1: torch.randn(300, generator=gen), 2: torch.randn(7, generator=gen)}  # key 2 changes shape
+    plain.load(loaded)
+    off.load(loaded)
+    assert all(torch.equal(off.get(k), plain.get(k)) for k in (1, 2)) and off.get(2).numel() == 7
+    assert all(torch.equal(a, b) for a, b in zip(off.residuals().values(), plain.residuals().values()))
+
+
+@pytest.mark.parametrize("storage, rel", [("fp32", 0.0), ("bf16", 2.0**-8), ("fp8", 2.0**-4)])
+def test_residual_storage_round_trip_and_bytes(storage, rel):
+    m = ErrorFeedback(storage)
+    r = _values(1000, 9)
+    m.stage(1, r.clone())
+    assert torch.equal(m.get(1), r)  # staged residuals stay exact until the step commits them
+    m.commit()
+    back = m.get(1)
+    # fp8 e4m3 below its smallest normal (2^-6 after scaling by absmax/448) rounds to subnormal steps of 2^-9
+    tiny = float(r.abs().max()) / 448 * 2.0**-10 if storage == "fp8" else 0.0
+    assert back.dtype == torch.float32 and bool(((back - r).abs() <= rel * r.abs() + tiny + 1e-12).all())
+    assert m.state_bytes() == {"fp32": 4000, "bf16": 2000, "fp8": 1000 + 4 * 8}[storage]
+    m.load({2: r})
+    assert set(m.committed) == {2} and torch.allclose(m.residuals()[2], back)
+    with pytest.raises(ValueError, match="unknown residual storage 'fp16'; allowed: fp32, bf16, fp8"):
+        ErrorFeedback("fp16")
+
+
+STORAGE_REL = {"fp32": 0.0, "bf16": 2.0**-8, "fp8": 2.0**-4}
+
+
+@pytest.mark.parametrize("storage", ["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize("fmt", ["int4", "int1"])
+def test_error_feedback_conserves_every_gradient(storage, fmt):
+    """One sender, 20 steps of top-1% with INT4 or INT1 through the reference encoder and the wire: what the
+    payloads decode to, summed over the steps, plus the last stored residual equals the float64 sum of all
+    gradients, within the storage's rounding of each stored residual (none for fp32); every step sends 0.8 k to
+    1.3 k values, each within the format's bound of the float64 accumulator."""
+    n, steps, density = 5000, 20, 0.01
+    gen = torch.Generator().manual_seed(0)
+    memory = ErrorFeedback(storage)
+    grad_total = torch.zeros(n, dtype=torch.float64)
+    sent_total = torch.zeros(n, dtype=torch.float64)
+    lost = 0.0  # what the storage's rounding may have dropped, summed over the steps
+    k = target_count(n, density)
+    for step in range(steps):
+        g = torch.randn(n, generator=gen) * (1 + step % 3)
+        grad_total += g.double()
+        previous = memory.get(0)
+        acc64 = g.double() + (previous.double() if previous is not None else 0.0)
+        job = CompressJob(srcs=[g], offsets=[0], row_strides=[n], numels=[n], chunks=[n], sparse=[True], row_owner=[0],
+                          residuals=[previous], residual_numels=[n], divisor=1.0, density=density,
+                          samples=draw_samples([n], [True], density, gen, "cpu"), group_size=128, quantize=True,
+                          value_dtype=torch.float32, fingerprint=1, want_residual=True, value_format=fmt)
+        out = REFERENCE.compress(job)
+        sent = wire.decode_sum(out.payloads, job.row_layout(0), REFERENCE.decode_add).double()
+        kept = sent != 0
+        assert 0.8 * k <= int(kept.sum()) <= 1.3 * k
+        bound = {"int4": 1 / 14, "int1": 1.0}[fmt] * float(acc64[kept].abs().max())
+        assert float((sent[kept] - acc64[kept]).abs().max()) <= bound * (1 + 1e-5)
+        memory.stage(0, out.residuals[0])
+        memory.commit()
+        lost += STORAGE_REL[storage] * float((acc64 - sent).abs().max()) * 1.01
+        sent_total += sent
+    final = memory.get(0).double()
+    torch.testing.assert_close(sent_total + final, grad_total, rtol=0, atol=1e-4 + lost)
+    assert float(sent_total.abs().sum()) > 0.1 * float(grad_total.abs().sum())  # a real share of the gradient went out

@@ -1,0 +1,72 @@
+"""The "dgc" config model: defaults, every error naming its key, strict types, the derived properties."""
+
+import pydantic
+import pytest
+
+from deepspeed_dgc.config import DGCConfig, DGCConfigError, parse_dgc_config
+
+
+def test_config_defaults_and_lossless():
+    cfg = parse_dgc_config({"dgc": {"enabled": True}})
+    assert (cfg.density, cfg.quantization, cfg.group_size, cfg.error_feedback) == (0.01, "int4", 128, True)
+    assert not cfg.lossless
+    assert parse_dgc_config({"dgc": {"density": 1.0, "quantization": "none"}}).lossless
+    assert parse_dgc_config({"train_batch_size": 8}) is None
+    # residual storage "auto": fp8 (the study's cheapest at parity) where supported, fp32 where needed
+    assert (cfg.residual_dtype, cfg.residual_storage) == ("auto", "fp8")
+    assert DGCConfig(enabled=True, topology="hierarchical").residual_storage == "fp32"
+    assert DGCConfig(enabled=True, momentum_correction=True).residual_storage == "fp32"
+    assert DGCConfig(enabled=True, residual_dtype="bf16").residual_storage == "bf16"
+
+
+@pytest.mark.parametrize("section,needle", [
+    ({"densty": 0.1}, "unknown key 'dgc.densty'"),
+    ({"density": 0}, "'dgc.density'"),
+    ({"density": 1.01}, "'dgc.density'"),
+    ({"quantization": "fp8"}, "'dgc.quantization'"),
+    ({"group_size": 7}, "'dgc.group_size'"),
+    ({"group_size": 0}, "'dgc.group_size'"),
+    ({"min_numel": -1}, "'dgc.min_numel'"),
+    ({"stats_interval": 0}, "'dgc.stats_interval'"),
+    ({"enabled": "maybe"}, "'dgc.enabled'"),
+    ({"enabled": 1}, "'dgc.enabled'"),
+    ({"density": True}, "'dgc.density'"),
+    ({"density": "0.5"}, "'dgc.density'"),
+    ({"group_size": 4.0}, "'dgc.group_size'"),
+    ({"weights": {"quantization": "int2"}}, "'dgc.weights.quantization'"),
+    ({"weights": {"group_sise": 64}}, "unknown key 'dgc.weights.group_sise' \\(allowed keys: quantization, group_size\\)"),
+    ({"comm_backend": "nccl"}, "'dgc.comm_backend': Input should be 'torch' or 'mpi'"),
+    ({"topology": "ring"}, "'dgc.topology': Input should be 'flat' or 'hierarchical'"),
+    ({"ranks_per_node": 0}, "'dgc.ranks_per_node'"),
+    ({"ranks_per_node": 2.0}, "'dgc.ranks_per_node'"),
+    ({"timeout_s": 0}, "'dgc.timeout_s'"),
+    ({"timeout_s": -5.0}, "'dgc.timeout_s'"),
+    ({"local_clip_norm": 0.0}, "'dgc.local_clip_norm'"),
+    ({"local_clip_norm": 1.0}, "'dgc.local_clip_norm' is part of DGC's momentum correction"),
+    ({"momentum_factor_masking": False}, "'dgc.momentum_factor_masking' is part of DGC's momentum correction"),
+    ({"momentum_correction": True, "residual_dtype": "bf16"}, "'dgc.momentum_correction' needs"),
+    ({"momentum_correction": True, "topology": "hierarchical"}, "'dgc.momentum_correction' needs"),
+    ({"momentum_correction": True, "error_feedback": False}, "'dgc.momentum_correction' needs"),
+    ({"momentum_correction": "yes"}, "'dgc.momentum_correction'"),
+    ({"threshold_reuse_steps": 0}, "'dgc.threshold_reuse_steps'"),
+    ({"topology": "hierarchical", "residual_dtype": "fp8"}, "'dgc.residual_dtype' = \"fp8\" is not supported"),
+    ({"topology": "hierarchical", "density": "auto"}, "'dgc.density' = \"auto\" is not supported"),
+    ({"threshold_reuse_steps": 2.0}, "'dgc.threshold_reuse_steps'"),
+    ({"threshold_reuse_steps": 4, "threshold": 0.1}, "'dgc.threshold_reuse_steps' reuses estimated top-k"),
+])
+def test_config_errors_name_the_key(section, needle):
+    with pytest.raises(DGCConfigError, match=needle.replace(".", r"\.")):
+        parse_dgc_config({"dgc": section})
+
+
+@pytest.mark.parametrize("section", [True, None, [], "on"])
+def test_config_section_must_be_object(section):
+    with pytest.raises(DGCConfigError, match="JSON object"):
+        parse_dgc_config({"dgc": section})
+
+
+def test_config_is_frozen():
+    cfg = DGCConfig(enabled=True)
+    with pytest.raises(pydantic.ValidationError, match="Instance is frozen"):
+        cfg.density = 0.5
+    assert cfg.density == 0.01
