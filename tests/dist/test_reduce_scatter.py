@@ -105,6 +105,18 @@ def _kept_bounds(cfg, n, density, step):
     return math.floor(0.8 * k), math.ceil(1.3 * k)
 
 
+def _check_int1_groups(acc, sent, n, world, group_size):
+    """INT1 (1-bit Adam's compressor): every value of a group is sent as the group's mean magnitude with its own sign;
+    groups are ``group_size`` consecutive values of one owner's slice."""
+    c = math.ceil(n / world)
+    for o in range(world):
+        lo, hi = o * c, min((o + 1) * c, n)
+        for g in range(lo, hi, group_size):
+            a, got = acc[g:min(g + group_size, hi)], sent[g:min(g + group_size, hi)]
+            mean = float(a.abs().mean())
+            torch.testing.assert_close(got.abs(), torch.full_like(got, mean), rtol=1e-5, atol=1e-6 * mean + 1e-12)
+
+
 @pytest.mark.parametrize("case", [c for c in CASES if c not in ("zero_rank", "fixed_threshold", "auto_scales")])
 def test_each_sender_sends_its_share_in_its_format(run, case):
     """For every sender, step and tensor, what it sent (its accumulator minus its new residual, float64) is within
@@ -145,6 +157,8 @@ def test_each_sender_sends_its_share_in_its_format(run, case):
                     assert float(err.max()) <= bound, (case, r, t, i, float(err.max()), bound)
                     if fmt == "int1":
                         assert bool((torch.sign(sent[kept]) == torch.sign(acc[kept])).all())
+                        if count == n:  # dense: each group (per owner slice) sends its mean magnitude
+                            _check_int1_groups(acc, sent, n, world, cfg["group_size"])
                 else:
                     tiny = absmax * 2.0**-16 + tol[kept]
                     assert bool((err <= FORMAT_REL[fmt] * acc[kept].abs() + tiny).all()), (case, r, t, i)
