@@ -10,7 +10,7 @@ little-endian into bytes: element i at bits ``(i % per_byte) * bits`` of byte ``
 - weights (:func:`quantize_weights`): INT8, FP8 e4m3, INT4 with absmax scales (ZeRO++ qwZ, section 4.1).
 """
 
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -301,51 +301,88 @@ def weight_code_bytes(numel: int, fmt: str) -> int:
     return int4_packed_bytes(numel) if fmt == "int4" else numel
 
 
-def weight_num_groups(numel: int, group_size: int) -> int:
-    """Scale groups of ``numel`` weights: ``ceil(numel / group_size)``."""
-    return -(-numel // group_size)
+def weight_num_groups(numel: int, group_size: int, segments: Optional[Sequence[int]] = None) -> int:
+    """Scale groups of ``numel`` weights: ``ceil(numel / group_size)``, or with ``segments`` (groups restart at each)
+    the sum of ``ceil(segment / group_size)``."""
+    if segments is None:
+        return -(-numel // group_size)
+    return sum(-(-s // group_size) for s in segments)
 
 
-def quantize_weights(x: torch.Tensor, fmt: str, group_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def quantize_weights(x: torch.Tensor, fmt: str, group_size: int,
+                     segments: Optional[Sequence[int]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Quantize a flat weight shard with group-wise absmax scales.
 
     Formats: ``"int8"`` (symmetric, round to nearest, error <= s/2), ``"fp8_e4m3"`` (the value
     divided by s cast to float8 e4m3fn: relative error <= 2^-4, absolute <= 16 s in the top
-    binade), ``"int4"`` (as :func:`quantize_int4`).
+    binade), ``"int4"`` (as :func:`quantize_int4`). Group-wise absmax scaling as ZeRO++ qwZ (Wang et al.,
+    arXiv 2306.10209, section 4.1).
 
     Args:
         x: 1-D float tensor of n >= 0 finite weights (fp32, bf16 or fp16; math in fp32).
         fmt: one of ``WEIGHT_QMAX``.
         group_size: elements per scale.
+        segments: lengths of consecutive segments (one per parameter), summing to n; groups restart at each, so
+            a small-valued parameter never shares a scale with a large one. None: one segment.
 
     Returns:
         ``(codes, scales)``: uint8 codes of shape ``(weight_code_bytes(n, fmt),)`` and fp32 scales
-        of shape ``(weight_num_groups(n, group_size),)``.
+        of shape ``(weight_num_groups(n, group_size, segments),)``.
 
     Raises:
-        ValueError: unknown format.
+        ValueError: unknown format, or segments that do not add up to n.
     """
     if fmt not in WEIGHT_QMAX:
         raise ValueError(f"unknown weight format {fmt!r}; allowed: {', '.join(WEIGHT_QMAX)}")
-    if fmt == "int4":
-        return quantize_int4(x, group_size)
     n = x.numel()
-    groups = weight_num_groups(n, group_size)
-    padded = torch.nn.functional.pad(x.float(), (0, groups * group_size - n)).view(groups, group_size)
-    scales = padded.abs().amax(dim=1) / WEIGHT_QMAX[fmt]
-    scaled = _divide_by_scale(padded, scales[:, None])
+    counts = _segment_tensor(n, segments, x.device)
+    if fmt == "int4":
+        return quantize_int4(x, group_size, counts)
+    v = x.float()
+    if segments is None or len(segments) == 1:  # one segment: whole groups of a padded view (no index tensors)
+        groups = weight_num_groups(n, group_size)
+        padded = torch.nn.functional.pad(v, (0, groups * group_size - n)).view(groups, group_size)
+        scales = padded.abs().amax(dim=1) / WEIGHT_QMAX[fmt]
+        scaled = _divide_by_scale(padded, scales[:, None]).view(-1)[:n]
+    else:
+        gid, n_groups = int4_group_ids(counts, group_size)
+        scales = torch.zeros(n_groups, dtype=torch.float32, device=x.device)
+        scales.scatter_reduce_(0, gid, v.abs(), reduce="amax", include_self=True)
+        scales.div_(WEIGHT_QMAX[fmt])
+        scaled = _divide_by_scale(v, scales[gid])
     if fmt == "int8":
         codes = torch.round(scaled).clamp_(-127, 127).to(torch.int8)
     else:
         codes = scaled.to(torch.float8_e4m3fn)
-    return codes.view(-1)[:n].view(torch.uint8), scales
+    return codes.view(torch.uint8), scales
 
 
-def dequantize_weights(codes: torch.Tensor, scales: torch.Tensor, numel: int, fmt: str, group_size: int) -> torch.Tensor:
-    """Inverse of :func:`quantize_weights`: fp32 tensor of shape ``(numel,)``."""
+def dequantize_weights(codes: torch.Tensor, scales: torch.Tensor, numel: int, fmt: str, group_size: int,
+                       segments: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """Inverse of :func:`quantize_weights`: fp32 tensor of shape ``(numel,)``.
+
+    Raises:
+        ValueError: the number of scales does not match the segments.
+    """
+    counts = _segment_tensor(numel, segments, codes.device)
     if fmt == "int4":
-        return dequantize_int4(codes, scales, numel, group_size)
-    values = codes.view(torch.int8 if fmt == "int8" else torch.float8_e4m3fn).float()
-    groups = scales.numel()
-    padded = torch.nn.functional.pad(values, (0, groups * group_size - numel)).view(groups, group_size)
-    return (padded * scales[:, None]).view(-1)[:numel]
+        return dequantize_int4(codes, scales, numel, group_size, counts)
+    values = codes[:numel].view(torch.int8 if fmt == "int8" else torch.float8_e4m3fn).float()
+    if segments is None or len(segments) == 1:
+        groups = weight_num_groups(numel, group_size)
+        if groups != scales.numel():
+            raise ValueError(f"dequantize_weights: {scales.numel()} scales for {groups} groups of {numel} weights")
+        padded = torch.nn.functional.pad(values, (0, groups * group_size - numel)).view(groups, group_size)
+        return (padded * scales[:, None]).view(-1)[:numel]
+    gid, n_groups = int4_group_ids(counts, group_size)
+    if n_groups != scales.numel():
+        raise ValueError(f"dequantize_weights: {scales.numel()} scales for {n_groups} groups of {numel} weights")
+    return values * scales[gid]
+
+
+def _segment_tensor(n: int, segments: Optional[Sequence[int]], device) -> torch.Tensor:
+    if segments is None:
+        return torch.tensor([n], device=device)
+    if sum(segments) != n:
+        raise ValueError(f"segments of {sum(segments)} elements for {n} weights")
+    return torch.tensor(list(segments), dtype=torch.long, device=device)

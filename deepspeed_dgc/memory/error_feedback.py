@@ -173,6 +173,12 @@ class ErrorFeedback:
         """Forget every residual, committed and staged (a new phase of training, or state that cannot be loaded)."""
         self.committed, self.staged = {}, {}
 
+    def drop(self, keys) -> None:
+        """Forget the residuals of these keys (parameters that no longer train)."""
+        for k in keys:
+            self.committed.pop(k, None)
+            self.staged.pop(k, None)
+
     def __len__(self) -> int:
         """Number of committed residuals."""
         return len(self.committed)

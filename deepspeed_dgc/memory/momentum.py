@@ -69,6 +69,9 @@ class MomentumState(Protocol):
     def clear(self) -> None:
         """Forget every momentum and restart the count (state that cannot be loaded)."""
 
+    def drop(self, keys: Sequence[Hashable]) -> None:
+        """Forget the momenta of these keys (parameters that no longer train)."""
+
     def state_bytes(self) -> int:
         """Bytes held between steps."""
 
@@ -105,6 +108,9 @@ class _LocalMomentum:
     def clear(self) -> None:
         self.store.clear()
         self.steps_done = 0
+
+    def drop(self, keys) -> None:
+        self.store.drop(keys)
 
     def export(self) -> dict:
         return {"momenta": {k: v.detach().cpu() for k, v in self.store.committed.items()}, "steps_done": self.steps_done}

@@ -15,16 +15,19 @@ once-per-step gather of persistent parameters after ``optimizer.step`` (they cal
 ``all_gather_into_tensor`` directly); the latter's bytes are reported as
 ``param_uncovered_bytes_total``.
 
-Payload of one rank's shard of n elements (size fixed by n, so all ranks agree)::
+Payload of one rank's shard of n elements (its size fixed by the shard's parameters' sizes, so all ranks agree)::
 
-    fp32[ceil(n/group_size)]  scales
-    uint8[...]                codes (n bytes; INT4: ceil(n/2)), zero padding to 4 bytes
+    fp32[G]      scales, G = sum over the shard's parameters of ceil(shard_i / group_size)
+    uint8[...]   codes (n bytes; INT4: ceil(n/2)), zero padding to 4 bytes
 """
 
-from typing import Callable, Iterable
+import sys
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence
 
 import torch
 from deepspeed import comm as dist
+from deepspeed.utils import logger
 
 from ..codec.formats import dequantize_weights, quantize_weights, weight_code_bytes, weight_num_groups
 from ..comm.communicators import group_global_ranks, wait_torch_work
@@ -33,38 +36,102 @@ from ..comm.topology import node_of
 FP32_BYTES = 4
 
 
-def payload_bytes(numel: int, fmt: str, group_size: int) -> int:
+def payload_bytes(numel: int, fmt: str, group_size: int, segments: Optional[Sequence[int]] = None) -> int:
     """Bytes of one rank's payload for a shard of ``numel`` elements (scales, codes, 4-byte padding)."""
-    raw = FP32_BYTES * weight_num_groups(numel, group_size) + weight_code_bytes(numel, fmt)
+    raw = FP32_BYTES * weight_num_groups(numel, group_size, segments) + weight_code_bytes(numel, fmt)
     return raw + (-raw % 4)
+
+
+@dataclass
+class ShardLayout:
+    """What one gather's shard holds: one segment per parameter (scale groups restart at each, so parameters of
+    different magnitudes never share a scale), and per segment how many elements are real on this rank (the rest
+    is ZeRO-3's padding, whose memory DeepSpeed never clears: a checkpoint load or an optimizer step copies whatever
+    the fp32 partition's padding holds into it). Segment lengths are the same on every rank; real counts are not."""
+    segments: List[int]
+    real: List[int]
+
+
+# The DeepSpeed 0.19.8 functions that call ``_dist_allgather_fn`` and the names of their locals read here
+# (closures of ``partition_parameters.Init._convert_to_deepspeed_param``; checked at import by ``check_layout_seam``).
+CALLERS = {"_all_gather_dtype": ("params", "use_secondary_tensor", "rank_in_group"),
+           "_all_gather_sequential": ("param", "use_secondary_tensor")}
+
+
+def check_layout_seam(convert) -> Optional[str]:
+    """None when ``convert`` (``Init._convert_to_deepspeed_param``) defines the callers of :data:`CALLERS` with the
+    locals :func:`shard_layout` reads, else what is missing."""
+    nested = {c.co_name: c for c in convert.__code__.co_consts if hasattr(c, "co_name")}
+    for name, needed in CALLERS.items():
+        code = nested.get(name)
+        if code is None:
+            return f"{name} (a closure of Init._convert_to_deepspeed_param)"
+        missing = [v for v in needed if v not in code.co_varnames + code.co_freevars + code.co_cellvars]
+        if missing:
+            return f"the locals {missing} of {name}"
+    return None
+
+
+def _real(numel: int, shard: int, rank: int) -> int:
+    return max(0, min(numel - rank * shard, shard))
+
+
+def shard_layout(caller_locals: dict, shard_numel: int, rank: int) -> Optional[ShardLayout]:
+    """The layout of the shard DeepSpeed is gathering, read from the calling function's locals (its parameters and
+    whether it gathers hpZ's secondary shards); None when the caller is not one of :data:`CALLERS` or the sizes do not
+    add up (then the shard is quantized as one segment)."""
+    if "param" in caller_locals:  # _all_gather_sequential: one parameter at a time (its "params" are all of them)
+        params = [caller_locals["param"]]
+    elif "params" in caller_locals:  # _all_gather_dtype: the coalesced bucket
+        params = caller_locals["params"]
+        rank = caller_locals.get("rank_in_group", rank)
+    else:
+        return None
+    secondary = caller_locals.get("use_secondary_tensor", False)
+    try:
+        if secondary:  # hpZ's secondary shards: DeepSpeed zero-pads them itself
+            shards = [p.ds_secondary_tensor.numel() for p in params]
+            real = list(shards)
+        else:
+            shards = [p.ds_tensor.ds_numel for p in params]
+            real = [_real(p.ds_numel, s, rank) for p, s in zip(params, shards)]
+    except AttributeError:
+        return None
+    if sum(shards) != shard_numel:
+        return None
+    return ShardLayout(shards, real)
 
 
 class _DequantizeOnWait:
     """Handle returned to DeepSpeed: ``wait()`` finishes the gather and decodes every shard into ``output``."""
 
     def __init__(self, work, recv: torch.Tensor, output: torch.Tensor, numel: int, fmt: str, group_size: int,
-                 timeout_s: float):
+                 timeout_s: float, segments: Optional[List[int]]):
         self.work, self.recv, self.output = work, recv, output
-        self.numel, self.fmt, self.group_size, self.timeout_s = numel, fmt, group_size, timeout_s
+        self.numel, self.fmt, self.group_size, self.timeout_s, self.segments = numel, fmt, group_size, timeout_s, segments
 
     def wait(self) -> None:
         if self.work is None:
             return
         wait_torch_work(self.work, "the quantized parameter all-gather", dist.get_rank(), self.timeout_s)
-        n, p = self.numel, payload_bytes(self.numel, self.fmt, self.group_size)
-        n_scale = FP32_BYTES * weight_num_groups(n, self.group_size)
+        n, p = self.numel, payload_bytes(self.numel, self.fmt, self.group_size, self.segments)
+        n_scale = FP32_BYTES * weight_num_groups(n, self.group_size, self.segments)
         code_len = weight_code_bytes(n, self.fmt)
         world = self.recv.numel() // p
         for r in range(world):
             piece = self.recv[r * p:(r + 1) * p]
             scales = piece[:n_scale].view(torch.float32)
-            values = dequantize_weights(piece[n_scale:n_scale + code_len], scales, n, self.fmt, self.group_size)
+            values = dequantize_weights(piece[n_scale:n_scale + code_len], scales, n, self.fmt, self.group_size,
+                                        self.segments)
             self.output[r * n:(r + 1) * n].copy_(values)
         self.work = self.recv = None
 
 
 class QuantizedAllGather:
     """Drop-in for ``partition_parameters._dist_allgather_fn(input_shard, output_flat, group)``.
+
+    Each parameter of the shard is quantized on its own (groups restart at each), and the padding of ZeRO-3's
+    shards is sent as zeros whatever its memory holds (:class:`ShardLayout`).
 
     Args:
         fmt: ``"none"`` (stock gather, bytes only counted), ``"int8"``, ``"fp8_e4m3"`` or ``"int4"``.
@@ -82,6 +149,7 @@ class QuantizedAllGather:
         self.fmt, self.group_size, self.record, self.stock = fmt, group_size, record, stock
         self.timeout_s, self.ranks_per_node = timeout_s, ranks_per_node
         self._off_node = {}
+        self._warned = False
 
     def off_node_peers(self, group) -> int:
         """Ranks of ``group`` on another node than this rank (cached per group)."""
@@ -104,33 +172,27 @@ class QuantizedAllGather:
             return self.stock(input_tensor, output_tensor, group)
         if output_tensor.numel() != world * n:
             raise ValueError(f"quantized all-gather: output of {output_tensor.numel()} elements for {world} shards of {n}")
-        codes, scales = quantize_weights(input_tensor.reshape(-1), self.fmt, self.group_size)
-        p = payload_bytes(n, self.fmt, self.group_size)
+        layout = shard_layout(sys._getframe(1).f_locals, n, dist.get_rank(group=group))
+        if layout is None and not self._warned:
+            self._warned = True
+            logger.warning("deepspeed_dgc: a parameter all-gather came from an unknown caller; its shard is quantized "
+                           "as one block, with ZeRO-3's padding as it is")
+        shard = input_tensor.reshape(-1)
+        segments = None
+        if layout is not None:
+            segments = layout.segments
+            if any(r < s for r, s in zip(layout.real, layout.segments)):
+                shard = shard.clone()
+                col = 0
+                for s, r in zip(layout.segments, layout.real):
+                    shard[col + r:col + s] = 0  # padding: sent as zeros, whatever the memory holds
+                    col += s
+        codes, scales = quantize_weights(shard, self.fmt, self.group_size, segments)
+        p = payload_bytes(n, self.fmt, self.group_size, segments)
         payload = torch.zeros(p, dtype=torch.uint8, device=input_tensor.device)
         payload[:scales.numel() * FP32_BYTES] = scales.view(torch.uint8)
         payload[scales.numel() * FP32_BYTES:scales.numel() * FP32_BYTES + codes.numel()] = codes
         recv = torch.empty(world * p, dtype=torch.uint8, device=input_tensor.device)
         work = dist.all_gather_into_tensor(recv, payload, group=group, async_op=True)
         self.record((world - 1) * p, (world - 1) * n * FP32_BYTES, off_node)
-        return _DequantizeOnWait(work, recv, output_tensor, n, self.fmt, self.group_size, self.timeout_s)
-
-
-def zero_shard_padding(params: Iterable[torch.nn.Parameter], rank: int) -> None:
-    """Set the padding tail of each stored ZeRO-3 shard (``param.ds_tensor``) to 0.
-
-    DeepSpeed allocates shards with ``torch.empty`` and copies the fp32 partition, padding included,
-    back after every step, so the tail past the real elements holds stale memory. A quantizer that
-    sees it may take a huge garbage value as a group's absmax and wipe out the real weights in that
-    group. Real elements are not touched. (hpZ secondary shards are zero-padded by DeepSpeed.)
-
-    Args:
-        params: ZeRO-3 parameters (with ``ds_tensor`` and ``ds_numel``).
-        rank: this rank in the parameters' data-parallel group.
-    """
-    with torch.no_grad():
-        for p in params:
-            shard = p.ds_tensor
-            size = shard.numel()
-            real = max(0, min(p.ds_numel - rank * size, size))
-            if real < size:
-                shard.narrow(0, real, size - real).zero_()
+        return _DequantizeOnWait(work, recv, output_tensor, n, self.fmt, self.group_size, self.timeout_s, segments)

@@ -1,7 +1,7 @@
 """Checkpoint side-car: the extension's per-rank state next to DeepSpeed's per-rank files.
 
-``engine.save_checkpoint(dir, tag)`` also writes ``dir/tag/dgc_state_dp_rank_{r:05d}.pt`` on every rank:
-committed residuals (in their storage form), the threshold-sampling generators, the reused top-k thresholds,
+``engine.save_checkpoint(dir, tag)`` also writes ``dir/tag/dgc_state_dp_rank_{r:05d}.pt`` on every rank, keyed by
+the parameters' names: committed residuals (in their storage form), the threshold-sampling generators, the reused top-k thresholds,
 the warm-up clock, local momenta and the telemetry totals. ``engine.load_checkpoint`` reads it back, so a
 resumed run continues exactly as an uninterrupted one. DeepSpeed's own files are untouched
 (``zero_to_fp32`` keeps working); the side-car loads with ``torch.load(weights_only=True)``.
@@ -12,12 +12,18 @@ import os
 from typing import Dict, Optional
 
 import torch
+from deepspeed.utils import logger
 
 from ..memory.error_feedback import ErrorFeedback
 from .state import DGCState
 
-FORMAT = 1
+FORMAT = 2  # 2: state keyed by parameter name; 1: keyed by ZeRO-3's ds_id (read by mapping the ds_ids in order)
+READABLE_FORMATS = (1, 2)
 SIDECAR_GLOB = "dgc_state_dp_rank_*.pt"
+
+
+class DGCCheckpointError(RuntimeError):
+    """A side-car holds state that does not fit this model (another model, or parameters of other sizes)."""
 
 
 def sidecar_name(dp_rank: int) -> str:
@@ -111,9 +117,10 @@ def load_state(state: DGCState, ckpt_dir: str, tag: str, world_size: int, device
         _clear(state)
         return f"no deepspeed_dgc state in {sdir} (checkpoint saved without DGC?): error-feedback residuals start at zero"
     head = torch.load(first, map_location="cpu", weights_only=True)
-    if head.get("format") != FORMAT:
+    if head.get("format") not in READABLE_FORMATS:
         _clear(state)
-        return f"deepspeed_dgc state in {first} has format {head.get('format')}, not {FORMAT}: residuals restart at zero"
+        return (f"deepspeed_dgc state in {first} has format {head.get('format')}, this version reads "
+                f"{READABLE_FORMATS}: residuals restart at zero")
     if head.get("world_size") == world_size:
         return _load_same_world(state, sdir, head, device)
     return _load_resharded(state, sdir, head, world_size, device)
@@ -128,6 +135,12 @@ def _load_same_world(state: DGCState, sdir: str, head: dict, device) -> str:
                 f"{residual_layout(state)}: they do not fit, so they are dropped and restart at zero")
     payload = torch.load(path, map_location="cpu", weights_only=True)
     saved_storage = payload.get("residual_storage", "fp32")  # side-cars without it hold fp32
+    rename = _key_map(state, payload, path)
+    payload["residuals"] = _checked(state, {rename(k): v for k, v in payload["residuals"].items()}, "residual", path)
+    payload["thresholds"] = {rename(k): v for k, v in payload.get("thresholds", {}).items()}
+    if payload.get("momentum"):
+        momenta = {rename(k): v for k, v in payload["momentum"]["momenta"].items()}
+        payload["momentum"] = dict(payload["momentum"], momenta=_checked(state, momenta, "momentum", path))
     state.memory.restore(payload["residuals"], saved_storage, device)
     stats = payload["stats"]
     state.reducer.restore_state({"generators": payload["generators"], "thresholds": payload.get("thresholds", {}),
@@ -157,13 +170,21 @@ def _load_resharded(state: DGCState, sdir: str, head: dict, world_size: int, dev
         if not os.path.isfile(p):
             _clear(state)
             return f"{where} but {p} is missing: residuals cannot be re-sharded and restart at zero"
-        sides.append(torch.load(p, map_location="cpu", weights_only=True))
+        side = torch.load(p, map_location="cpu", weights_only=True)
+        rename = _key_map(state, side, p)
+        side["residuals"] = {rename(k): v for k, v in side["residuals"].items()}
+        if side.get("momentum"):
+            side["momentum"] = dict(side["momentum"], momenta={rename(k): v for k, v in side["momentum"]["momenta"].items()})
+        sides.append(side)
     total = _sum_over_ranks([{k: ErrorFeedback.decode(v) for k, v in s["residuals"].items()} for s in sides])
     saved_momenta = [s["momentum"]["momenta"] for s in sides if s.get("momentum")]
     momenta = _sum_over_ranks(saved_momenta) if saved_momenta else None
     if total is None or (saved_momenta and momenta is None):
         _clear(state)
         return f"{where}; the saved side-cars hold different residual or momentum sets: they restart at zero"
+    total = _checked(state, total, "residual", sdir)
+    if momenta is not None:
+        momenta = _checked(state, momenta, "momentum", sdir)
     state.memory.load({k: (v / world_size).float().to(device) for k, v in total.items()})
     state.reducer.clear_thresholds()  # each rank's own: estimated afresh on the new ranks
     state.stats.restore_totals(head["stats"])  # step counters (the density schedule's clock) are global: rank 0's
@@ -174,6 +195,61 @@ def _load_resharded(state: DGCState, sdir: str, head: dict, world_size: int, dev
         state.momentum.restore(saved, device, 1.0 / world_size)
     return (f"{where}: re-sharded {len(total)} residuals (summed over the {saved_world} saved ranks, split evenly "
             f"over this run's, so the gradient not yet sent is conserved); sampling restarts from this rank's seed{note}")
+
+
+def _expected_numel(state: DGCState, kind: str) -> Dict[str, int]:
+    """Elements of each parameter's saved residual or momentum in this run, by key: the full parameter (flat
+    topology, momenta), or the node-level sums this rank compresses, ``N * ceil(n / W)`` (hierarchical)."""
+    world, hierarchical = state.stats.world_size, state.cfg.topology == "hierarchical" and kind == "residual"
+    nodes = world // (state.reducer.ranks_per_node or world)
+    out = {}
+    for p in state.params:
+        n = getattr(p, "ds_numel", p.numel())
+        out[state.key_of(p)] = nodes * -(-n // world) if hierarchical else n
+    return out
+
+
+def _checked(state: DGCState, entries: Dict, kind: str, where: str) -> Dict:
+    """``entries`` if every key is a parameter of this model and every entry has its length.
+
+    Raises:
+        DGCCheckpointError: naming the first entry that does not fit (another model, or a parameter of another size).
+    """
+    expected = _expected_numel(state, kind)
+    for key, value in entries.items():
+        if key not in expected:
+            raise DGCCheckpointError(f"deepspeed_dgc checkpoint {where} holds a {kind} for parameter {key!r}, which "
+                                     "this model does not have (was it saved from another model?)")
+        numel = (value[0] if isinstance(value, tuple) else value).numel()
+        if numel != expected[key]:
+            raise DGCCheckpointError(f"deepspeed_dgc checkpoint {where}: the {kind} of parameter {key!r} has {numel} "
+                                     f"elements, this run needs {expected[key]} (the model or the topology differs "
+                                     "from the one saved)")
+    return entries
+
+
+def _key_map(state: DGCState, side: dict, where: str):
+    """How a side-car's keys become this run's: names as they are; the ``ds_id`` keys of format 1 mapped in order
+    onto this engine's parameters (ZeRO-3 numbers an engine's parameters consecutively in module order, after those
+    of every model built before it in that process), with a warning."""
+    if side.get("format", 1) >= 2:
+        return lambda k: k
+    saved = {k for k in side["residuals"]} | {k for k in (side.get("momentum") or {}).get("momenta", {})}
+    ids = sorted(getattr(p, "ds_id", i) for i, p in enumerate(state.params))
+    if not saved:
+        return lambda k: k
+    shift = min(saved) - (ids[0] if ids else 0)
+    by_id = {getattr(p, "ds_id", i): state.key_of(p) for i, p in enumerate(state.params)}
+    logger.warning(f"[deepspeed_dgc] {where} was saved by an earlier version, keyed by ZeRO-3's ds_id; its entries are "
+                   "mapped onto this model's parameters in order (checked by size)")
+
+    def rename(k):
+        if k - shift not in by_id:
+            raise DGCCheckpointError(f"deepspeed_dgc checkpoint {where} holds state for ds_id {k}, which does not map onto "
+                                     f"this model's {len(by_id)} parameters")
+        return by_id[k - shift]
+
+    return rename
 
 
 def _sum_over_ranks(per_rank) -> Optional[Dict]:

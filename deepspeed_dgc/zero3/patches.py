@@ -44,7 +44,7 @@ from ..config import DGCConfig, DGCConfigError, check_engine_compatible, parse_d
 from ..memory.momentum import CompressedMomentum, MomentumCorrection
 from . import checkpoint
 from . import optimizer as owners
-from .allgather import QuantizedAllGather, zero_shard_padding
+from .allgather import QuantizedAllGather, check_layout_seam
 from .state import STATE_ATTR, DGCState
 
 logger = logging.getLogger("deepspeed_dgc")
@@ -85,6 +85,9 @@ def check_seam() -> None:
         DGCSeamError: naming the missing methods and the installed DeepSpeed version.
     """
     missing = [s.name for s in SEAMS if not hasattr(s.owner, s.name)]
+    layout = check_layout_seam(partition_parameters.Init._convert_to_deepspeed_param)
+    if layout:
+        missing.append(layout)
     if missing:
         raise DGCSeamError(f"deepspeed_dgc needs {', '.join(missing)}, which deepspeed {deepspeed.__version__} lacks; "
                            f"install the DeepSpeed version range in setup.py (tested: {TESTED_DEEPSPEED})")
@@ -193,13 +196,12 @@ def install(engine, opt, cfg: DGCConfig) -> DGCState:
                        "(%d ranks per node): gradients are reduced densely inside the node and nothing is "
                        "compressed", comms.world_size, comms.ranks_per_node)
     state.params = list(engine.module.parameters())
+    state.assign_keys(engine.module, [{"params": g} for g in opt.fp16_groups])
     state.stats.world_size = comms.world_size
     state.stats.n_params = sum(getattr(p, "ds_numel", p.numel()) for p in state.params)
     state.dp_rank = dist.get_rank(group=opt.dp_process_group)
     state.monitor = getattr(engine, "monitor", None)
     state.samples_seen = lambda: getattr(engine, "global_samples", 0)
-    if cfg.weights.quantization != "none":
-        zero_shard_padding(state.params, state.dp_rank)
     _patch_instance(engine, opt, state)
     return state
 
@@ -337,8 +339,6 @@ def _step(opt, state: DGCState) -> Callable:
     @functools.wraps(step)
     def dgc_step(*args, **kwargs):
         out = step(*args, **kwargs)
-        if state.cfg.weights.quantization != "none":  # the step copied stale padding back into the shards
-            zero_shard_padding(state.params, state.dp_rank)
         applied = not opt.overflow
         state.commit_step(applied)
         momentum = state.momentum

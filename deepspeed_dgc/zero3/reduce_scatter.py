@@ -411,9 +411,12 @@ class CompressedReduceScatter:
         if applied:
             self.steps_applied += 1
 
-    def clear_thresholds(self) -> None:
-        """Forget every stored threshold (estimated afresh at the next exchange)."""
-        self.thresholds = {}
+    def clear_thresholds(self, keys=None) -> None:
+        """Forget the stored thresholds of these keys, or every one (estimated afresh at the next exchange)."""
+        if keys is None:
+            self.thresholds = {}
+        for k in keys or ():
+            self.thresholds.pop(k, None)
 
     def _generator(self, device: torch.device) -> torch.Generator:
         key = str(device)

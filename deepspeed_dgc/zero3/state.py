@@ -1,7 +1,7 @@
 """Everything the extension keeps for one engine, and what happens to it at the end of an optimizer step."""
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -28,6 +28,7 @@ class DGCState:
         params: the engine's parameters (ZeRO-3 shards), in module order.
         monitor: DeepSpeed's monitor (telemetry events), or None.
         samples_seen: the engine's sample count (the x axis of monitor events).
+        keys: ``id(param)`` -> the stable key of its residual and momentum (:meth:`assign_keys`).
     """
     cfg: DGCConfig
     global_rank: int
@@ -39,6 +40,7 @@ class DGCState:
     params: List[torch.nn.Parameter] = field(default_factory=list)
     monitor: Any = None
     samples_seen: Callable[[], int] = lambda: 0
+    keys: Dict[int, str] = field(default_factory=dict)
 
     @classmethod
     def build(cls, cfg: DGCConfig, global_rank: int, ranks_per_node: Optional[int] = None,
@@ -50,10 +52,28 @@ class DGCState:
         return cls(cfg=cfg, global_rank=global_rank, memory=memory, reducer=reducer,
                    stats=DGCStats(residual_storage=cfg.residual_storage), momentum=momentum)
 
-    @staticmethod
-    def key_of(param: torch.nn.Parameter) -> Hashable:
-        """The key of a parameter's residual and momentum: its ZeRO-3 ``ds_id``."""
-        return param.ds_id
+    def assign_keys(self, module: torch.nn.Module, param_groups: Sequence[dict] = ()) -> None:
+        """Key every parameter by a stable identity: its name in ``module`` (``"blocks.0.attn.qkv.weight"``), or for
+        a parameter the optimizer has but the module does not, its place in the optimizer's groups
+        (``"param_groups.1.3"``). Unlike ZeRO-3's ``ds_id``, a per-process counter that also counts the parameters
+        of every model built earlier in the process, these are the same in every process that builds the same
+        model, so saved state lands on the right parameters."""
+        self.keys = {id(p): name for name, p in module.named_parameters()}
+        for g, group in enumerate(param_groups):
+            for i, p in enumerate(group["params"]):
+                self.keys.setdefault(id(p), f"param_groups.{g}.{i}")
+
+    def key_of(self, param: torch.nn.Parameter) -> str:
+        """The stable key of a parameter's residual and momentum (:meth:`assign_keys`).
+
+        Raises:
+            KeyError: the parameter is neither in the engine's module nor in its optimizer's groups.
+        """
+        key = self.keys.get(id(param))
+        if key is None:
+            raise KeyError(f"deepspeed_dgc: a parameter of shape {tuple(getattr(param, 'ds_shape', param.shape))} "
+                           "is neither in the engine's module nor in its optimizer's param groups")
+        return key
 
     def commit_step(self, applied: bool) -> None:
         """The optimizer step ended: commit this window's residuals and momenta if it was applied, roll them back
@@ -67,6 +87,19 @@ class DGCState:
             if self.momentum is not None:
                 self.momentum.rollback()
         self.reducer.end_step(applied)
+        self.drop_frozen()
+
+    def drop_frozen(self) -> None:
+        """Parameters frozen during the run (``requires_grad`` now False) give up their residual, momentum and
+        threshold: their weights no longer change, so what error feedback held back for them can never be applied,
+        and it would only hold memory. (A parameter that is merely unused in some steps keeps its residual: it is
+        sent when the parameter gets a gradient again.)"""
+        frozen = [self.key_of(p) for p in self.params if not p.requires_grad and id(p) in self.keys]
+        if frozen:
+            self.memory.drop(frozen)
+            if self.momentum is not None:
+                self.momentum.drop(frozen)
+            self.reducer.clear_thresholds(frozen)
 
     def close_step(self, applied: bool, uncovered_gather_bytes: int = 0) -> StepStats:
         """Close the step's telemetry (after :meth:`commit_step`); log it every ``stats_interval`` steps."""

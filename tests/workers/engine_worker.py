@@ -13,6 +13,11 @@ Options:
   --lr-scheduler             wrap the owners' optimizer in a torch LambdaLR after initialize and at the end
   --ckpt DIR --save-at S     save a checkpoint after S steps (the run goes on)
   --ckpt DIR --resume-at S   load the latest checkpoint of DIR first, then run steps S..N-1
+  --freeze-at S              after S steps, l1.weight stops training (requires_grad False)
+  --poison-padding           fill the padding of the fp32 master partitions with 1e30 after initialize: DeepSpeed
+                             copies it into the parameter shards at every step and checkpoint load, and saves it
+  --models-before K          build K other ZeRO-3 engines (stock) first, in this process: ZeRO-3 numbers the
+                             parameters of every model a process builds (``ds_id``)
   --fault die|hang           rank 1 is killed, or hangs, inside its reduce-scatter of step --fault-step (3);
                              rank 0 saves the error it got and when to DIR/rank0_error.pt and re-raises it
 """
@@ -78,7 +83,9 @@ def make_engine(config):
 
 
 def full_params(engine):
-    return [safe_get_full_fp32_param(p).clone() for p in engine.module.parameters()]
+    """Every parameter's full fp32 master copy (None for a frozen one: DeepSpeed keeps no fp32 copy reachable)."""
+    values = [safe_get_full_fp32_param(p) for p in engine.module.parameters()]
+    return [None if v is None else v.clone() for v in values]
 
 
 def batches(rank, steps, micro, dtype):
@@ -91,6 +98,20 @@ def dtype_of(cfg):
     if cfg.get("fp16", {}).get("enabled"):
         return torch.float16
     return torch.bfloat16 if cfg.get("bf16", {}).get("enabled") else torch.float32
+
+
+def poison_padding(engine, rank):
+    """1e30 in the padding of every parameter's fp32 master partition (which DeepSpeed allocates uninitialised):
+    what a quantized all-gather must never take for a weight."""
+    opt = engine.optimizer
+    with torch.no_grad():
+        for flat, params in zip(opt.fp32_partitioned_groups_flat, opt.fp16_groups):
+            col = 0
+            for p in params:
+                shard = p.ds_tensor.ds_numel
+                real = max(0, min(p.ds_numel - rank * shard, shard))
+                flat[col + real:col + shard] = 1e30
+                col += shard
 
 
 def inject_fault(engine, kind, at_step, timeout_s, out_dir):
@@ -121,9 +142,13 @@ def run(args, rank):
     if args.allow_fp16:
         get_accelerator().is_fp16_supported = lambda: True
     dtype = dtype_of(cfg)
+    for _ in range(args.models_before):  # e.g. a reference or EMA model, an evaluation copy
+        make_engine(merge(BASE, {"dgc": None}))
     engine = make_engine(cfg)
     if args.lr_scheduler:  # a torch LR scheduler wraps the owners' optimizer.step (needs a bound method)
         torch.optim.lr_scheduler.LambdaLR(engine.optimizer.optimizer, lambda s: 1.0)
+    if args.poison_padding:
+        poison_padding(engine, rank)
     if args.fault and rank == 1:
         inject_fault(engine, args.fault, args.fault_step, cfg["dgc"]["timeout_s"], args.out)
     first = 0
@@ -155,7 +180,8 @@ def run(args, rank):
                 engine.backward(loss)
                 record["losses"].append(float(loss))
                 if m == args.gas - 1:
-                    record["grads"].append([safe_get_full_grad(p).float().clone() for p in engine.module.parameters()])
+                    grads = [safe_get_full_grad(p) for p in engine.module.parameters()]
+                    record["grads"].append([None if g is None else g.float().clone() for g in grads])
                     if args.local_grads:
                         record["local_grads"].append([local[i] for i in range(len(local))])
                 engine.step()
@@ -163,9 +189,12 @@ def run(args, rank):
             record["skipped"].append(engine.skipped_steps)
             record["loss_scale"].append(float(engine.optimizer.loss_scale))
             if state is not None:
+                record.setdefault("state_bytes", []).append(state.stats.state_bytes)
                 record["residuals"].append(state.memory.residuals())
                 if state.momentum is not None:
                     record["momenta"].append({k: v.clone() for k, v in state.momentum.momenta().items()})
+            if args.freeze_at is not None and step + 1 == args.freeze_at:
+                engine.module.l1.weight.requires_grad_(False)
             if args.save_at is not None and step + 1 == args.save_at:
                 engine.save_checkpoint(args.ckpt)
     except Exception as err:
@@ -195,6 +224,9 @@ def main(argv=None):
     ap.add_argument("--ckpt", default=None)
     ap.add_argument("--save-at", type=int, default=None)
     ap.add_argument("--resume-at", type=int, default=None)
+    ap.add_argument("--models-before", type=int, default=0)
+    ap.add_argument("--freeze-at", type=int, default=None)
+    ap.add_argument("--poison-padding", action="store_true")
     ap.add_argument("--fault", choices=["die", "hang"], default=None)
     ap.add_argument("--fault-step", type=int, default=3)
     args = ap.parse_args(argv)

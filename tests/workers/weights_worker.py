@@ -1,6 +1,7 @@
 """Worker: ZeRO-3 with the quantized parameter all-gather; record the weights forward actually saw.
 
-Usage: weights_worker.py --format FMT --out DIR [--hpz N] [--sequential] [--node-size L] (--sequential: one
+Usage: weights_worker.py --format FMT --out DIR [--hpz N] [--sequential] [--node-size L] [--scale-l1-weight X]
+(--scale-l1-weight: l1.weight X times larger than l1.bias, gathered together; --sequential: one
 gather per parameter; --node-size L > 0: hierarchical gradient topology with L ranks per node, which also
 labels parameter bytes as intra- or inter-node). Parameters are not persistent and neither prefetched
 nor reused, so every step gathers each weight in forward and again in backward. Per step it saves
@@ -37,6 +38,7 @@ def main(argv=None):
     ap.add_argument("--hpz", type=int, default=1)
     ap.add_argument("--sequential", action="store_true")
     ap.add_argument("--node-size", type=int, default=0)
+    ap.add_argument("--scale-l1-weight", type=float, default=1.0, help="l1.weight times this at init (l1.bias as is)")
     args = ap.parse_args(argv)
     fmt, out_dir, hpz, sequential, node_size = args.format, args.out, args.hpz, args.sequential, args.node_size
     rank = init()
@@ -49,6 +51,8 @@ def main(argv=None):
         cfg["dgc"].update(topology="hierarchical", ranks_per_node=node_size)
     torch.manual_seed(0)
     model = Net()
+    with torch.no_grad():
+        model.l1.weight.mul_(args.scale_l1_weight)
     seen = {}
 
     def capture(module, _inputs):

@@ -1,61 +1,110 @@
-"""The checkpoint side-car on its own: same world size, re-sharded to another, dropped where it cannot fit, and
-side-cars of an earlier version."""
+"""The checkpoint side-car on its own: same world size, re-sharded to another, dropped where it cannot fit, refused
+where it does not fit this model, and side-cars of an earlier version."""
 
 import os
 
+import pytest
 import torch
 
 from deepspeed_dgc.config import DGCConfig
-from deepspeed_dgc.zero3.checkpoint import FORMAT, load_state, save_state
+from deepspeed_dgc.zero3.checkpoint import DGCCheckpointError, load_state, save_state
 from deepspeed_dgc.zero3.state import DGCState
+
+CPU = torch.device("cpu")
+
+
+class TwoParams(torch.nn.Module):
+    """Parameters ``a`` (n_a elements) and ``b`` (n_b), numbered ``first_ds_id``, ``first_ds_id + 1`` as ZeRO-3 would."""
+
+    def __init__(self, n_a=10, n_b=5, first_ds_id=0):
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.zeros(n_a))
+        self.b = torch.nn.Parameter(torch.zeros(n_b))
+        for i, p in enumerate((self.a, self.b)):
+            p.ds_id, p.ds_numel = first_ds_id + i, p.numel()
+
+
+def _state(cfg=None, rank=0, world=2, module=None, first_ds_id=0):
+    state = DGCState.build(cfg or DGCConfig(enabled=True, residual_dtype="fp32"), global_rank=rank)
+    module = module or TwoParams(first_ds_id=first_ds_id)
+    state.params, state.dp_rank, state.stats.world_size = list(module.parameters()), rank, world
+    state.assign_keys(module)
+    return state
 
 
 def test_sidecar_at_another_world_size_flat_reshards_hierarchical_drops(tmp_path):
     saved = []
     for rank in range(2):
-        state = DGCState.build(DGCConfig(enabled=True, residual_dtype="fp32"), global_rank=rank)
-        state.dp_rank = rank
-        state.memory.load({3: torch.randn(10), 7: torch.randn(5)})
+        state = _state(rank=rank)
+        state.memory.load({"a": torch.randn(10), "b": torch.randn(5)})
         save_state(state, str(tmp_path), "tag", world_size=2)
         saved.append(state.memory.residuals())
-    fresh = DGCState.build(DGCConfig(enabled=True, residual_dtype="fp32"), global_rank=0)
-    msg = load_state(fresh, str(tmp_path), "tag", world_size=3, device=torch.device("cpu"))
+    fresh = _state(world=3)
+    msg = load_state(fresh, str(tmp_path), "tag", world_size=3, device=CPU)
     assert "world size 2" in msg and "has 3" in msg and "re-sharded 2 residuals" in msg
-    assert torch.allclose(fresh.memory.get(3) * 3, saved[0][3] + saved[1][3], atol=1e-6)
-    msg = load_state(fresh, str(tmp_path), "tag", world_size=2, device=torch.device("cpu"))
-    assert msg.startswith("restored") and torch.equal(fresh.memory.get(3), saved[0][3])
-    hier = DGCState.build(DGCConfig(enabled=True, topology="hierarchical", ranks_per_node=1), global_rank=0)
+    assert torch.allclose(fresh.memory.get("a") * 3, saved[0]["a"] + saved[1]["a"], atol=1e-6)
+    fresh.stats.world_size = 2
+    msg = load_state(fresh, str(tmp_path), "tag", world_size=2, device=CPU)
+    assert msg.startswith("restored") and torch.equal(fresh.memory.get("a"), saved[0]["a"])
+    hier = _state(DGCConfig(enabled=True, topology="hierarchical", ranks_per_node=1), world=3)
     hier.reducer.ranks_per_node = 1
-    msg = load_state(hier, str(tmp_path), "tag", world_size=3, device=torch.device("cpu"))
+    msg = load_state(hier, str(tmp_path), "tag", world_size=3, device=CPU)
     assert "cannot be re-sharded" in msg and "world size 2" in msg and "has 3" in msg
     assert len(hier.memory) == 0
     os.unlink(tmp_path / "tag" / "dgc_state_dp_rank_00001.pt")  # a side-car missing: nothing half-loaded
-    msg = load_state(fresh, str(tmp_path), "tag", world_size=3, device=torch.device("cpu"))
+    msg = load_state(fresh, str(tmp_path), "tag", world_size=3, device=CPU)
     assert "is missing" in msg and len(fresh.memory) == 0
 
 
-def test_fp8_residuals_restore_bit_for_bit_and_an_older_fp32_sidecar_still_loads(tmp_path):
-    """The default storage (fp8) is saved as its codes and scales and restored exactly; a side-car of an earlier
-    version (plain fp32 residuals, no storage name, no thresholds) loads into it, rounded once, and the log says so."""
+def test_state_that_does_not_fit_this_model_is_refused_naming_the_parameter(tmp_path):
+    """A side-car saved from another model (a parameter of another size, or one this model lacks) raises
+    DGCCheckpointError naming the parameter and both sizes, on load at the same and at another world size."""
+    state = _state()
+    state.memory.load({"a": torch.randn(10), "b": torch.randn(5)})
+    save_state(state, str(tmp_path), "tag", world_size=2)
+    bigger = _state(module=TwoParams(n_a=12))
+    with pytest.raises(DGCCheckpointError, match=r"the residual of parameter 'a' has 10 elements, this run needs 12"):
+        load_state(bigger, str(tmp_path), "tag", world_size=2, device=CPU)
+
+    class Other(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Parameter(torch.zeros(10))
+
+    other = _state(module=Other())
+    with pytest.raises(DGCCheckpointError, match=r"holds a residual for parameter 'b', which this model does not have"):
+        load_state(other, str(tmp_path), "tag", world_size=2, device=CPU)
+    state.dp_rank = 1  # both ranks' side-cars: loaded at 3 ranks, they are re-sharded, then checked
+    save_state(state, str(tmp_path), "tag", world_size=2)
+    other.stats.world_size = 3
+    with pytest.raises(DGCCheckpointError, match=r"holds a residual for parameter 'b', which this model does not have"):
+        load_state(other, str(tmp_path), "tag", world_size=3, device=CPU)
+
+
+def test_fp8_residuals_restore_bit_for_bit_and_an_older_sidecar_still_loads(tmp_path):
+    """The default storage (fp8) is saved as its codes and scales and restored exactly. A side-car of an earlier
+    version (format 1: plain fp32 residuals keyed by ZeRO-3's ds_id, no storage name, no thresholds) loads into a
+    model whose parameters were numbered after another model's: mapped in order, rounded once, and the log says so."""
     gen = torch.Generator().manual_seed(3)
-    state = DGCState.build(DGCConfig(enabled=True), global_rank=0)
-    state.dp_rank = 0
-    for k, n in ((3, 1000), (7, 130)):
-        state.memory.stage(k, torch.randn(n, generator=gen) * 10.0**k)
+    module = TwoParams(n_a=1000, n_b=130)
+    state = _state(DGCConfig(enabled=True), module=module)
+    for k, n, e in (("a", 1000, 3), ("b", 130, 7)):
+        state.memory.stage(k, torch.randn(n, generator=gen) * 10.0**e)
     state.memory.commit()
     save_state(state, str(tmp_path / "new"), "tag", world_size=2)
-    fresh = DGCState.build(DGCConfig(enabled=True), global_rank=0)
-    msg = load_state(fresh, str(tmp_path / "new"), "tag", world_size=2, device=torch.device("cpu"))
+    fresh = _state(DGCConfig(enabled=True), module=TwoParams(n_a=1000, n_b=130))
+    msg = load_state(fresh, str(tmp_path / "new"), "tag", world_size=2, device=CPU)
     assert msg.startswith("restored") and "rounded once" not in msg
-    for k in (3, 7):
+    for k in ("a", "b"):
         assert all(torch.equal(a, b) for a, b in zip(fresh.memory.committed[k], state.memory.committed[k]))
-    old = {k: torch.randn(n, generator=gen) for k, n in ((3, 1000), (7, 130))}
+    old = {3: torch.randn(1000, generator=gen), 4: torch.randn(130, generator=gen)}  # ds_ids of the saving process
     path = tmp_path / "old" / "tag" / "dgc_state_dp_rank_00000.pt"
     path.parent.mkdir(parents=True)
-    torch.save({"format": FORMAT, "world_size": 1, "dp_rank": 0, "config": {}, "residual_layout": "flat",
+    torch.save({"format": 1, "world_size": 1, "dp_rank": 0, "config": {}, "residual_layout": "flat",
                 "residuals": old, "generators": {}, "stats": {"steps": 4}, "momentum": None}, path)
-    msg = load_state(fresh, str(tmp_path / "old"), "tag", world_size=1, device=torch.device("cpu"))
-    assert "stored in fp32 and are now stored in fp8" in msg and fresh.reducer.thresholds == {}
-    for k, v in old.items():
-        got = fresh.memory.get(k)
+    resumed = _state(DGCConfig(enabled=True), world=1, module=TwoParams(n_a=1000, n_b=130, first_ds_id=9))
+    msg = load_state(resumed, str(tmp_path / "old"), "tag", world_size=1, device=CPU)
+    assert "stored in fp32 and are now stored in fp8" in msg and resumed.reducer.thresholds == {}
+    for k, v in (("a", old[3]), ("b", old[4])):
+        got = resumed.memory.get(k)
         assert bool(((got - v).abs() <= 2**-4 * v.abs() + 1e-5 * float(v.abs().max())).all()) and not torch.equal(got, v)

@@ -1,5 +1,5 @@
 """The compressed reduce-scatter's per-rank decisions, without other processes: threshold reuse and the density
-warm-up clock (the whole path in real processes: tests/dist/test_reduce_scatter.py)."""
+warm-up clock (the whole path in real processes: tests/distributed/test_reduce_scatter.py)."""
 
 import types
 

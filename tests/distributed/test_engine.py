@@ -80,6 +80,19 @@ def test_lossless_matches_stock_within_rounding(world, dgc):
             assert ours[r]["stats"]["grad_inter_node_wire_bytes_total"] > 0
 
 
+def test_a_parameter_frozen_mid_run_gives_up_its_residual():
+    """l1.weight stops training after step 3 (requires_grad False): from the next step on it holds no residual (what
+    error feedback held back for it can never be applied: its weights no longer change), the extension's state
+    shrinks by its share, and the other parameters keep theirs. l1.weight is frozen, not unused: a parameter unused
+    in some steps keeps its residual (tests/distributed/test_odd_models.py)."""
+    ranks = run_engine(steps=6, freeze_at=3, config={"dgc": SPARSE})
+    for rec in ranks:
+        assert all("l1.weight" in res for res in rec["residuals"][:3])
+        assert all("l1.weight" not in res for res in rec["residuals"][3:])
+        assert all(set(res) >= {"l1.bias", "l2.weight"} for res in rec["residuals"])
+        assert rec["state_bytes"][3] < rec["state_bytes"][2]
+
+
 OVERFLOW = {
     "fp16": dict(config={"dgc": SPARSE, "fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1,
                                                    "loss_scale_window": 1000}}, allow_fp16=True),
