@@ -207,8 +207,11 @@ def docs(check: bool, path: Path = CONFIG_DOC) -> int:
     """Write ``docs/config.md`` (or, with ``check``, compare it); returns the exit status."""
     text = render_config_reference()
     if check:
-        current = path.read_text(encoding="utf-8") if path.exists() else None
-        if current != text:
+        if not path.exists():
+            print(f"{path} is missing: run `python -m deepspeed_dgc docs` to write it from deepspeed_dgc/config.py",
+                  file=sys.stderr)
+            return 1
+        if path.read_text(encoding="utf-8") != text:
             print(f"{path} is stale: run `python -m deepspeed_dgc docs` to regenerate it from deepspeed_dgc/config.py",
                   file=sys.stderr)
             return 1

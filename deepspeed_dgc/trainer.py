@@ -91,7 +91,10 @@ class HybridTrainer:
                 sparse_threshold, (int, float)) or not (0.0 < float(sparse_threshold) <= 1.0)):
             raise DGCConfigError("HybridTrainer: sparse_threshold must be a float in (0, 1] (the fraction of each "
                                  f"tensor's elements sent) or 'auto', got {sparse_threshold!r}")
-        clash = sorted(set(deepspeed_config_overrides.get("dgc", {})) & {"enabled", "quantization", "topology", "density"})
+        dgc_override = deepspeed_config_overrides.get("dgc", {})
+        if not isinstance(dgc_override, dict):
+            raise DGCConfigError(f"HybridTrainer: dgc must be a dict of \"dgc\" keys, got {dgc_override!r}")
+        clash = sorted(set(dgc_override) & {"enabled", "quantization", "topology", "density"})
         if clash:
             raise DGCConfigError(f"HybridTrainer: dgc override(s) {', '.join(clash)} clash with the named arguments "
                                  "(enabled is always true; use precision_policy, topology and sparse_threshold)")

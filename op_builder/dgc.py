@@ -99,7 +99,7 @@ class DGCCPUBuilder(_DGCBuilderMixin, CPUOpBuilder):
     BUILD_VAR = "DS_BUILD_DGC"
     NAME = "dgc_cpu_op"
     SOURCES = ("dgc_cpu.cpp", )
-    ABI = 3  # compress_bucket takes the divisor (world size times loss scale) alone: everything in unscaled units
+    ABI = 3  # compress_bucket takes one divisor (the loss scale removed with it): everything in unscaled units
 
     def __init__(self):
         super().__init__(name=self.NAME)

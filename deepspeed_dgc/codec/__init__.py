@@ -1,4 +1,5 @@
-"""What goes on the wire and how: pure functions and ops on tensors, no processes, no DeepSpeed.
+"""What goes on the wire and how: functions and ops on tensors, no processes, no ZeRO (the fused ops are built by
+DeepSpeed's op builders, in :mod:`.kernels`).
 
 - :mod:`.selection`: which elements are sent (DGC's sampled top-k threshold, Ok-Topk's reuse);
 - :mod:`.formats`: value formats (INT4/INT2/INT1/FP8 gradients, INT8/FP8/INT4 weights) with group-wise scales;

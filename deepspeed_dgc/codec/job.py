@@ -16,6 +16,12 @@ from .selection import target_count
 from .wire import RowLayout
 
 
+def real_count(numel: int, owner: int, chunk: int) -> int:
+    """Elements of a tensor of ``numel`` elements that ``owner`` holds when every owner gets ``chunk`` (the rest of its
+    row is padding): ``clamp(numel - owner * chunk, 0, chunk)``."""
+    return max(0, min(chunk, numel - owner * chunk))
+
+
 @dataclass
 class CompressJob:
     """One bucket to compress: where its values are, how rows and columns are laid out, how to code them.
@@ -81,8 +87,7 @@ class CompressJob:
 
     def real_counts(self, i: int) -> List[int]:
         """Real elements of tensor i in each row."""
-        n, c = self.numels[i], self.chunks[i]
-        return [max(0, min(c, n - o * c)) for o in self.row_owner]
+        return [real_count(self.numels[i], o, self.chunks[i]) for o in self.row_owner]
 
     def real_mask(self, i: int, device) -> torch.Tensor:
         """Bool ``(R, c_i)``: True where row r of tensor i holds a real element, not padding."""

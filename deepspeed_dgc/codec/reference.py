@@ -106,15 +106,11 @@ class ReferenceOps:
             if job.quantize:
                 values, scales, sent_m[o][pos] = self._quantize(vals, job, segment_counts(pos, seg_ends))
             else:
-                values, scales = self._raw(vals, job), torch.empty(0, dtype=torch.float32, device=device)
-                sent_m[o][pos] = _unscale_raw(values.float(), job.raw_scale)
+                values = wire.raw_encode(vals, job.value_dtype, job.raw_scale)
+                scales = torch.empty(0, dtype=torch.float32, device=device)
+                sent_m[o][pos] = wire.raw_decode(values, job.raw_scale)
             payloads.append(wire.pack(job.fingerprint, pos.numel(), scales, values, index_bytes))
         return payloads, sent_m
-
-    @staticmethod
-    def _raw(vals: torch.Tensor, job: CompressJob) -> torch.Tensor:
-        """Raw values as they travel: multiplied by ``raw_scale``, in the communication dtype."""
-        return (vals if job.raw_scale == 1 else vals * job.raw_scale).to(job.value_dtype)
 
     def _quantize(self, vals: torch.Tensor, job: CompressJob, segment_counts_: torch.Tensor):
         """``(packed, scales, decoded)`` of :func:`~deepspeed_dgc.codec.formats.quantize_values`."""
@@ -136,12 +132,8 @@ class ReferenceOps:
         if row.quantize:
             vals = dequantize_values(body.values, body.scales, body.kept, row.value_format, row.group_size, counts)
         else:
-            vals = _unscale_raw(body.values.float(), row.raw_scale)
+            vals = wire.raw_decode(body.values, row.raw_scale)
         out.index_add_(0, pos, vals)
-
-
-def _unscale_raw(values: torch.Tensor, raw_scale: float) -> torch.Tensor:
-    return values if raw_scale == 1 else values / raw_scale
 
 
 REFERENCE = ReferenceOps()

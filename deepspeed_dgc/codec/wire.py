@@ -64,6 +64,18 @@ def pack(fingerprint_: int, kept: int, scales: torch.Tensor, values: torch.Tenso
     return torch.cat([payload, payload.new_zeros(pad)]) if pad else payload
 
 
+def raw_encode(values: torch.Tensor, dtype: torch.dtype, raw_scale: float) -> torch.Tensor:
+    """Raw (unquantized) values as they travel: multiplied by ``raw_scale`` (the fp16 loss scale, so that a narrow
+    communication dtype keeps the range stock's loss scaling gives it) and cast to the communication dtype."""
+    return (values if raw_scale == 1 else values * raw_scale).to(dtype)
+
+
+def raw_decode(values: torch.Tensor, raw_scale: float) -> torch.Tensor:
+    """Inverse of :func:`raw_encode` (exact for a power-of-two scale): fp32, unscaled."""
+    values = values.float()
+    return values if raw_scale == 1 else values / raw_scale
+
+
 @dataclass
 class RowLayout:
     """What a receiver knows of its own row of a bucket, to check and decode the payloads sent to it.

@@ -155,6 +155,11 @@ class ErrorFeedback:
         stored = self.committed.get(key)
         return None if stored is None else self._fetch(stored)
 
+    def committed_value(self, key: Hashable) -> Optional[torch.Tensor]:
+        """The residual of ``key`` as of the last commit (ignoring this window's staged one), fp32, or None."""
+        stored = self.committed.get(key)
+        return None if stored is None else self._fetch(stored)
+
     def stage(self, key: Hashable, residual: torch.Tensor) -> None:
         """Record ``residual`` (fp32, unscaled, shape ``(numel,)``) for commit after the step."""
         self.staged[key] = residual

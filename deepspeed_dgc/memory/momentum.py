@@ -92,11 +92,11 @@ class _LocalMomentum:
 
     def committed(self, key: Hashable) -> Optional[torch.Tensor]:
         """This key's momentum as of the last applied step (None before the first)."""
-        return self.store.committed.get(key)
+        return self.store.committed_value(key)
 
     def momenta(self) -> Dict[Hashable, torch.Tensor]:
         """Every committed momentum, by key."""
-        return dict(self.store.committed)
+        return self.store.residuals()
 
     def commit(self) -> None:
         self.store.commit()
@@ -113,11 +113,10 @@ class _LocalMomentum:
         self.store.drop(keys)
 
     def export(self) -> dict:
-        return {"momenta": {k: v.detach().cpu() for k, v in self.store.committed.items()}, "steps_done": self.steps_done}
+        return {"momenta": {k: v.detach().cpu() for k, v in self.store.residuals().items()}, "steps_done": self.steps_done}
 
     def restore(self, saved: dict, device, scale: float = 1.0) -> None:
-        self.store.clear()
-        self.store.committed = {k: (v.double() * scale).float().to(device) for k, v in saved["momenta"].items()}
+        self.store.load({k: (v.double() * scale).float().to(device) for k, v in saved["momenta"].items()})
         self.steps_done = int(saved["steps_done"])
 
 
@@ -255,7 +254,7 @@ class MomentumCorrection(_LocalMomentum):
             if not is_sparse or after is None:
                 continue
             acc = u if before is None else u + before
-            self.store.stage(key, self.store.staged[key].masked_fill(after.ne(acc), 0.0))
+            self.store.stage(key, self.store.get(key).masked_fill(after.ne(acc), 0.0))
 
     def state_bytes(self) -> int:
         """Bytes held between steps: the committed velocities."""

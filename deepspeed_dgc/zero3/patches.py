@@ -188,20 +188,18 @@ def install(engine, opt, cfg: DGCConfig) -> DGCState:
     """
     _check_optimizer_instance(opt)
     ranks_per_node = _check_job(engine, cfg)
-    state = DGCState.build(cfg, engine.global_rank, ranks_per_node, _momentum_state(engine, opt, cfg))
+    state = DGCState.build(cfg, engine.global_rank, ranks_per_node, _momentum_state(engine, opt, cfg),
+                           module=engine.module, param_groups=[{"params": g} for g in opt.fp16_groups],
+                           dp_rank=dist.get_rank(group=opt.dp_process_group),
+                           dp_world_size=dist.get_world_size(group=opt.dp_process_group),
+                           monitor=getattr(engine, "monitor", None),
+                           samples_seen=lambda: getattr(engine, "global_samples", 0))
     _choose_kernels(state, engine.global_rank)
     comms = state.reducer.comms_for(opt.dp_process_group)  # collective: every rank builds its groups now
     if comms.hierarchical and comms.n_nodes == 1 and engine.global_rank == 0:
         logger.warning("deepspeed_dgc: 'dgc.topology' is \"hierarchical\" but all %d ranks are on one node "
                        "(%d ranks per node): gradients are reduced densely inside the node and nothing is "
                        "compressed", comms.world_size, comms.ranks_per_node)
-    state.params = list(engine.module.parameters())
-    state.assign_keys(engine.module, [{"params": g} for g in opt.fp16_groups])
-    state.stats.world_size = comms.world_size
-    state.stats.n_params = sum(getattr(p, "ds_numel", p.numel()) for p in state.params)
-    state.dp_rank = dist.get_rank(group=opt.dp_process_group)
-    state.monitor = getattr(engine, "monitor", None)
-    state.samples_seen = lambda: getattr(engine, "global_samples", 0)
     _patch_instance(engine, opt, state)
     return state
 
@@ -214,11 +212,8 @@ def uninstall(engine) -> None:
         return
     opt = engine.optimizer
     for obj in (opt, engine, opt.optimizer):
-        for name, value in getattr(obj, _ORIGINALS, {}).items():
-            if value is None:
-                obj.__dict__.pop(name, None)
-            else:
-                setattr(obj, name, value)
+        for name in list(getattr(obj, _ORIGINALS, {})):
+            _restore(obj, name)
         obj.__dict__.pop(_ORIGINALS, None)
     stock = getattr(partition_parameters._dist_allgather_fn, "stock", None)
     if stock is not None:
@@ -232,6 +227,18 @@ def _replace(obj, name: str, value) -> None:
     originals = obj.__dict__.setdefault(_ORIGINALS, {})
     originals.setdefault(name, obj.__dict__.get(name))
     setattr(obj, name, value)
+
+
+def _restore(obj, name: str) -> None:
+    """Undo :func:`_replace` of ``obj.name``: its own attribute as it was, or none (the class's again)."""
+    originals = obj.__dict__.get(_ORIGINALS, {})
+    if name not in originals:
+        return
+    value = originals.pop(name)
+    if value is None:
+        obj.__dict__.pop(name, None)
+    else:
+        setattr(obj, name, value)
 
 
 def _check_optimizer_instance(opt) -> None:
@@ -374,13 +381,8 @@ def freeze(opt, state: DGCState) -> None:
 
 def unfreeze(opt, state: DGCState) -> None:
     """Undo :func:`freeze` (before a checkpoint is loaded): Adam's own step and the gradient clipping come back."""
-    originals = opt.optimizer.__dict__.get(_ORIGINALS, {})
-    if "step" in originals:
-        value = originals.pop("step")
-        opt.optimizer.__dict__.pop("step", None) if value is None else setattr(opt.optimizer, "step", value)
-    clip = opt.__dict__.get(_ORIGINALS, {}).pop("clip_grad", None)
-    if clip is not None:
-        opt.clip_grad = clip
+    _restore(opt.optimizer, "step")
+    _restore(opt, "clip_grad")
     state.momentum.unfreeze()
 
 

@@ -32,7 +32,7 @@ from deepspeed import comm as dist
 
 from ..codec import wire
 from ..codec.entropy import deflate, inflate
-from ..codec.job import CompressJob, CompressOutput
+from ..codec.job import CompressJob, CompressOutput, real_count
 from ..codec.kernels import get_ops
 from ..codec.selection import draw_samples, sample_indices
 from ..comm.topology import ReduceComms, build_reduce_comms, resolve_ranks_per_node
@@ -50,7 +50,8 @@ class Bucket:
         keys: stable key of each tensor; numels: elements per tensor; chunks: ``ceil(n_i / W)``.
         srcs: what is compressed (the gradients in the communication dtype, or a momentum state's values).
         divisor: the sources are divided by it in the first fp32 pass (``W * loss_scale`` for gradients, 1 for
-            momenta, which are divided already).
+            momenta, which are divided already). The hierarchical topology divides by W in its dense intra-node hop
+            (in the communication dtype, as stock) and by the loss scale when its compressed hop begins.
         loss_scale: restored on exit.
         density, quantization, group_size: the codec of this bucket; sparse: per tensor, top-k or sent whole.
         comm_dtype: of raw values and of the dense intra-node hop; fingerprint: written in every header.
@@ -91,6 +92,7 @@ class CompressedReduceScatter:
             warm-up. :meth:`end_step` advances it.
         thresholds: threshold reuse, key -> ``[threshold (unscaled), density it was estimated for, exchanges it has
             served, whether it selected momentum]``.
+        density: the density of the latest bucket (telemetry).
     """
 
     def __init__(self, cfg: DGCConfig, memory: ErrorFeedback, seed: int = 0, ranks_per_node: Optional[int] = None,
@@ -105,7 +107,7 @@ class CompressedReduceScatter:
         self.thresholds: Dict[Hashable, list] = {}
         self._generators: Dict[str, torch.Generator] = {}
         self._comms = {}
-        self._density = cfg.density if isinstance(cfg.density, float) else cfg.density_max
+        self.density = cfg.density if isinstance(cfg.density, float) else cfg.density_max
 
     # ---- the bucket path ------------------------------------------------------------------------
 
@@ -174,10 +176,12 @@ class CompressedReduceScatter:
         density = self.step_density() if override is None else override[0]
         if density == "auto" or density is None:
             density = self._auto_density(srcs, keys, divisor, group)
-        self._density = density
-        _, quantization, group_size = self.codec()
-        sparse = [self.is_sparse(n) for n in numels]
-        description = [self.codec(), self.cfg.stochastic_rounding, self.cfg.index_coding, self.cfg.min_numel,
+        self.density = density
+        codec = self.codec(density)
+        _, quantization, group_size = codec
+        threshold = self.threshold_active()
+        sparse = [(density < 1.0 or threshold) and n >= self.cfg.min_numel for n in numels]
+        description = [list(codec), self.cfg.stochastic_rounding, self.cfg.index_coding, self.cfg.min_numel,
                        self.cfg.topology, self.ranks_per_node if self.cfg.topology == "hierarchical" else None,
                        str(comm_dtype), list(numels), list(sparse)]
         return Bucket(keys=list(keys), numels=numels, chunks=[-(-n // world) for n in numels], srcs=srcs,
@@ -267,7 +271,7 @@ class CompressedReduceScatter:
             out.fill_(float("nan"))
         outputs, col = [], 0
         for n, c in zip(bucket.numels, bucket.chunks):
-            outputs.append(out.narrow(0, col, max(0, min(c, n - rank * c))))
+            outputs.append(out.narrow(0, col, real_count(n, rank, c)))
             col += c
         return outputs
 
@@ -294,7 +298,7 @@ class CompressedReduceScatter:
             row = node_sum[0]
             if bucket.loss_scale != 1:
                 row.div_(bucket.loss_scale)  # _exit restores it
-            return row, True, sum(max(0, min(c, n - owners[0] * c)) for n, c in zip(bucket.numels, chunks))
+            return row, True, sum(real_count(n, owners[0], c) for n, c in zip(bucket.numels, chunks))
         starts = [sum(chunks[:i]) for i in range(len(chunks))]
         job = self._job(bucket, [node_sum.view(-1)] * len(srcs), starts, [C] * len(srcs), owners,
                         [N * c for c in chunks], bucket.loss_scale)
@@ -316,14 +320,13 @@ class CompressedReduceScatter:
             self._comms[group] = build_reduce_comms(self.cfg, group, self.ranks_per_node)
         return self._comms[group]
 
-    def codec(self) -> Tuple[float, str, int]:
-        """``(density, quantization, group_size)`` of the current exchange: the top-level keys, or the momentum
-        state's own (compressed momentum after the freeze); the density as :meth:`step_density` or ``"auto"``
-        chose it."""
+    def codec(self, density: float) -> Tuple[float, str, int]:
+        """``(density, quantization, group_size)`` of an exchange at ``density``: the top-level keys' format, or the
+        momentum state's own (compressed momentum after the freeze)."""
         override = self.momentum.codec() if self.momentum is not None else None
         if override is not None:
-            return self._density, override[1], override[2]
-        return self._density, self.cfg.quantization, self.cfg.group_size
+            return density, override[1], override[2]
+        return density, self.cfg.quantization, self.cfg.group_size
 
     def step_density(self) -> Optional[float]:
         """Density of this step from the schedule: dense warm-up steps, then DGC's geometric warm-up
@@ -345,10 +348,6 @@ class CompressedReduceScatter:
         momentum state's own codec."""
         own = self.momentum is not None and self.momentum.codec() is not None
         return self.cfg.threshold is not None and not own and self.steps_applied >= self.cfg.warmup_dense_steps
-
-    def is_sparse(self, numel: int) -> bool:
-        """Whether a tensor of ``numel`` elements is top-k sparsified (else sent whole, still quantized)."""
-        return (self.codec()[0] < 1.0 or self.threshold_active()) and numel >= self.cfg.min_numel
 
     def _auto_density(self, srcs: Sequence[torch.Tensor], keys: Sequence[Hashable], divisor: float, group) -> float:
         """The smallest density leaving at most ``energy_budget`` of the accumulator's energy unsent, estimated on

@@ -44,13 +44,22 @@ class DGCState:
 
     @classmethod
     def build(cls, cfg: DGCConfig, global_rank: int, ranks_per_node: Optional[int] = None,
-              momentum: Optional[MomentumState] = None) -> "DGCState":
-        """A fresh state: residual storage from ``cfg``, a reducer seeded for this rank."""
+              momentum: Optional[MomentumState] = None, module: Optional[torch.nn.Module] = None,
+              param_groups: Sequence[dict] = (), dp_rank: int = 0, dp_world_size: int = 1, monitor: Any = None,
+              samples_seen: Callable[[], int] = lambda: 0) -> "DGCState":
+        """A fresh state: residual storage from ``cfg``, a reducer seeded for this rank, the parameters of ``module``
+        keyed by name (:meth:`assign_keys`)."""
         memory = ErrorFeedback(cfg.residual_storage, offload=cfg.residual_offload)
         reducer = CompressedReduceScatter(cfg, memory, seed=SEED_BASE + global_rank, ranks_per_node=ranks_per_node,
                                           momentum=momentum)
-        return cls(cfg=cfg, global_rank=global_rank, memory=memory, reducer=reducer,
-                   stats=DGCStats(residual_storage=cfg.residual_storage), momentum=momentum)
+        params = list(module.parameters()) if module is not None else []
+        stats = DGCStats(residual_storage=cfg.residual_storage, world_size=dp_world_size,
+                         n_params=sum(getattr(p, "ds_numel", p.numel()) for p in params))
+        state = cls(cfg=cfg, global_rank=global_rank, memory=memory, reducer=reducer, stats=stats, momentum=momentum,
+                    dp_rank=dp_rank, params=params, monitor=monitor, samples_seen=samples_seen)
+        if module is not None:
+            state.assign_keys(module, param_groups)
+        return state
 
     def assign_keys(self, module: torch.nn.Module, param_groups: Sequence[dict] = ()) -> None:
         """Key every parameter by a stable identity: its name in ``module`` (``"blocks.0.attn.qkv.weight"``), or for

@@ -6,7 +6,7 @@
 
 No torch variable (RANK, WORLD_SIZE, MASTER_ADDR, ...) is preset for the MPI launches; each
 rank reports its rank and the world size it found. 4 ranks run as 2 nodes of 2 with the
-hierarchical topology; the MPI communicator carries the payloads where the issue asks for it.
+hierarchical topology; the MPI communicator carries the payloads in two of the three.
 """
 
 import json

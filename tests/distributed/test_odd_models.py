@@ -1,4 +1,4 @@
-"""Models that break naive reducers, through ZeRO-3 with DGC in real processes (issue 7, item 4).
+"""Models that break naive reducers, through ZeRO-3 with DGC in real processes.
 
 Each case runs 3 steps on 2 or 3 ranks (tests/workers/odd_model_worker.py) under an outer time limit;
 DeepSpeed's gradient after our compressed reduce-scatter must match the mean of the ranks' float64

@@ -53,6 +53,10 @@ def test_config_defaults_and_lossless():
     ({"topology": "hierarchical", "density": "auto"}, "'dgc.density' = \"auto\" is not supported"),
     ({"threshold_reuse_steps": 2.0}, "'dgc.threshold_reuse_steps'"),
     ({"threshold_reuse_steps": 4, "threshold": 0.1}, "'dgc.threshold_reuse_steps' reuses estimated top-k"),
+    ({"threshold": 0.1, "density": 0.5}, "'dgc.threshold' keeps what reaches it and 'dgc.density' keeps a fraction"),
+    ({"density": 0.1, "density_min": 0.2}, "'dgc.density_min' is a setting of density \"auto\""),
+    ({"energy_budget": 0.2}, "'dgc.energy_budget' is a setting of density \"auto\""),
+    ({1: 2}, "'dgc' keys must be strings, got 1"),
 ])
 def test_config_errors_name_the_key(section, needle):
     with pytest.raises(DGCConfigError, match=needle.replace(".", r"\.")):

@@ -28,6 +28,7 @@ def test_names_map_onto_dgc_keys():
     (dict(dgc={"densty": 0.1}), "unknown key 'dgc.densty'"),
     (dict(dgc={"density": 0.5}), "clash with the named arguments"),
     (dict(dgc={"enabled": False}), "clash with the named arguments"),
+    (dict(dgc=None), "dgc must be a dict"),
 ])
 def test_bad_values_name_the_argument(kwargs, match):
     with pytest.raises(DGCConfigError, match=match):

@@ -31,7 +31,7 @@ CASES = {
     "int2_sr_bitmap": dict(density=0.3, quantization="int2", stochastic_rounding=True, group_size=16, min_numel=0),
     "int1_dense": dict(density=1.0, quantization="int1", group_size=16, min_numel=0),
     "fp8_e5m2": dict(density=0.1, quantization="fp8_e5m2", group_size=16, min_numel=0),
-    "fixed_threshold": dict(density=0.1, threshold=0.6, quantization="int4", group_size=16, min_numel=0),
+    "fixed_threshold": dict(threshold=0.6, quantization="int4", group_size=16, min_numel=0),
     "bf16_residual": dict(density=0.1, quantization="int4", group_size=16, min_numel=0, residual_dtype="bf16"),
     "fp8_residual": dict(density=0.1, quantization="int4", group_size=16, min_numel=0, residual_dtype="fp8"),
     # thresholds estimated at steps 0 and 3, reused at 1 and 2 (the worker divides this case's gradients by the
@@ -50,7 +50,10 @@ def run_cases(rank: int, **settings) -> dict:
         try:
             # fp32 residuals unless the case says (the exact oracle; the default "auto" is fp8 on the flat topology)
             cfg = DGCConfig(enabled=True, **settings, **dict(dict(residual_dtype="fp32"), **kw))
-        except ValueError:  # a case this topology refuses (e.g. density "auto" with the hierarchical one)
+        except ValueError as err:  # a case this topology refuses (e.g. density "auto" with the hierarchical one)
+            if settings.get("topology") != "hierarchical":
+                raise
+            print(f"case {name} refused by the hierarchical topology: {err}".splitlines()[0])
             continue
         memory = ErrorFeedback(cfg.residual_storage)
         reducer = CompressedReduceScatter(cfg, memory, seed=rank)
@@ -71,7 +74,7 @@ def run_cases(rank: int, **settings) -> dict:
             steps.append(dict(inputs=[g.clone() for g in grads],
                               outputs=[o.clone() for o in outs],
                               residuals={k: v.clone() for k, v in memory.residuals().items()},
-                              density=reducer.codec()[0],
+                              density=reducer.density,
                               wire_bytes=res.wire_bytes,
                               intra_node_wire_bytes=res.intra_node_wire_bytes,
                               inter_node_wire_bytes=res.inter_node_wire_bytes,

@@ -25,11 +25,8 @@ class TwoParams(torch.nn.Module):
 
 
 def _state(cfg=None, rank=0, world=2, module=None, first_ds_id=0):
-    state = DGCState.build(cfg or DGCConfig(enabled=True, residual_dtype="fp32"), global_rank=rank)
-    module = module or TwoParams(first_ds_id=first_ds_id)
-    state.params, state.dp_rank, state.stats.world_size = list(module.parameters()), rank, world
-    state.assign_keys(module)
-    return state
+    return DGCState.build(cfg or DGCConfig(enabled=True, residual_dtype="fp32"), global_rank=rank,
+                          module=module or TwoParams(first_ds_id=first_ds_id), dp_rank=rank, dp_world_size=world)
 
 
 def test_sidecar_at_another_world_size_flat_reshards_hierarchical_drops(tmp_path):

@@ -12,8 +12,7 @@ from deepspeed_dgc.zero3.reduce_scatter import Bucket, CompressedReduceScatter
 
 
 def _bucket(reducer, numels, keys, density):
-    reducer._density = density
-    _, quantization, group_size = reducer.codec()
+    _, quantization, group_size = reducer.codec(density)
     return Bucket(keys=keys, numels=numels, chunks=[-(-n // 2) for n in numels], srcs=[], divisor=2.0, loss_scale=1.0,
                   density=density, quantization=quantization, group_size=group_size, sparse=[True] * len(numels),
                   comm_dtype=torch.float32, fingerprint=1, momentum_sources=False)
