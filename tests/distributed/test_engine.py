@@ -80,6 +80,26 @@ def test_lossless_matches_stock_within_rounding(world, dgc):
             assert ours[r]["stats"]["grad_inter_node_wire_bytes_total"] > 0
 
 
+@pytest.mark.parametrize("autoload", ["1", "0"], ids=["hook", "hook-off"])
+def test_a_dgc_section_takes_effect_without_importing_the_package(autoload):
+    """A script that imports only deepspeed, with "dgc": {"enabled": true} in its config: installing the package put
+    a start-up hook into site-packages (deepspeed_dgc-autoload.pth), so the first engine loads deepspeed_dgc and the
+    gradients are compressed (ratio above 1). With DEEPSPEED_DGC_AUTOLOAD=0 the hook does nothing, as documented."""
+    import sysconfig
+    pth = os.path.join(sysconfig.get_paths()["purelib"], "deepspeed_dgc-autoload.pth")
+    assert os.path.exists(pth), f"{pth} is missing: install the package (make install, or pip install -e .)"
+    out = tempfile.mkdtemp()
+    check_ok(launch(2, "no_import_worker.py", ["--out", out], timeout_s=180,
+                    extra_env={"DEEPSPEED_DGC_AUTOLOAD": autoload}))
+    for r in range(2):
+        rec = torch.load(f"{out}/rank{r}.pt")
+        assert not rec["loaded_before"]  # nothing imported it at start-up
+        if autoload == "1":
+            assert rec["loaded_after"] and rec["stats"]["steps"] == 3 and rec["stats"]["compression_ratio"] > 1
+        else:
+            assert not rec["loaded_after"] and rec["stats"] is None
+
+
 def test_a_parameter_frozen_mid_run_gives_up_its_residual():
     """l1.weight stops training after step 3 (requires_grad False): from the next step on it holds no residual (what
     error feedback held back for it can never be applied: its weights no longer change), the extension's state
