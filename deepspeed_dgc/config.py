@@ -298,17 +298,13 @@ def check_engine_compatible(cfg: DGCConfig, engine) -> None:
         engine: the ``DeepSpeedEngine`` being initialized.
 
     Raises:
-        DGCConfigError: ZeRO stage is not 3, ``zero_optimization.reduce_scatter`` is false
-            (stock then uses an all-reduce path we do not replace),
-            ``zero_optimization.zero_quantized_gradients`` is true (qgZ would compete for the
+        DGCConfigError: ZeRO stage is not 3, ``zero_optimization.zero_quantized_gradients`` is true (qgZ would compete for the
             same collective), or weight compression is combined with ``zero_quantized_weights``
             or ``zero_quantized_nontrainable_weights``.
     """
     stage = engine.zero_optimization_stage()
     if stage != 3:
         raise DGCConfigError(f"'dgc.enabled' requires 'zero_optimization.stage' = 3, got {stage}")
-    if not engine.zero_reduce_scatter():
-        raise DGCConfigError("'dgc.enabled' requires 'zero_optimization.reduce_scatter' = true (got false)")
     if cfg.weights.quantization != "none":
         if engine.zero_quantized_weights():
             raise DGCConfigError("'dgc.weights.quantization' cannot be combined with 'zero_optimization.zero_quantized_weights' "

@@ -87,9 +87,10 @@ class StepStats:
 
 
 # Per-step counters of StepStats; DGCStats keeps a run total of each as ``<name>_total``.
+PARAM_GATHER_COUNTERS = ("param_wire_bytes", "param_dense_fp32_bytes", "param_inter_node_wire_bytes",
+                         "param_inter_node_dense_fp32_bytes")
 STEP_COUNTERS = ("wire_bytes", "intra_node_wire_bytes", "inter_node_wire_bytes", "inter_node_dense_fp32_bytes",
-                 "dense_fp32_bytes", "kept", "numel", "param_wire_bytes", "param_dense_fp32_bytes",
-                 "param_inter_node_wire_bytes", "param_inter_node_dense_fp32_bytes", "param_uncovered_bytes")
+                 "dense_fp32_bytes", "kept", "numel") + PARAM_GATHER_COUNTERS + ("param_uncovered_bytes", )
 
 # The counters a ReduceResult carries (every field but the ``finite`` flag); each is a StepStats counter.
 REDUCE_COUNTERS = tuple(f.name for f in fields(ReduceResult) if f.name != "finite")
@@ -159,13 +160,12 @@ class DGCStats:
             setattr(cur, name, getattr(cur, name) + getattr(r, name))
 
     def record_param_gather(self, wire_bytes: int, dense_fp32_bytes: float, off_node_fraction: float = 0.0) -> None:
-        """Add one parameter all-gather to the current step; ``off_node_fraction`` of both byte counts
-        went to ranks on other nodes."""
-        cur = self._current
-        cur.param_wire_bytes += wire_bytes
-        cur.param_dense_fp32_bytes += dense_fp32_bytes
-        cur.param_inter_node_wire_bytes += wire_bytes * off_node_fraction
-        cur.param_inter_node_dense_fp32_bytes += dense_fp32_bytes * off_node_fraction
+        """Add one parameter all-gather to the current step and to the run totals (engines without an optimizer
+        take no steps); ``off_node_fraction`` of both byte counts went to ranks on other nodes."""
+        added = (wire_bytes, dense_fp32_bytes, wire_bytes * off_node_fraction, dense_fp32_bytes * off_node_fraction)
+        for name, value in zip(PARAM_GATHER_COUNTERS, added):
+            setattr(self._current, name, getattr(self._current, name) + value)
+            setattr(self, name + "_total", getattr(self, name + "_total") + value)
 
     def end_step(self, skipped: bool, residual_norm: Optional[float], param_uncovered_bytes: int = 0) -> StepStats:
         """Close the current step, add it to the totals and return it."""
@@ -175,7 +175,8 @@ class DGCStats:
         cur.step, cur.skipped, cur.residual_norm = self.steps, skipped, residual_norm
         self.skipped_steps += int(skipped)
         for name in STEP_COUNTERS:
-            setattr(self, name + "_total", getattr(self, name + "_total") + getattr(cur, name))
+            if name not in PARAM_GATHER_COUNTERS:  # those are added as they happen
+                setattr(self, name + "_total", getattr(self, name + "_total") + getattr(cur, name))
         self.last = cur
         self._current = StepStats()
         return cur

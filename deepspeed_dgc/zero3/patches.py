@@ -11,6 +11,8 @@ seam                                                        scope       what rep
 ``DeepSpeedEngine.__init__``                                class       an enabled ``"dgc"`` section that no ZeRO-3
                                                                         optimizer consumed is an error
 ``DeepSpeedZeroOptimizer_Stage3.__avg_scatter_grads``       instance    the compressed reduce-scatter of a bucket
+``DeepSpeedZeroOptimizer_Stage3.__avg_scatter_contiguous_``  instance    the same, where stock all-reduces the bucket
+``grads`` (``reduce_scatter: false`` + contiguous gradients)
 ``DeepSpeedZeroOptimizer_Stage3.step``                      instance    commits or rolls back error feedback, telemetry
 ``DeepSpeedEngine.save_checkpoint`` / ``load_checkpoint``   instance    also write / read the side-car
 ``partition_parameters._dist_allgather_fn``                 module      the quantized parameter all-gather
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import deepspeed
+import torch
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.engine import DeepSpeedEngine
@@ -51,6 +54,7 @@ logger = logging.getLogger("deepspeed_dgc")
 
 TESTED_DEEPSPEED = "0.19.8"
 SEAM = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
+CONTIGUOUS_SEAM = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_contiguous_grads"
 _ORIGINALS = "_dgc_originals"  # instance attribute: the methods an install replaced, for uninstall
 
 
@@ -67,6 +71,7 @@ SEAMS = (
     Seam(DeepSpeedEngine, "_configure_zero_optimizer", "class", "install DGC on the ZeRO-3 optimizer it builds"),
     Seam(DeepSpeedEngine, "__init__", "class", "refuse an enabled 'dgc' section nothing consumed"),
     Seam(DeepSpeedZeroOptimizer_Stage3, SEAM, "instance", "the compressed reduce-scatter of one bucket"),
+    Seam(DeepSpeedZeroOptimizer_Stage3, CONTIGUOUS_SEAM, "instance", "the same where stock all-reduces the bucket"),
     Seam(DeepSpeedZeroOptimizer_Stage3, "step", "instance", "commit or roll back error feedback; telemetry"),
     Seam(DeepSpeedEngine, "save_checkpoint", "instance", "write the side-car too"),
     Seam(DeepSpeedEngine, "load_checkpoint", "instance", "read the side-car too"),
@@ -154,8 +159,8 @@ def _wrap_engine_init(orig):
         cfg = _engine_dgc_config(self)
         if cfg is not None and cfg.enabled and getattr(self, STATE_ATTR, None) is None:
             check_engine_compatible(cfg, self)  # names the clashing key, e.g. a stage other than 3
-            raise RuntimeError("'dgc.enabled' is true but no ZeRO-3 optimizer was created to compress "
-                               "(an optimizer and 'zero_optimization.stage' = 3 are required)")
+            raise RuntimeError("'dgc.enabled' is true but no ZeRO-3 engine was built to compress "
+                               "('zero_optimization.stage' = 3 is required)")
 
     return __init__
 
@@ -186,6 +191,8 @@ def install(engine, opt, cfg: DGCConfig) -> DGCState:
         DGCKernelError: ``kernels`` ``"fused"`` and the fused op cannot load on some rank (on every rank).
         DGCSeamError: ``opt`` is not a ZeRO-3 optimizer with the expected method.
     """
+    if isinstance(opt, DeepSpeedZeRoOffload):  # no optimizer: inference, evaluation, a model built in zero.Init
+        return _install_without_optimizer(engine, opt, cfg)
     _check_optimizer_instance(opt)
     ranks_per_node = _check_job(engine, cfg)
     state = DGCState.build(cfg, engine.global_rank, ranks_per_node, _momentum_state(engine, opt, cfg),
@@ -241,10 +248,25 @@ def _restore(obj, name: str) -> None:
         setattr(obj, name, value)
 
 
+def _install_without_optimizer(engine, offload, cfg: DGCConfig) -> DGCState:
+    """An engine without an optimizer reduces no gradients: only the parameter all-gather is compressed (where
+    ``weights.quantization`` asks for it); one log line says so."""
+    ranks_per_node, _ = resolve_ranks_per_node(cfg)
+    group = getattr(offload, "dp_process_group", None)
+    state = DGCState.build(cfg, engine.global_rank, ranks_per_node, module=engine.module,
+                           dp_rank=dist.get_rank(group=group), dp_world_size=dist.get_world_size(group=group),
+                           monitor=getattr(engine, "monitor", None))
+    state.stats.kernels = "none"
+    if engine.global_rank == 0:  # a warning: the "dgc" section asks for more than this engine can do
+        logger.warning("deepspeed_dgc: this engine has no optimizer, so gradient compression has nothing to do; "
+                    "the parameter all-gather is %s", "quantized to " + cfg.weights.quantization
+                    if cfg.weights.quantization != "none" else "stock (counted)")
+    _install_allgather(cfg, state)
+    setattr(engine, STATE_ATTR, state)
+    return state
+
+
 def _check_optimizer_instance(opt) -> None:
-    if isinstance(opt, DeepSpeedZeRoOffload):
-        raise DGCConfigError("'dgc.enabled' requires an optimizer: without one, ZeRO-3 only partitions parameters "
-                             "and reduces no gradients (pass an optimizer or an 'optimizer' section)")
     if not isinstance(opt, DeepSpeedZeroOptimizer_Stage3) or not hasattr(opt, SEAM):
         raise DGCSeamError(f"deepspeed_dgc can only patch a ZeRO-3 optimizer, got {type(opt).__name__}")
 
@@ -303,6 +325,7 @@ def _choose_kernels(state: DGCState, global_rank: int) -> None:
 def _patch_instance(engine, opt, state: DGCState) -> None:
     cfg = state.cfg
     _replace(opt, SEAM, _avg_scatter_grads(opt, state))
+    _replace(opt, CONTIGUOUS_SEAM, _avg_scatter_contiguous_grads(opt, state))
     _replace(opt, "step", _step(opt, state))
     _replace(engine, "save_checkpoint", _save_checkpoint(engine, state))
     _replace(engine, "load_checkpoint", _load_checkpoint(engine, state))
@@ -337,6 +360,42 @@ def _avg_scatter_grads(opt, state: DGCState) -> Callable:
         return [g.to(opt.gradient_accumulation_dtype) for g in partitions]
 
     return avg_scatter_grads
+
+
+def _avg_scatter_contiguous_grads(opt, state: DGCState) -> Callable:
+    """The replacement of ``opt.__avg_scatter_contiguous_grads(buffer, communication_data_type)``, which stock uses
+    with ``reduce_scatter: false`` and contiguous gradients (an all-reduce of the bucket): the same compressed
+    reduce-scatter of the bucket's gradients (views into ``buffer``), then stock's contract: each parameter's
+    partition padded to ``partition_numel()``, stock's scaling (predivide and postscale factors, sequence-parallel
+    averaging), in ``gradient_accumulation_dtype``."""
+
+    def avg_scatter_contiguous_grads(buffer_to_reduce, communication_data_type):
+        params = opt.ipg_buckets[communication_data_type].params
+        opt._assert_same_partition_group(params)
+        group = opt._get_param_partition_group(params[0])
+        partitions, result = state.reducer.reduce_scatter([p.grad for p in params], [state.key_of(p) for p in params],
+                                                          group, communication_data_type,
+                                                          loss_scale=float(opt.loss_scale))
+        state.stats.record(result)
+        world = state.reducer.comms_for(group).world_size
+        # stock divides by the averaging world size over the sequence-parallel size (we divided by W), and with
+        # postscale_gradients by gradient_predivide_factor before the all-reduce and multiplies by it after
+        averaging = opt._gradient_averaging_world_size(params, world)
+        factor = world / (averaging / float(opt.sequence_parallel_size))
+        pre = opt.gradient_predivide_factor
+        if opt.postscale_gradients and pre != 1.0:
+            factor /= pre
+        if opt.postscale_gradients and pre != averaging:
+            factor *= pre
+        out = []
+        for p, g in zip(params, partitions):
+            g = (g if factor == 1.0 else g.mul(factor)).to(opt.gradient_accumulation_dtype)
+            if g.numel() != p.partition_numel():
+                g = torch.nn.functional.pad(g, (0, p.partition_numel() - g.numel()))
+            out.append(g)
+        return out
+
+    return avg_scatter_contiguous_grads
 
 
 def _step(opt, state: DGCState) -> Callable:

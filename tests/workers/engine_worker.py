@@ -13,6 +13,8 @@ Options:
   --lr-scheduler             wrap the owners' optimizer in a torch LambdaLR after initialize and at the end
   --ckpt DIR --save-at S     save a checkpoint after S steps (the run goes on)
   --ckpt DIR --resume-at S   load the latest checkpoint of DIR first, then run steps S..N-1
+  --eval-only                forward passes only (no backward, no step): with ``"optimizer": null`` an engine
+                             without an optimizer
   --freeze-at S              after S steps, l1.weight stops training (requires_grad False)
   --poison-padding           fill the padding of the fp32 master partitions with 1e30 after initialize: DeepSpeed
                              copies it into the parameter shards at every step and checkpoint load, and saves it
@@ -84,6 +86,8 @@ def make_engine(config):
 
 def full_params(engine):
     """Every parameter's full fp32 master copy (None for a frozen one: DeepSpeed keeps no fp32 copy reachable)."""
+    if not hasattr(engine.optimizer, "optimizer"):  # an engine without optimizer keeps no fp32 master copy
+        return []
     values = [safe_get_full_fp32_param(p) for p in engine.module.parameters()]
     return [None if v is None else v.clone() for v in values]
 
@@ -155,7 +159,7 @@ def run(args, rank):
     if args.resume_at is not None:
         engine.load_checkpoint(args.ckpt)
         first = args.resume_at
-    basic = engine.optimizer.optimizer
+    basic = getattr(engine.optimizer, "optimizer", None) or torch.optim.SGD([torch.zeros(1)], lr=0.0)
     state = getattr(engine, "_dgc_state", None)
     record = dict(losses=[], grads=[], params=[full_params(engine)], skipped=[], residuals=[], loss_scale=[],
                   local_grads=[], momenta=[], keys=[], stats=None,
@@ -170,6 +174,13 @@ def run(args, rank):
         for i, p in enumerate(engine.module.parameters()):
             p.register_hook(lambda g, i=i: local.__setitem__(i, g.detach().float().clone()))
     all_batches = batches(rank, args.steps, args.gas, dtype)
+    if args.eval_only:
+        with torch.no_grad():
+            record["losses"] = [float(engine(x, y)) for micro in all_batches for x, y in micro]
+        stats = deepspeed_dgc.get_stats(engine)
+        record["stats"] = None if stats is None else stats.to_dict()
+        record["optimizer_type"] = type(engine.optimizer).__name__
+        return record
     try:
         for step in range(first, args.steps):
             for m, (x, y) in enumerate(all_batches[step]):
@@ -226,6 +237,7 @@ def main(argv=None):
     ap.add_argument("--resume-at", type=int, default=None)
     ap.add_argument("--models-before", type=int, default=0)
     ap.add_argument("--freeze-at", type=int, default=None)
+    ap.add_argument("--eval-only", action="store_true")
     ap.add_argument("--poison-padding", action="store_true")
     ap.add_argument("--fault", choices=["die", "hang"], default=None)
     ap.add_argument("--fault-step", type=int, default=3)
