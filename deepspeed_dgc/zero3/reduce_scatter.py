@@ -90,8 +90,9 @@ class CompressedReduceScatter:
     Attributes:
         steps_applied: optimizer steps applied so far (skipped steps do not count): the clock of the density
             warm-up. :meth:`end_step` advances it.
-        thresholds: threshold reuse, key -> ``[threshold (unscaled), density it was estimated for, exchanges it has
-            served, whether it selected momentum]``.
+        thresholds: threshold reuse, key -> ``[threshold (unscaled), density it was estimated for, applied optimizer
+            steps it has served, whether it selected momentum]``; this accumulation window's changes are staged and
+            kept only if its step is applied (:meth:`end_step`).
         density: the density of the latest bucket (telemetry).
     """
 
@@ -105,6 +106,7 @@ class CompressedReduceScatter:
         self.momentum = momentum
         self.steps_applied = 0
         self.thresholds: Dict[Hashable, list] = {}
+        self._window_thresholds: Dict[Hashable, Optional[list]] = {}  # this window's: an estimate, "reused", or None
         self._generators: Dict[str, torch.Generator] = {}
         self._comms = {}
         self.density = cfg.density if isinstance(cfg.density, float) else cfg.density_max
@@ -394,21 +396,31 @@ class CompressedReduceScatter:
         return self.momentum is not None and self.momentum.sending
 
     def _remember_thresholds(self, job: CompressJob, keys, used: Sequence[Optional[float]]) -> None:
-        """After a finite exchange: store the thresholds just estimated, count one more use of the reused ones."""
+        """After a finite exchange: stage the thresholds just estimated and the uses of the reused ones, for
+        :meth:`end_step` to keep if the step is applied."""
         for i, (key, t) in enumerate(zip(keys, used)):
             if job.reuse_thresholds[i] is not None:
-                self.thresholds[key][2] += 1
+                self._window_thresholds.setdefault(key, "reused")
             elif t is not None:
-                self.thresholds[key] = [t, job.density, 1, self._sends_momentum()]
+                self._window_thresholds[key] = [t, job.density, 1, self._sends_momentum()]
             else:  # nothing selected by a threshold (sent whole): estimate afresh next time
-                self.thresholds.pop(key, None)
+                self._window_thresholds[key] = None
 
     # ---- between steps --------------------------------------------------------------------------
 
     def end_step(self, applied: bool) -> None:
-        """The optimizer step ended: an applied step advances the warm-up clock."""
+        """The optimizer step ended. An applied step advances the warm-up clock and keeps this window's thresholds
+        (a reused one has served one more step); a skipped one forgets them."""
         if applied:
             self.steps_applied += 1
+            for key, change in self._window_thresholds.items():
+                if change == "reused":
+                    self.thresholds[key][2] += 1
+                elif change is None:
+                    self.thresholds.pop(key, None)
+                else:
+                    self.thresholds[key] = change
+        self._window_thresholds = {}
 
     def clear_thresholds(self, keys=None) -> None:
         """Forget the stored thresholds of these keys, or every one (estimated afresh at the next exchange)."""

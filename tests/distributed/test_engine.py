@@ -3,6 +3,7 @@ ranks that disagree (tests/workers/engine_worker.py and config_worker.py)."""
 
 import csv
 import json
+import math
 import os
 import tempfile
 
@@ -133,6 +134,16 @@ def test_a_dgc_section_takes_effect_without_importing_the_package(autoload):
             assert not rec["loaded_after"] and rec["stats"] is None
 
 
+def test_the_warm_up_counts_steps_taken_not_skipped():
+    """warmup_dense_steps 3 with step 1 skipped (an Inf on rank 1): steps 0-3 are sent dense (step 3 is only the third
+    step taken), step 4 at density 0.1."""
+    ranks = run_engine(steps=5, inf_at=1, config={"dgc": dict(SPARSE, warmup_dense_steps=3), "bf16": {"enabled": True}})
+    for rec in ranks:
+        assert rec["skipped"] == [0, 1, 1, 1, 1]
+        d = rec["density"]
+        assert (d[0], d[2], d[3]) == (1.0, 1.0, 1.0) and d[4] < 0.2, d  # (step 1: 1.0 or nothing, by rank)
+
+
 def test_a_parameter_frozen_mid_run_gives_up_its_residual():
     """l1.weight stops training after step 3 (requires_grad False): from the next step on it holds no residual (what
     error feedback held back for it can never be applied: its weights no longer change), the extension's state
@@ -153,6 +164,8 @@ OVERFLOW = {
                                  "csv_monitor": {"enabled": True, "job_name": "monitor"}}),
     "bf16_momentum": dict(config={"dgc": dict(SPARSE, compressed_momentum={"freeze_step": 1, "quantization": "int2"}),
                                   "bf16": {"enabled": True}}),
+    # gradient accumulation over 4 micro-steps, the Inf in the second: the whole window's residual updates roll back
+    "bf16_gas4_micro1": dict(config={"dgc": SPARSE, "bf16": {"enabled": True}}, gas=4, inf_micro=1),
 }
 
 
@@ -161,7 +174,9 @@ def test_inf_on_one_rank_skips_step_everywhere(case):
     """Inf in rank 1's input at step 2: every rank skips that step, parameters and residuals stay as they were,
     residuals stay finite, and training goes on. ``bf16_offload``: residuals offloaded to host memory, telemetry to
     DeepSpeed's CSV monitor. ``bf16_momentum``: compressed_momentum frozen after step 1 (step 2 sends momentum): the
-    local momenta also roll back and stay finite (fp16 engines are refused with compressed_momentum)."""
+    local momenta also roll back and stay finite (fp16 engines are refused with compressed_momentum).
+    ``bf16_gas4_micro1``: 4 micro-steps per step, the Inf in the second only: the residuals the other three staged
+    roll back too."""
     out = tempfile.mkdtemp()
     options = dict(OVERFLOW[case])
     if "csv_monitor" in options["config"]:
@@ -180,7 +195,10 @@ def test_inf_on_one_rank_skips_step_everywhere(case):
             assert torch.equal(rec["residuals"][1][k], rec["residuals"][2][k])
         assert not all(torch.equal(rec["residuals"][2][k], rec["residuals"][3][k]) for k in rec["residuals"][2])
         assert rec["stats"]["skipped_steps"] == 1
-        assert all(l == l and abs(l) != float("inf") for i, l in enumerate(rec["losses"]) if not (r == 1 and i == 2))
+        gas, micro = options.get("gas", 1), options.get("inf_micro")
+        poisoned = {2 * gas + m for m in (range(gas) if micro is None else [micro])} if r == 1 else set()
+        assert all(math.isfinite(l) for i, l in enumerate(rec["losses"]) if i not in poisoned)
+        assert all(not math.isfinite(rec["losses"][i]) for i in poisoned)
         if case == "bf16_momentum":
             assert len(rec["momenta"]) == 4 and rec["momenta"][1]
             for mom in rec["momenta"]:

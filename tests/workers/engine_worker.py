@@ -8,7 +8,8 @@ optimizer's settings, and with ``--local-grads`` each rank's own full local grad
 
 Options:
   --steps N --gas G          optimizer steps and micro-steps per step (default 4 and 1)
-  --inf-at STEP              rank 1's input holds Inf at that step (0-based)
+  --inf-at STEP              rank 1's input holds Inf at that step (0-based), in every micro-step or in
+  --inf-micro M              micro-step M only
   --allow-fp16               let DeepSpeed's CPU accelerator run fp16 (torch computes fp16 on any CPU)
   --lr-scheduler             wrap the owners' optimizer in a torch LambdaLR after initialize and at the end
   --ckpt DIR --save-at S     save a checkpoint after S steps (the run goes on)
@@ -184,7 +185,7 @@ def run(args, rank):
     try:
         for step in range(first, args.steps):
             for m, (x, y) in enumerate(all_batches[step]):
-                if step == args.inf_at and rank == 1:
+                if step == args.inf_at and rank == 1 and args.inf_micro in (None, m):
                     x = x.clone()
                     x[0, 0] = float("inf")
                 loss = engine(x, y)
@@ -201,6 +202,7 @@ def run(args, rank):
             record["loss_scale"].append(float(engine.optimizer.loss_scale))
             if state is not None:
                 record.setdefault("state_bytes", []).append(state.stats.state_bytes)
+                record.setdefault("density", []).append(state.stats.last.density)
                 record["residuals"].append(state.memory.residuals())
                 if state.momentum is not None:
                     record["momenta"].append({k: v.clone() for k, v in state.momentum.momenta().items()})
@@ -229,6 +231,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--gas", type=int, default=1)
     ap.add_argument("--inf-at", type=int, default=None)
+    ap.add_argument("--inf-micro", type=int, default=None)
     ap.add_argument("--allow-fp16", action="store_true")
     ap.add_argument("--local-grads", action="store_true")
     ap.add_argument("--lr-scheduler", action="store_true")

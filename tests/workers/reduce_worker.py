@@ -40,8 +40,14 @@ CASES = {
     # the same inputs as the case without the suffix (entropy coding is lossless)
     "sparse_int4_zlib": dict(density=0.1, quantization="int4", group_size=16, min_numel=0, entropy_coding="zlib"),
     "int1_dense_zlib": dict(density=1.0, quantization="int1", group_size=16, min_numel=0, entropy_coding="zlib"),
+    # gradient accumulation: 4 micro-steps (reduce-scatters) per optimizer step, committed at its end
+    "sparse_int4_gas4": dict(density=0.1, quantization="int4", group_size=16, min_numel=0),
+    # the same, with an Inf in rank 1's gradients at micro-step 1 of step 1: that step is skipped on every rank
+    "sparse_int4_gas4_overflow": dict(density=0.1, quantization="int4", group_size=16, min_numel=0),
 }
 STEPS = 4
+MICRO_STEPS = {"sparse_int4_gas4": 4, "sparse_int4_gas4_overflow": 4}  # per optimizer step; 1 for the others
+INF_AT = {"sparse_int4_gas4_overflow": (1, 1, 1)}  # (step, micro-step, rank) whose gradients hold an Inf
 
 
 def run_cases(rank: int, **settings) -> dict:
@@ -60,26 +66,40 @@ def run_cases(rank: int, **settings) -> dict:
         twin = list(CASES).index(name.removesuffix("_zlib"))  # a _zlib case draws its twin's inputs
         gen = torch.Generator().manual_seed(1000 * twin + 17 * rank + 1)
         steps = []
+        keys = list(range(len(SIZES)))
         for step in range(STEPS):
-            grads = [torch.randn(n, generator=gen) * (1 + 10 * step) for n in SIZES]
-            grads[-1] = grads[-1].view(7, 143)  # any shape is accepted
-            if name == "zero_rank" and rank == 1:
-                grads = [torch.zeros_like(g) for g in grads]
-            if name == "auto_scales":
-                grads = [g * 1000.0**rank for g in grads]
-            if name == "reuse_threshold":
-                grads = [g / (1 + 10 * step) for g in grads]
-            outs, res = reducer.reduce_scatter(grads, list(range(len(grads))), None, torch.float32)
-            memory.commit()
-            steps.append(dict(inputs=[g.clone() for g in grads],
-                              outputs=[o.clone() for o in outs],
-                              residuals={k: v.clone() for k, v in memory.residuals().items()},
-                              density=reducer.density,
-                              wire_bytes=res.wire_bytes,
-                              intra_node_wire_bytes=res.intra_node_wire_bytes,
-                              inter_node_wire_bytes=res.inter_node_wire_bytes,
-                              kept=res.kept,
-                              thresholds={k: list(v) for k, v in reducer.thresholds.items()}))
+            overflow = torch.zeros(1)
+            for micro in range(MICRO_STEPS.get(name, 1)):
+                grads = [torch.randn(n, generator=gen) * (1 + 10 * step) for n in SIZES]
+                grads[-1] = grads[-1].view(7, 143)  # any shape is accepted
+                if name == "zero_rank" and rank == 1:
+                    grads = [torch.zeros_like(g) for g in grads]
+                if name == "auto_scales":
+                    grads = [g * 1000.0**rank for g in grads]
+                if name == "reuse_threshold":
+                    grads = [g / (1 + 10 * step) for g in grads]
+                if INF_AT.get(name) == (step, micro, rank):
+                    grads[-1].view(-1)[5] = float("inf")
+                outs, res = reducer.reduce_scatter(grads, keys, None, torch.float32)
+                overflow += float(not all(bool(torch.isfinite(o).all()) for o in outs))
+                steps.append(dict(step=step, micro=micro, inputs=[g.clone() for g in grads],
+                                  outputs=[o.clone() for o in outs],
+                                  # this rank's residuals after the call (staged in the window, else committed)
+                                  residuals={k: memory.get(k).clone() for k in keys if memory.get(k) is not None},
+                                  density=reducer.density,
+                                  wire_bytes=res.wire_bytes,
+                                  intra_node_wire_bytes=res.intra_node_wire_bytes,
+                                  inter_node_wire_bytes=res.inter_node_wire_bytes,
+                                  kept=res.kept))
+            # DeepSpeed's overflow check: any rank's non-finite partition skips the step on every rank
+            torch.distributed.all_reduce(overflow, op=torch.distributed.ReduceOp.MAX)
+            applied = not bool(overflow.item())
+            memory.commit() if applied else memory.rollback()
+            reducer.end_step(applied)
+            committed = {k: v.clone() for k, v in memory.residuals().items()}
+            # what the next call starts from: the committed residuals (rounded by their storage dtype)
+            steps[-1].update(applied=applied, committed=committed, residuals=dict(committed),
+                             thresholds={k: list(v) for k, v in reducer.thresholds.items()})
         results[name] = dict(cfg=kw, steps=steps, ops=reducer.ops.name)
     return results
 

@@ -18,18 +18,20 @@ def _bucket(reducer, numels, keys, density):
                   comm_dtype=torch.float32, fingerprint=1, momentum_sources=False)
 
 
-def test_thresholds_are_reused_every_n_exchanges():
-    """threshold_reuse_steps 3: the reducer estimates (draws a sample) at exchanges 0 and 3, reuses the stored
-    threshold at 1 and 2, estimates afresh when the density changes (exchange 4) and when momentum replaces the
-    gradient at the same density (exchange 6), and reuses in between."""
+def test_thresholds_are_reused_every_n_steps_and_skipped_steps_do_not_count():
+    """threshold_reuse_steps 3: the reducer estimates (draws a sample) at steps 0 and 3, reuses the stored threshold at
+    1 and 2, estimates afresh when the density changes (step 4) and when momentum replaces the gradient at the same
+    density (step 6), and reuses in between. A skipped step (overflow) in the middle changes nothing: the reuse
+    count and the stored thresholds are those of the steps applied."""
     ops = FusedCPUOps(load_fused_op("cpu"))
     reducer = CompressedReduceScatter(DGCConfig(enabled=True, density=0.1, threshold_reuse_steps=3, min_numel=0),
                                       ErrorFeedback("fp32"), ops=ops)
     g = torch.Generator().manual_seed(3)
     numels, keys = [5000, 3], ["a", "b"]
     pattern = []
-    for step, density in enumerate([0.1] * 4 + [0.2] * 2 + [0.2] * 2):
-        if step == 6:  # the compressed momentum's freeze: the same density, another quantity
+    steps = [(0.1, True)] * 2 + [(0.1, False)] + [(0.1, True)] * 2 + [(0.2, True)] * 2 + [(0.2, True)] * 2
+    for step, (density, applied) in enumerate(steps):
+        if step == 7:  # the compressed momentum's freeze: the same density, another quantity
             reducer.momentum = types.SimpleNamespace(sending=True, codec=lambda: None)
         bucket = _bucket(reducer, numels, keys, density)
         srcs = [torch.randn(n, generator=g) for n in numels]
@@ -37,10 +39,11 @@ def test_thresholds_are_reused_every_n_exchanges():
         reused = job.reuse_thresholds[0] is not None
         assert (job.samples[0] is None) == reused  # a sample is drawn only to estimate
         reducer._stage(bucket, job, ops.compress(job))
+        reducer.end_step(applied)
         pattern.append((reused, reducer.thresholds["a"][1:]))
-    assert pattern == [(False, [0.1, 1, False]), (True, [0.1, 2, False]), (True, [0.1, 3, False]),
-                       (False, [0.1, 1, False]), (False, [0.2, 1, False]), (True, [0.2, 2, False]),
-                       (False, [0.2, 1, True]), (True, [0.2, 2, True])]
+    assert pattern == [(False, [0.1, 1, False]), (True, [0.1, 2, False]), (True, [0.1, 2, False]),  # skipped
+                       (True, [0.1, 3, False]), (False, [0.1, 1, False]), (False, [0.2, 1, False]),
+                       (True, [0.2, 2, False]), (False, [0.2, 1, True]), (True, [0.2, 2, True])]
 
 
 def test_warmup_counts_applied_steps_only():
