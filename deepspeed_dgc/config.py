@@ -92,7 +92,8 @@ class DGCConfig(BaseModel):
     quantization: Literal["int4", "int2", "int1", "fp8_e4m3", "fp8_e5m2", "none"] = Field(
         "int4", description="format of the sent values, each with an fp32 scale per group: INT4 (absmax/7), INT2 "
         "(4 levels, absmax/1.5), INT1 (sign times the group's mean magnitude, 1-bit Adam's compressor), FP8 (absmax "
-        "/ the format's max); `\"none\"`: the communication dtype")
+        "/ the format's max); `\"none\"`: the communication dtype. Exact zeros arrive as zeros in every format (INT1/"
+        "INT2: a group mixing zeros and non-zeros adds one bit per value)")
     stochastic_rounding: bool = Field(False, description="INT4/INT2 codes rounded up or down at random, unbiased "
                                       "(Gupta et al., ICML 2015)")
     index_coding: Literal["auto", "varint", "bitmap"] = Field(

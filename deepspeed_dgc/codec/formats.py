@@ -186,13 +186,14 @@ def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
 def group_scales(values: torch.Tensor, gid: torch.Tensor, n_groups: int, fmt: str) -> torch.Tensor:
     """Group-wise scales of ``fmt``: absmax / qmax (INT4: 7, INT2: 1.5, FP8: the format's largest
     finite value), and for INT1 the mean magnitude (the scale that minimises the L2 error of
-    ``s * sign(v)``; 1-bit Adam, Tang et al., ICML 2021, section 3). fp32, shape ``(n_groups,)``."""
+    ``s * sign(v)``; 1-bit Adam, Tang et al., ICML 2021, section 3) over the group's non-zero values.
+    fp32, shape ``(n_groups,)``."""
     if fmt == "int4":
         return int4_group_scales(values, gid, n_groups)
     mag = values.float().abs()
-    if fmt == "int1":
+    if fmt == "int1":  # exact zeros are sent as zeros (ZERO_MASKED), so they take no part in the mean
         sums = torch.zeros(n_groups, dtype=torch.float32, device=values.device).index_add_(0, gid, mag)
-        counts = torch.zeros(n_groups, dtype=torch.float32, device=values.device).index_add_(0, gid, torch.ones_like(mag))
+        counts = torch.zeros(n_groups, dtype=torch.float32, device=values.device).index_add_(0, gid, (mag > 0).float())
         return sums / counts.clamp_(min=1)
     scales = torch.zeros(n_groups, dtype=torch.float32, device=values.device)
     scales.scatter_reduce_(0, gid, mag, reduce="amax", include_self=True)
@@ -218,6 +219,13 @@ def quantize_values(values: torch.Tensor,
       so a group whose values span more than about 2e5 (e4m3) or 4e9 (e5m2) loses its smallest).
       The error is carried by error feedback like any other.
 
+    Exact zeros decode to exactly 0 in every format, so a coordinate whose gradient is always zero (an
+    unused embedding row) never moves. INT4 and FP8 code 0 as 0; INT1 and INT2 have no zero code, so a
+    group holding both zeros and non-zeros (a *mixed* group) is flagged by a negative scale and a bitmap
+    of its non-zero elements follows the scales (:data:`ZERO_MASKED`, :func:`split_scales`). The masks
+    cost one bit per value of the mixed groups only; 1-bit Adam needed user-given momentum masks for the
+    same reason (DeepSpeed PR #817).
+
     Stochastic rounding (``generator`` given; INT4 and INT2 only): the code is
     ``floor(v / s + u)`` with u uniform in [0, 1) drawn from ``generator``, so ``E[decoded] = v``
     (Gupta et al., ICML 2015); the error is below one step s.
@@ -231,7 +239,8 @@ def quantize_values(values: torch.Tensor,
 
     Returns:
         ``(packed, scales, decoded)``: uint8 codes ``(packed_bytes(m, fmt),)``, fp32 scales
-        ``(n_groups,)`` and the fp32 decoded values ``(m,)``.
+        ``(n_groups,)`` (INT1/INT2: followed by the zero masks as fp32 words, see above) and the fp32
+        decoded values ``(m,)``.
 
     Raises:
         ValueError: unknown format, or stochastic rounding asked for INT1/FP8.
@@ -251,7 +260,8 @@ def quantize_values(values: torch.Tensor,
     s = scales[gid]
     if fmt == "int1":
         positive = v >= 0
-        return pack_bits(positive.to(torch.uint8), 1), scales, torch.where(positive, s, -s)
+        decoded = torch.where(positive, s, -s).masked_fill_(v == 0, 0.0)
+        return pack_bits(positive.to(torch.uint8), 1), _with_zero_masks(v, gid, scales), decoded
     if fmt in FP8_DTYPES:
         codes = _divide_by_scale(v, s).to(FP8_DTYPES[fmt])
         return codes.view(torch.uint8), scales, codes.float() * s
@@ -261,7 +271,57 @@ def quantize_values(values: torch.Tensor,
     u = 0.5 if generator is None else torch.rand(m, generator=generator, device=v.device)
     q = torch.floor(t + u).clamp_(lo, hi)
     codes = (q + code_offset).to(torch.uint8)
+    if fmt == "int2":
+        return pack_bits(codes, 2), _with_zero_masks(v, gid, scales), ((q + offset) * s).masked_fill_(v == 0, 0.0)
     return pack_bits(codes, VALUE_BITS[fmt]), scales, (q + offset) * s
+
+
+ZERO_MASKED = ("int1", "int2")  # formats without a code for 0: their mixed groups carry a non-zero bitmap
+_WORD = 4  # the masks travel as fp32 words after the scales
+
+
+def _with_zero_masks(v: torch.Tensor, gid: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Scales of a ZERO_MASKED format with mixed groups flagged (negated) and their non-zero bitmaps appended.
+
+    A group is mixed when its scale is positive and it holds an exact zero. The bitmap has one bit per
+    value of the mixed groups, in value order (1: non-zero), packed as :func:`pack_bits`, zero-padded to
+    whole fp32 words. Returns fp32 ``(n_groups + words,)``; just the scales when no group is mixed.
+    """
+    zero = v == 0
+    has_zero = torch.zeros_like(scales).index_add_(0, gid, zero.float()) > 0
+    mixed = has_zero & (scales > 0)
+    in_mixed = mixed[gid]
+    bits = pack_bits((~zero[in_mixed]).to(torch.uint8), 1)
+    if bits.numel() == 0:
+        return scales
+    bits = torch.cat([bits, bits.new_zeros(-bits.numel() % _WORD)])
+    return torch.cat([torch.where(mixed, -scales, scales), bits.view(torch.float32)])
+
+
+def split_scales(side: torch.Tensor, gid: torch.Tensor, n_groups: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`_with_zero_masks`: the scales (positive) and a bool non-zero mask of the values.
+
+    Args:
+        side: fp32 scale section as received, ``(n_groups + words,)``.
+        gid: int64 scale group of each value, ``(m,)``; n_groups: groups.
+
+    Returns:
+        ``(scales, nonzero)``: fp32 ``(n_groups,)`` and bool ``(m,)`` (False: the value is exactly 0).
+
+    Raises:
+        ValueError: the words after the scales do not hold the bitmap of the flagged groups.
+    """
+    scales = side[:n_groups]
+    in_mixed = (scales < 0)[gid]
+    n_bits = int(in_mixed.sum())
+    words = -(-n_bits // (8 * _WORD))
+    if side.numel() != n_groups + words:
+        raise ValueError(f"{side.numel()} scale words for {n_groups} groups and a zero mask of {n_bits} values "
+                         f"({words} words)")
+    nonzero = torch.ones_like(in_mixed)
+    if n_bits:
+        nonzero[in_mixed] = unpack_bits(side[n_groups:].contiguous().view(torch.uint8), 1, n_bits).bool()
+    return scales.abs(), nonzero
 
 
 def dequantize_values(packed: torch.Tensor, scales: torch.Tensor, numel: int, fmt: str, group_size: int,
@@ -278,16 +338,18 @@ def dequantize_values(packed: torch.Tensor, scales: torch.Tensor, numel: int, fm
     if segment_counts is None:
         segment_counts = torch.tensor([numel], device=packed.device)
     gid, n_groups = int4_group_ids(segment_counts, group_size)
-    if n_groups != scales.numel() or gid.numel() != numel or packed.numel() != packed_bytes(numel, fmt):
+    masked = fmt in ZERO_MASKED
+    if ((scales.numel() < n_groups if masked else n_groups != scales.numel()) or gid.numel() != numel
+            or packed.numel() != packed_bytes(numel, fmt)):
         raise ValueError(f"dequantize_values: {scales.numel()} scales and {packed.numel()} bytes for {n_groups} "
                          f"groups of {numel} {fmt} values")
+    if not masked:  # fp8
+        return packed.view(FP8_DTYPES[fmt]).float() * scales[gid]
+    scales, nonzero = split_scales(scales, gid, n_groups)
     s = scales[gid]
-    if fmt in FP8_DTYPES:
-        return packed.view(FP8_DTYPES[fmt]).float() * s
     codes = unpack_bits(packed, VALUE_BITS[fmt], numel).float()
-    if fmt == "int1":
-        return torch.where(codes > 0, s, -s)
-    return (codes - 2 + 0.5) * s  # int2
+    decoded = torch.where(codes > 0, s, -s) if fmt == "int1" else (codes - 2 + 0.5) * s
+    return decoded.masked_fill_(~nonzero, 0.0)
 
 
 # ---- weight formats (quantized parameter all-gather) ----------------------------------------

@@ -2,8 +2,11 @@
 
 This module owns the bytes. One payload per owner row, aligned to 4 bytes::
 
-    int32[5]  header: MAGIC, fingerprint (config and bucket shape), kept count, index bytes, scale groups
-    fp32[G]   group scales (groups restart at each tensor; absent without quantization)
+    int32[5]  header: MAGIC, fingerprint (config and bucket shape), kept count, index bytes, scale words
+    fp32[G]   group scales (groups restart at each tensor; absent without quantization); with INT1 and INT2
+              a group holding exact zeros among non-zeros has a negative scale, and the bitmap of its
+              non-zero values follows the scales as more fp32 words
+              (:func:`~deepspeed_dgc.codec.formats.split_scales`), so exact zeros arrive as zeros
     values    kept values in column order: codes of the value format (INT4 two per byte, INT2 four,
               INT1 eight, FP8 one; :func:`~deepspeed_dgc.codec.formats.quantize_values`), or raw values
               in the communication dtype, multiplied by the row's ``raw_scale`` (the fp16 loss scale)

@@ -355,3 +355,32 @@ def test_ranks_that_disagree_fail_on_every_rank(config_errors, case):
         msg = messages[case]
         assert msg is not None and msg.startswith("DGCConfigError") and "differ between ranks" in msg, f"rank {r}: {msg}"
         assert f"{key} is {v0} on rank 0 but {v1} on rank(s) [1]" in msg, msg
+
+
+UNUSED_ROWS = {
+    "grad_int1": {"quantization": "int1"},
+    "grad_int2_stochastic": {"quantization": "int2", "stochastic_rounding": True},
+    "grad_int1_sparse": {"quantization": "int1", "density": 0.3, "min_numel": 0},
+    "momentum_int1": {"quantization": "none", "compressed_momentum": {"freeze_step": 2, "quantization": "int1"}},
+    "momentum_int2": {"quantization": "none", "compressed_momentum": {"freeze_step": 2, "quantization": "int2"}},
+}
+
+
+@pytest.mark.parametrize("case", sorted(UNUSED_ROWS))
+def test_embedding_rows_no_input_uses_never_move(case):
+    """An embedding of 64 rows of 12 whose inputs use only the first 16, Adam, 6 steps, INT1/INT2 (which have no code
+    for 0) on gradients or on the momentum after a freeze at step 2, scale groups of 128 spanning used and unused rows:
+    the unused rows stay bit for bit at their initial values (their gradient, momentum and residual are exactly 0),
+    the used rows move."""
+    adam = {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True, "weight_decay": 0.0}}  # DeepSpeed's default: 0.01
+    ranks = run_engine(steps=6, model="embed", config={"optimizer": adam, "dgc": dict(enabled=True, **UNUSED_ROWS[case])})
+    for r, rec in enumerate(ranks):
+        first = rec["params"][0][0]
+        for t, params in enumerate(rec["params"][1:], 1):
+            moved = (params[0][16:] != first[16:]).any(dim=1).nonzero().squeeze(1) + 16
+            assert moved.numel() == 0, f"rank {r} step {t}: unused rows {moved.tolist()} moved"
+        assert (rec["params"][-1][0][:16] != first[:16]).all(dim=1).all(), "every used row moves"
+        if "momentum" in case:
+            assert rec["frozen"]  # steps 3-6 sent the momentum in its format
+        else:
+            assert rec["stats"]["wire_bytes_total"] < rec["stats"]["dense_fp32_bytes_total"] / 8

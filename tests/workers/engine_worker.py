@@ -7,6 +7,7 @@ every step, skipped steps, loss scales, the extension's committed residuals and 
 optimizer's settings, and with ``--local-grads`` each rank's own full local gradients.
 
 Options:
+  --model net|embed          Net (default) or EmbedNet (an embedding of which the inputs use a quarter of the rows)
   --steps N --gas G          optimizer steps and micro-steps per step (default 4 and 1)
   --inf-at STEP              rank 1's input holds Inf at that step (0-based), in every micro-step or in
   --inf-micro M              micro-step M only
@@ -64,6 +65,23 @@ class Net(torch.nn.Module):
         return torch.nn.functional.mse_loss(h.float(), y.float())
 
 
+class EmbedNet(torch.nn.Module):
+    """An embedding of 64 rows of 12 (scale groups span rows) of which the inputs use only the first 16, then 12 -> 37."""
+
+    USED_ROWS = 16
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 12)
+        self.l2 = torch.nn.Linear(12, 37)
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.l2(self.emb(x).mean(dim=1)).float(), y.float())
+
+
+MODELS = {"net": Net, "embed": EmbedNet}
+
+
 def merge(base, extra):
     """``extra`` merged into a copy of ``base``: nested dicts key by key (an ``"optimizer"`` is replaced whole),
     ``None`` removes a key."""
@@ -78,9 +96,9 @@ def merge(base, extra):
     return out
 
 
-def make_engine(config):
+def make_engine(config, model="net"):
     torch.manual_seed(0)
-    model = Net()
+    model = MODELS[model]()
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine
 
@@ -93,10 +111,15 @@ def full_params(engine):
     return [None if v is None else v.clone() for v in values]
 
 
-def batches(rank, steps, micro, dtype):
+def batches(rank, steps, micro, dtype, model="net"):
     gen = torch.Generator().manual_seed(100 + rank)
-    return [[(torch.randn(4, 24, generator=gen).to(dtype), torch.randn(4, 37, generator=gen).to(dtype))
-             for _ in range(micro)] for _ in range(steps)]
+
+    def x():
+        if model == "embed":  # token ids of the used rows only
+            return torch.randint(0, EmbedNet.USED_ROWS, (4, 3), generator=gen)
+        return torch.randn(4, 24, generator=gen).to(dtype)
+
+    return [[(x(), torch.randn(4, 37, generator=gen).to(dtype)) for _ in range(micro)] for _ in range(steps)]
 
 
 def dtype_of(cfg):
@@ -149,7 +172,7 @@ def run(args, rank):
     dtype = dtype_of(cfg)
     for _ in range(args.models_before):  # e.g. a reference or EMA model, an evaluation copy
         make_engine(merge(BASE, {"dgc": None}))
-    engine = make_engine(cfg)
+    engine = make_engine(cfg, args.model)
     if args.lr_scheduler:  # a torch LR scheduler wraps the owners' optimizer.step (needs a bound method)
         torch.optim.lr_scheduler.LambdaLR(engine.optimizer.optimizer, lambda s: 1.0)
     if args.poison_padding:
@@ -174,7 +197,7 @@ def run(args, rank):
     if args.local_grads:  # this rank's full local gradient of every parameter
         for i, p in enumerate(engine.module.parameters()):
             p.register_hook(lambda g, i=i: local.__setitem__(i, g.detach().float().clone()))
-    all_batches = batches(rank, args.steps, args.gas, dtype)
+    all_batches = batches(rank, args.steps, args.gas, dtype, args.model)
     if args.eval_only:
         with torch.no_grad():
             record["losses"] = [float(engine(x, y)) for micro in all_batches for x, y in micro]
@@ -228,6 +251,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--config", default="{}", help="JSON merged into BASE")
+    ap.add_argument("--model", choices=sorted(MODELS), default="net")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--gas", type=int, default=1)
     ap.add_argument("--inf-at", type=int, default=None)

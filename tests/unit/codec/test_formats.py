@@ -125,6 +125,50 @@ def test_int1_scale_is_the_mean_magnitude():
     assert scales.tolist() == [3.0] and decoded.tolist() == [3.0, -3.0, 3.0, -3.0]
 
 
+@pytest.mark.parametrize("fmt,stochastic", [(f, False) for f in VALUE_BITS] + [("int4", True), ("int2", True)])
+def test_exact_zeros_decode_to_exact_zeros(fmt, stochastic):
+    """Fresh random values in two segments, groups of 16, each group all zero, all non-zero or mixed (a random
+    quarter to three quarters zero): every exact zero (+0 or -0) decodes to exactly 0, the round trip gives what the
+    sender decoded, and the non-zero values get their format's value against a float64 oracle (INT1: sign times the
+    mean magnitude of the group's non-zero values; INT2: within absmax/3, never 0)."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
+    n = 16 * 24 + 5
+    v = torch.randn(n, generator=gen)
+    kind = torch.randint(0, 3, ((n + 15) // 16, ), generator=gen).repeat_interleave(16)[:n]  # 0 zero, 1 full, 2 mixed
+    zero = (kind == 0) | ((kind == 2) & (torch.rand(n, generator=gen) < 0.25 + 0.5 * torch.rand(1, generator=gen)))
+    v[zero] = 0.0
+    v[zero & (torch.rand(n, generator=gen) < 0.5)] = -0.0
+    seg = torch.tensor([160, n - 160])  # a group boundary at 160: groups restart there
+    rng = torch.Generator().manual_seed(3) if stochastic else None
+    packed, side, decoded = quantize_values(v, fmt, 16, seg, generator=rng)
+    assert torch.equal(dequantize_values(packed, side, n, fmt, 16, seg), decoded)
+    assert bool((decoded[zero] == 0).all()), f"{int((decoded[zero] != 0).sum())} zeros decoded non-zero"
+    nz = ~zero
+    assert bool((decoded[nz] != 0).all()) or fmt not in ("int1", "int2")
+    gid, n_groups = int4_group_ids(seg, 16)
+    v64 = v.double()
+    if fmt == "int1":
+        sums = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, gid[nz], v64[nz].abs())
+        counts = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, gid[nz], torch.ones_like(v64[nz]))
+        oracle = torch.sign(v64) * (sums / counts.clamp(min=1))[gid]
+        assert torch.allclose(decoded[nz].double(), oracle[nz], rtol=1e-6, atol=0)
+    elif fmt == "int2":
+        absmax = torch.zeros(n_groups, dtype=torch.float64).scatter_reduce(0, gid, v64.abs(), "amax")[gid]
+        bound = absmax * (2 / 3 if stochastic else 1 / 3)  # nearest: half a step; stochastic: under one step
+        assert bool(((decoded.double() - v64).abs() <= bound * (1 + 1e-6)).all())
+
+
+def test_zero_masks_are_checked():
+    """A scale section whose zero-mask words do not match the flagged groups is refused, not decoded."""
+    v = torch.tensor([0.0, 1.0, -2.0, 3.0] * 8)
+    packed, side, _ = quantize_values(v, "int1", 16)
+    assert side.numel() == 2 + 1 and bool((side[:2] < 0).all())  # both groups mixed: 32 bits in one word
+    with pytest.raises(ValueError, match="zero mask"):
+        dequantize_values(packed, side[:2], 32, "int1", 16)
+    with pytest.raises(ValueError, match="zero mask"):
+        dequantize_values(packed, torch.cat([side, side[2:]]), 32, "int1", 16)
+
+
 @pytest.mark.parametrize("fmt", ["int4", "int2"])
 def test_stochastic_rounding_is_unbiased(fmt):
     """E[decoded] = v. 200,000 draws of values between two codes: the mean of the decoded values is within
