@@ -11,11 +11,14 @@ from .test_engine import SPARSE, engine_argv
 
 FAIL_TIMEOUT_S = 8.0
 MARGIN_S = 15.0  # process start-up of the error path, traceback printing, teardown
+DROP_S = 3.0  # a killed peer's sockets reset at once (0.01-0.02 s measured): far below timeout_s
 
 
-@pytest.mark.parametrize("mode, expected", [("die", ("DGCCommError", "DGCTimeoutError")),
-                                            ("hang", ("DGCTimeoutError", ))])
+@pytest.mark.parametrize("mode, expected", [("die", "DGCCommError"), ("hang", "DGCTimeoutError")])
 def test_peer_failure_ends_the_other_rank_with_an_error(mode, expected):
+    """Rank 1 is killed (or hangs) inside its reduce-scatter at step 3, with dgc.timeout_s 8. Killed: rank 0 raises
+    DGCCommError at its next exchange with it, within DROP_S of the kill (the connection drop, not the timeout).
+    Hung: rank 0 raises DGCTimeoutError after timeout_s. Either way rank 0 exits with an error."""
     out = tempfile.mkdtemp()
     argv = engine_argv(out, steps=6, fault=mode, config={"dgc": dict(SPARSE, timeout_s=FAIL_TIMEOUT_S)})
     ranks = launch(2, "engine_worker.py", argv, timeout_s=FAIL_TIMEOUT_S + 120)
@@ -23,10 +26,11 @@ def test_peer_failure_ends_the_other_rank_with_an_error(mode, expected):
     rank0 = ranks[0]
     assert rank0.returncode != 0, "rank 0 finished training although its peer was gone"
     err = torch.load(f"{out}/rank0_error.pt")
-    assert any(word in err["error"] for word in expected), err["error"]
+    assert err["error"].startswith(expected), err["error"]
     if mode == "hang":  # our collective noticed, after timeout_s and not much later
         assert "dgc.timeout_s = 8" in err["error"]
         assert FAIL_TIMEOUT_S - 1 <= err["at"] - failed_at <= FAIL_TIMEOUT_S + MARGIN_S
     assert rank0.ended_at - failed_at <= FAIL_TIMEOUT_S + MARGIN_S, "rank 0 took too long to exit"
     if mode == "die":
         assert ranks[1].returncode == -9
+        assert err["at"] - failed_at <= DROP_S, f"rank 0 noticed the killed peer {err['at'] - failed_at:.1f} s late"
