@@ -13,11 +13,14 @@ install and only imports a prebuilt op that its own ``setup.py`` recorded
 
 Flags: the JIT build may use ``-march=native`` (it runs where it was built); a prebuilt module
 uses portable flags (x86-64-v2 at most, no ``-march=native``). Floating-point contraction is
-off everywhere (``-ffp-contract=off``, nvcc ``--fmad=false``) so results equal the PyTorch
-reference bit for bit. CUDA architectures come from ``TORCH_CUDA_ARCH_LIST``, default
-``8.0;9.0`` (A100, H100/H200).
+off everywhere (``-ffp-contract=off``, nvcc ``--fmad=false``), and the CUDA build drops DeepSpeed's
+``--use_fast_math`` for IEEE division and square root without flush-to-zero (``EXACT_NVCC_MATH``), so
+results equal the PyTorch reference bit for bit. CUDA architectures come from ``TORCH_CUDA_ARCH_LIST``,
+default ``8.0;9.0`` (A100, H100/H200); the variable is as it was once the flags are computed (DeepSpeed's
+``jit_load`` restores it after a JIT build).
 """
 
+import contextlib
 import importlib
 import logging
 import os
@@ -34,6 +37,10 @@ CSRC = os.path.join(REPO_ROOT, "csrc", "dgc")
 PREBUILT_PACKAGE = "deepspeed_dgc._prebuilt"
 DEFAULT_CUDA_ARCHS = "8.0;9.0"
 PORTABLE_ENV = "DGC_PORTABLE_BUILD"  # set by setup.py while prebuilding
+ARCH_ENV = "TORCH_CUDA_ARCH_LIST"
+# after DeepSpeed's flags: IEEE division and square root, subnormals kept, no fused multiply-add
+# (DeepSpeed adds --use_fast_math, which means --ftz=true --prec-div=false --prec-sqrt=false --fmad=true)
+EXACT_NVCC_MATH = ("--fmad=false", "--prec-div=true", "--prec-sqrt=true", "--ftz=false")
 
 
 class _DGCBuilderMixin:
@@ -154,7 +161,11 @@ class DGCCUDABuilder(_DGCBuilderMixin, CUDAOpBuilder):
         return super().cxx_args() + ["-ffp-contract=off"]
 
     def nvcc_args(self):
-        return super().nvcc_args() + ["--fmad=false"]
+        """DeepSpeed's nvcc flags without ``--use_fast_math``, then :data:`EXACT_NVCC_MATH`. Computing them sets
+        ``TORCH_CUDA_ARCH_LIST`` (DeepSpeed's ``compute_capability_args``); outside a JIT build it is put back."""
+        with _arch_list_kept(restore=not self.jit_mode):
+            args = super().nvcc_args()
+        return [a for a in args if a != "--use_fast_math"] + list(EXACT_NVCC_MATH)
 
     def builder(self):
         ext = super().builder()
@@ -168,6 +179,19 @@ ALL_DGC_BUILDERS = (DGCCPUBuilder, DGCCUDABuilder)
 def builder_for_device(device_type: str):
     """The builder class for a torch device type: ``"cuda"`` -> CUDA, anything else -> CPU."""
     return DGCCUDABuilder if device_type == "cuda" else DGCCPUBuilder
+
+
+@contextlib.contextmanager
+def _arch_list_kept(restore: bool):
+    """Put ``TORCH_CUDA_ARCH_LIST`` back as it was (set, unset) on exit, if ``restore``."""
+    before = os.environ.get(ARCH_ENV)
+    try:
+        yield
+    finally:
+        if restore and before is None:
+            os.environ.pop(ARCH_ENV, None)
+        elif restore:
+            os.environ[ARCH_ENV] = before
 
 
 def _is_x86() -> bool:

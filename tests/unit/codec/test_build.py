@@ -1,4 +1,5 @@
-"""The builds of the fused ops: every .cu compiles with nvcc, the JIT path and the prebuilt path (setup.py with
+"""The builds of the fused ops: the CUDA sources compile with the op builder's own flags (IEEE math in the PTX), the
+JIT path and the prebuilt path (setup.py with
 DS_BUILD_DGC=1) load and compute what the reference computes, and ``python -m deepspeed_dgc report`` lists each op."""
 
 import glob
@@ -6,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 
 import pytest
 import torch
@@ -18,17 +20,76 @@ def _torch_includes():
     return [f"-I{p}" for p in include_paths()]
 
 
-@pytest.mark.parametrize("cu", sorted(glob.glob(os.path.join(ROOT, "csrc", "**", "*.cu"), recursive=True)))
-def test_cu_compiles_with_nvcc(cu, tmp_path):
-    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
-    if not os.path.exists(nvcc):
+def _cuda_home():
+    """The CUDA toolkit of the nvcc on PATH (``nvcc --dryrun`` prints its bin directory as ``_HERE_``), or skip."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
         pytest.skip("nvcc is not installed")
-    cmd = [nvcc, "-c", cu, "-o", str(tmp_path / "out.o"), "-std=c++17", "--fmad=false", "-O3",
-           f"-I{os.path.dirname(cu)}", *_torch_includes(),
-           "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90"]
+    dry = subprocess.run([nvcc, "--dryrun", "x.cu"], capture_output=True, text=True, timeout=60)
+    here = [line.split("=", 1)[1].strip() for line in (dry.stdout + dry.stderr).splitlines() if "_HERE_=" in line]
+    return os.path.dirname(here[0]) if here else os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+
+
+@pytest.fixture
+def cuda_builder(monkeypatch):
+    """The op builder of the CUDA op, with torch's CUDA_HOME pointing at the installed toolkit (a CPU-only torch
+    reports none), as a build on a GPU machine would see it."""
+    import torch.utils.cpp_extension as cpp_extension
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", _cuda_home())
+    from op_builder import DGCCUDABuilder
+    return DGCCUDABuilder()
+
+
+def _nvcc_flags(builder):
+    """The builder's real nvcc flags, split into the -gencode targets and the rest."""
+    args = builder.strip_empty_entries(builder.nvcc_args())
+    return [a for a in args if a.startswith("-gencode")], [a for a in args if not a.startswith("-gencode")]
+
+
+def test_nvcc_flags_give_ieee_math_and_leave_the_arch_list_alone(cuda_builder, monkeypatch, tmp_path):
+    """The op builder's own nvcc_args(): DeepSpeed's --use_fast_math is gone, and the PTX of dgc_cuda.cu built with
+    them, for every target architecture, holds no approximate instruction (div/rcp/sqrt .approx) and no flush-to-zero
+    (.ftz). TORCH_CUDA_ARCH_LIST is as it was before the flags were computed (unset, then set)."""
+    for before in (None, "9.0"):
+        if before is None:
+            monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+        else:
+            monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", before)
+        gencode, flags = _nvcc_flags(cuda_builder)
+        assert os.environ.get("TORCH_CUDA_ARCH_LIST") == before
+    assert "--use_fast_math" not in flags and gencode
+    cu = os.path.join(ROOT, "csrc", "dgc", "dgc_cuda.cu")
+    for arch in sorted({g.split("arch=")[1].split(",")[0] for g in gencode}):
+        ptx = tmp_path / f"{arch}.ptx"
+        cmd = ["nvcc", "-ptx", cu, "-o", str(ptx), f"-arch={arch}", f"-I{os.path.dirname(cu)}", *_torch_includes(),
+               *[f for f in flags if not f.startswith("--threads")]]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        bad = sorted({line.split()[0] for line in ptx.read_text().splitlines() if ".approx" in line or ".ftz" in line})
+        assert not bad, f"{arch}: {bad}"
+
+
+def test_cuda_sources_compile_with_the_builders_flags(cuda_builder, tmp_path):
+    """dgc_cuda.cu with nvcc and the builder's nvcc_args() (objects for every target architecture), and the binding
+    dgc_cuda_binding.cpp with the host compiler and the builder's cxx_args() against torch's headers and the CUDA
+    runtime's."""
+    gencode, flags = _nvcc_flags(cuda_builder)
+    csrc = os.path.join(ROOT, "csrc", "dgc")
+    cmd = ["nvcc", "-c", os.path.join(csrc, "dgc_cuda.cu"), "-o", str(tmp_path / "cu.o"), f"-I{csrc}",
+           *_torch_includes(), "-Xcompiler", "-fPIC", *gencode, *flags]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert (tmp_path / "out.o").stat().st_size > 0
+    assert (tmp_path / "cu.o").stat().st_size > 0
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    cxx = os.environ.get("CXX", "c++")
+    cmd = [cxx, "-c", os.path.join(csrc, "dgc_cuda_binding.cpp"), "-o", str(tmp_path / "binding.o"), "-fPIC",
+           f"-I{csrc}", *_torch_includes(), f"-I{sysconfig.get_paths()['include']}",
+           f"-I{os.path.join(_cuda_home(), 'include')}",
+           "-DTORCH_EXTENSION_NAME=dgc_cuda_op", "-DTORCH_API_INCLUDE_EXTENSION_H", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+           *cuda_builder.strip_empty_entries(cuda_builder.cxx_args())]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert (tmp_path / "binding.o").stat().st_size > 0
 
 
 CHECK_OP = """
