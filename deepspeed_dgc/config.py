@@ -6,7 +6,7 @@ an error naming the key; ``strict``: ``"0.5"`` or ``true`` is not a density). Ev
 ``Field`` description; ``python -m deepspeed_dgc docs`` renders them as ``docs/config.md``.
 """
 
-from typing import Any, Literal, Mapping, Optional, Union
+from typing import Any, List, Literal, Mapping, Optional, Union
 
 from typing_extensions import Annotated
 
@@ -106,6 +106,14 @@ class DGCConfig(BaseModel):
         "of a dense-INT4 run's); runs on the host")
     group_size: int = Field(128, ge=2, le=1 << 20, multiple_of=2,
                             description="values per scale group (groups never span two tensors)")
+    layout: Literal["auto", "fixed", "exact"] = Field(
+        "auto", description="payload layout. `\"fixed\"`, the device path: every size known from the bucket's shape "
+        "and density (chunked top-k: each chunk of 2^b columns of an owner's slice sends its ceil(density 2^b) "
+        "largest; b-bit positions; INT1 ternary, 1.6 bits), one all-to-all per bucket, nothing read back on the host. "
+        "`\"exact\"`: payloads of the kept count (DGC's sampled threshold, varint or bitmap positions, a size exchange "
+        "first); needed by `density: \"auto\"`, `threshold`, `threshold_reuse_steps`, `entropy_coding` and "
+        "`index_coding`. `\"auto\"`: fixed on a GPU, exact on CPU (the fused CPU op codes it, and exact sizes are "
+        "smaller), and exact wherever one of those settings asks for it")
     error_feedback: bool = Field(True, description="carry what was not sent (unselected values and quantization "
                                  "error) to the next micro-step (Seide et al., Interspeech 2014)")
     residual_dtype: Literal["auto", "fp32", "bf16", "fp8"] = Field(
@@ -188,6 +196,34 @@ class DGCConfig(BaseModel):
             raise ValueError(f"'dgc.{unused[0]}' is a setting of density \"auto\", which neither 'dgc.density' nor "
                              "'dgc.compressed_momentum.density' asks for")
         return self
+
+    @model_validator(mode="after")
+    def _fixed_layout_limits(self):
+        if self.layout == "fixed" and self.exact_only_settings():
+            raise ValueError(f"'dgc.{self.exact_only_settings()[0]}' needs payloads of the exact kept count: set "
+                             "'dgc.layout' to \"exact\" or \"auto\" (got \"fixed\")")
+        return self
+
+    def exact_only_settings(self) -> List[str]:
+        """The settings this config sets that only the exact layout has (see ``layout``)."""
+        keys = []
+        if self.density == "auto" or (self.compressed_momentum is not None and self.compressed_momentum.density == "auto"):
+            keys.append("density")
+        if self.threshold is not None:
+            keys.append("threshold")
+        if self.threshold_reuse_steps > 1:
+            keys.append("threshold_reuse_steps")
+        if self.entropy_coding != "none":
+            keys.append("entropy_coding")
+        if self.index_coding != "auto":
+            keys.append("index_coding")
+        return keys
+
+    def layout_for(self, device_type: str) -> str:
+        """``"fixed"`` or ``"exact"`` for gradients on ``device_type`` (``layout`` with ``"auto"`` resolved)."""
+        if self.layout != "auto":
+            return self.layout
+        return "exact" if device_type == "cpu" or self.exact_only_settings() else "fixed"
 
     @model_validator(mode="after")
     def _hierarchical_topology_limits(self):

@@ -17,7 +17,7 @@ import os
 import sys
 import time
 import traceback
-from collections import deque
+from collections import Counter, deque
 from pathlib import Path
 
 import deepspeed
@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 try:
     import deepspeed_dgc  # importing activates the DGC extension for deepspeed.initialize
+    from deepspeed_dgc.syncs import HostSyncCounter
 except ImportError as exc:
     sys.exit(f"train_char_gpt.py: cannot import deepspeed_dgc ({exc}). "
              "Install it from the repository root with `pip install -e .`.")
@@ -166,6 +167,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dgc-set", action="append", default=[], metavar="KEY=JSON",
                         help="override one key of the config's \"dgc\" section, e.g. --dgc-set comm_backend='\"mpi\"' "
                         "or --dgc-set ranks_per_node=2 (repeatable; the value is JSON)")
+    parser.add_argument("--count-host-syncs", action="store_true",
+                        help="count deepspeed_dgc's host-synchronising tensor calls per step (deepspeed_dgc.syncs) and "
+                        "put them in the summary (the Python path a GPU runs: use with --dgc-set kernels='\"reference\"')")
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--n-embd", type=int, default=128)
     parser.add_argument("--n-head", type=int, default=4)
@@ -286,6 +290,8 @@ def main() -> None:
     progress = tqdm(total=args.max_steps, initial=first_step - 1, disable=not is_main, dynamic_ncols=True)
     step_times_s, step_net_tx_bytes = [], []  # per step: training only (no evaluation, no checkpoint)
     tx_counter = net_tx_path(args.net_iface) if args.net_iface and is_main else None
+    syncs = HostSyncCounter().__enter__() if args.count_host_syncs else None
+    host_syncs, host_sync_sites = [], Counter()
     start = time.perf_counter()
     for step in range(first_step, args.max_steps + 1):
         step_start = time.perf_counter()
@@ -297,6 +303,11 @@ def main() -> None:
             engine.backward(loss)
             engine.step()
             micro_losses.append(loss.item())
+        if syncs is not None:  # this step's (the loss read-back below is the script's, not the extension's)
+            sites = syncs.take_sites()
+            host_syncs.append(sum(sites.values()))
+            if step > 2:
+                host_sync_sites.update(sites)
         train_loss = all_reduce_mean(sum(micro_losses) / grad_accum, world)  # also a barrier: the step ended everywhere
         step_times_s.append(time.perf_counter() - step_start)
         if tx_counter:
@@ -318,6 +329,8 @@ def main() -> None:
                                        "val_losses": val_losses,
                                    })
     wall_s = time.perf_counter() - start  # training loop incl. evaluations (and checkpoints, if any)
+    if syncs is not None:
+        syncs.__exit__(None, None, None)
     progress.close()
     final_val_loss = val_losses[-1][1]  # evaluated after the last step
 
@@ -360,6 +373,10 @@ def main() -> None:
             "param_dense_fp32_bytes_total": None if stats is None else round(stats.param_dense_fp32_bytes_total),
             "param_uncovered_bytes_total": None if stats is None else stats.param_uncovered_bytes_total,
         }
+        if syncs is not None:  # per step; and by call site over the steps after step 2
+            summary["host_syncs_per_step"] = host_syncs
+            summary["host_sync_sites_after_step_2"] = {f"{site} {name}": n for (site, name), n in
+                                                       host_sync_sites.most_common()}
         if args.summary_json:
             args.summary_json.write_text(json.dumps(summary, indent=2) + "\n")
         print("SUMMARY " + json.dumps(summary), flush=True)

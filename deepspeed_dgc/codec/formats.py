@@ -10,7 +10,7 @@ little-endian into bytes: element i at bits ``(i % per_byte) * bits`` of byte ``
 - weights (:func:`quantize_weights`): INT8, FP8 e4m3, INT4 with absmax scales (ZeRO++ qwZ, section 4.1).
 """
 
-from typing import Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -22,17 +22,69 @@ def int4_packed_bytes(numel: int) -> int:
     return (numel + 1) // 2
 
 
-def int4_group_ids(segment_counts: torch.Tensor, group_size: int) -> Tuple[torch.Tensor, int]:
+class Segments:
+    """Segment lengths known on the host, with what :func:`int4_group_ids` needs of them on the device (copied once,
+    from pinned memory without waiting, and cached: :func:`host_segments`), so group ids need no read-back."""
+
+    def __init__(self, lengths: Tuple[int, ...], device):
+        self.lengths = lengths
+        self.numel = sum(lengths)
+        counts = torch.tensor(lengths, dtype=torch.long)
+        self._device = torch.device(device)
+        self.counts = _to_device(counts, self._device)
+        self._shifts: Dict[int, Tuple[torch.Tensor, int]] = {}
+
+    def shift(self, group_size: int) -> Tuple[torch.Tensor, int]:
+        """Per segment, where its values move in a layout padded to whole groups; and the number of groups."""
+        if group_size not in self._shifts:
+            groups = [-(-n // group_size) for n in self.lengths]
+            shift, g0, v0 = [], 0, 0
+            for n, g in zip(self.lengths, groups):
+                shift.append(g0 * group_size - v0)
+                g0, v0 = g0 + g, v0 + n
+            self._shifts[group_size] = (_to_device(torch.tensor(shift, dtype=torch.long), self._device), g0)
+        return self._shifts[group_size]
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``: through pinned memory without waiting on a GPU."""
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+_SEGMENTS: Dict[Tuple[Tuple[int, ...], str], Segments] = {}
+
+
+def host_segments(lengths: Sequence[int], device) -> Segments:
+    """The cached :class:`Segments` of these lengths on ``device``."""
+    key = (tuple(int(n) for n in lengths), str(device))
+    if key not in _SEGMENTS:
+        _SEGMENTS[key] = Segments(key[0], device)
+    return _SEGMENTS[key]
+
+
+def int4_group_ids(segment_counts, group_size: int) -> Tuple[torch.Tensor, int]:
     """Scale group of each value when groups restart at every segment (tensor) boundary.
 
     Args:
-        segment_counts: int64 tensor, shape ``(S,)``, values per segment.
+        segment_counts: int64 tensor, shape ``(S,)``, values per segment; or, known on the host (nothing is read
+            back from the device then), ``(m, device)`` for one segment of m values or a :class:`Segments`.
         group_size: values per group.
 
     Returns:
         ``(group_ids, n_groups)``: int64 tensor of shape ``(sum(segment_counts),)`` and
         ``sum(ceil(count / group_size))``.
     """
+    if isinstance(segment_counts, tuple):
+        m, device = segment_counts
+        return torch.arange(m, device=device).div_(group_size, rounding_mode="floor"), -(-m // group_size)
+    if isinstance(segment_counts, Segments):
+        shift, n_groups = segment_counts.shift(group_size)
+        m = segment_counts.numel
+        padded_pos = torch.arange(m, device=shift.device) + torch.repeat_interleave(shift, segment_counts.counts,
+                                                                                  output_size=m)
+        return padded_pos.div_(group_size, rounding_mode="floor"), n_groups
     counts = segment_counts.long()
     if counts.numel() == 1:  # one segment (weights, dense buckets of one tensor): consecutive runs, no shifts
         m = int(counts.sum())
@@ -87,7 +139,7 @@ def quantize_int4(values: torch.Tensor,
     """
     m = values.numel()
     if segment_counts is None:
-        segment_counts = torch.tensor([m], device=values.device)
+        segment_counts = (m, values.device)
     v = values.float()
     gid, n_groups = int4_group_ids(segment_counts, group_size)
     scales = int4_group_scales(v, gid, n_groups)
@@ -119,7 +171,7 @@ def dequantize_int4(packed: torch.Tensor,
         ValueError: the number of scales does not match the segments.
     """
     if segment_counts is None:
-        segment_counts = torch.tensor([numel], device=packed.device)
+        segment_counts = (numel, packed.device)
     gid, n_groups = int4_group_ids(segment_counts, group_size)
     if n_groups != scales.numel() or gid.numel() != numel:
         raise ValueError(f"dequantize_int4: {scales.numel()} scales for {n_groups} groups of {numel} values")
@@ -251,7 +303,7 @@ def quantize_values(values: torch.Tensor,
         raise ValueError(f"stochastic rounding is defined for int4 and int2, not {fmt!r}")
     m = values.numel()
     if segment_counts is None:
-        segment_counts = torch.tensor([m], device=values.device)
+        segment_counts = (m, values.device)
     if fmt == "int4" and generator is None:
         return quantize_int4(values, group_size, segment_counts, return_dequantized=True)
     v = values.float()
@@ -336,7 +388,7 @@ def dequantize_values(packed: torch.Tensor, scales: torch.Tensor, numel: int, fm
     if fmt not in VALUE_BITS:
         raise ValueError(f"unknown value format {fmt!r}; allowed: {', '.join(VALUE_BITS)}")
     if segment_counts is None:
-        segment_counts = torch.tensor([numel], device=packed.device)
+        segment_counts = (numel, packed.device)
     gid, n_groups = int4_group_ids(segment_counts, group_size)
     masked = fmt in ZERO_MASKED
     if ((scales.numel() < n_groups if masked else n_groups != scales.numel()) or gid.numel() != numel
@@ -442,9 +494,12 @@ def dequantize_weights(codes: torch.Tensor, scales: torch.Tensor, numel: int, fm
     return values * scales[gid]
 
 
-def _segment_tensor(n: int, segments: Optional[Sequence[int]], device) -> torch.Tensor:
-    if segments is None:
-        return torch.tensor([n], device=device)
+def _segment_tensor(n: int, segments: Optional[Sequence[int]], device):
+    """Segment counts for :func:`int4_group_ids`: ``(n, device)`` for one segment (no device tensor), else int64."""
+    if segments is None or len(segments) == 1:
+        if segments is not None and segments[0] != n:
+            raise ValueError(f"segments of {sum(segments)} elements for {n} weights")
+        return (n, device)
     if sum(segments) != n:
         raise ValueError(f"segments of {sum(segments)} elements for {n} weights")
-    return torch.tensor(list(segments), dtype=torch.long, device=device)
+    return host_segments(segments, device)

@@ -12,6 +12,7 @@ from typing import List, Optional
 
 import torch
 
+from .fixed import FixedPlan
 from .selection import target_count
 from .wire import RowLayout
 
@@ -97,6 +98,11 @@ class CompressJob:
         """Top-k target count per tensor (over its real elements in all rows)."""
         return [target_count(sum(self.real_counts(i)), self.density) for i in range(len(self.numels))]
 
+    def fixed_plan(self) -> FixedPlan:
+        """The sizes of this job's payloads in the fixed layout (the same for every row)."""
+        return FixedPlan.build(self.chunks, self.sparse, self.density, self.quantize, self.value_format,
+                               self.group_size, self.value_dtype)
+
     def row_layout(self, row: int) -> RowLayout:
         """What the owner of row ``row`` needs to check and decode the payloads of this bucket."""
         return RowLayout(fingerprint=self.fingerprint,
@@ -131,3 +137,18 @@ class CompressOutput:
     finite: bool
     kept: int
     thresholds: List[Optional[float]]
+
+
+@dataclass
+class FixedOutput:
+    """Result of compressing one bucket in the fixed layout (:mod:`~deepspeed_dgc.codec.fixed`).
+
+    Attributes:
+        payloads: uint8 ``(R, payload_bytes)``, row r for the owner of row r.
+        residuals: new residual per tensor (fp32, unscaled), or None (not wanted). Staged whatever the input was:
+            a step whose input was not finite is skipped (every owner's row is NaN), and the window rolled back.
+        kept: values sent, all rows (the payloads' fixed count, zero-valued fills included).
+    """
+    payloads: torch.Tensor
+    residuals: Optional[List[torch.Tensor]]
+    kept: int

@@ -89,20 +89,18 @@ class FusedCUDAOps(ReferenceOps):
     def __init__(self, op):
         self.op = op
 
-    def accumulate(self, job: CompressJob) -> Tuple[torch.Tensor, torch.Tensor]:
+    def accumulate(self, job: CompressJob) -> torch.Tensor:
         C = sum(job.chunks)
         acc_m = torch.empty(job.rows, C, dtype=torch.float32, device=job.srcs[0].device)
         owners = torch.tensor(job.row_owner, dtype=torch.long, device=acc_m.device)
         col = 0
-        reals = []
         for i, src in enumerate(job.srcs):
             residual = job.residuals[i]
             self.op.accumulate(acc_m, col, src, job.offsets[i], job.row_strides[i], job.numels[i], job.chunks[i],
                                owners, residual if residual is not None else torch.empty(0, device=acc_m.device),
                                float(job.divisor), _stream())
-            reals.append(job.real_mask(i, acc_m.device))
             col += job.chunks[i]
-        return acc_m, torch.cat(reals, dim=1)
+        return acc_m
 
     def decode_add(self, out: torch.Tensor, body: wire.Body, row: wire.RowLayout) -> None:
         if not _row_decodable(row):

@@ -11,10 +11,10 @@ from typing import List, Tuple
 
 import torch
 
-from . import wire
+from . import fixed, wire
 from .formats import dequantize_values, quantize_values
 from .indices import decode_positions, encode_bitmap, encode_indices, segment_counts
-from .job import CompressJob, CompressOutput
+from .job import CompressJob, CompressOutput, FixedOutput
 from .selection import reused_threshold, topk_threshold
 
 
@@ -23,14 +23,14 @@ class ReferenceOps:
 
     name = "reference"
 
-    def accumulate(self, job: CompressJob) -> Tuple[torch.Tensor, torch.Tensor]:
+    def accumulate(self, job: CompressJob) -> torch.Tensor:
         """``acc = src / divisor + residual`` as an fp32 owner matrix (error feedback, Seide et al. 2014).
 
         Returns:
-            ``(acc_m, real_m)``: fp32 ``(R, C)`` (padding 0) and bool ``(R, C)`` (real elements).
+            fp32 ``(R, C)``, padding 0.
         """
         R = job.rows
-        blocks, reals = [], []
+        blocks = []
         for i, src in enumerate(job.srcs):
             n, c, off, stride = job.numels[i], job.chunks[i], job.offsets[i], job.row_strides[i]
             flat_layout = off == 0 and stride == c and src.numel() == n
@@ -42,16 +42,32 @@ class ReferenceOps:
             if flat_layout:
                 a = torch.nn.functional.pad(a, (0, R * c - n)).view(R, c)
             blocks.append(a)
-            reals.append(job.real_mask(i, src.device))
-        device = job.srcs[0].device
-        if not blocks:
-            return torch.empty(R, 0, device=device), torch.empty(R, 0, dtype=torch.bool, device=device)
-        return torch.cat(blocks, dim=1), torch.cat(reals, dim=1)
+        return torch.cat(blocks, dim=1) if blocks else torch.empty(R, 0, device=job.srcs[0].device)
 
     def compress(self, job: CompressJob) -> CompressOutput:
-        """Select, quantize and encode every row of ``job``; see :class:`~deepspeed_dgc.codec.job.CompressJob`."""
-        acc_m, real_m = self.accumulate(job)
+        """Select, quantize and encode every row of ``job`` in the exact layout (:mod:`~deepspeed_dgc.codec.wire`);
+        see :class:`~deepspeed_dgc.codec.job.CompressJob`."""
+        acc_m = self.accumulate(job)
+        real_m = torch.cat([job.real_mask(i, acc_m.device) for i in range(len(job.srcs))], dim=1)
         return self._select_encode(job, acc_m, real_m, bool(torch.isfinite(acc_m).all()))
+
+    def compress_fixed(self, job: CompressJob) -> FixedOutput:
+        """Select (chunked top-k), quantize and encode every row of ``job`` in the fixed layout
+        (:mod:`~deepspeed_dgc.codec.fixed`), reading nothing back on the host."""
+        plan = job.fixed_plan()
+        acc_m = self.accumulate(job)
+        values, positions = fixed.select(acc_m, plan)
+        payloads, decoded = fixed.encode_rows(values, positions, plan, job.fingerprint, ~torch.isfinite(acc_m).all(),
+                                              job.raw_scale, job.rounding_generator)
+        residuals = None
+        if job.want_residual:
+            sent_m = fixed.sent_matrix(decoded, positions, plan, acc_m.shape[1])
+            residuals = fixed.residual_rows(acc_m, sent_m, job.chunks, job.residual_numels)
+        return FixedOutput(payloads, residuals, job.rows * plan.values)
+
+    def decode_sum_fixed(self, received: torch.Tensor, job: CompressJob) -> Tuple[torch.Tensor, torch.Tensor]:
+        """This rank's row from every sender's fixed-layout payload: :func:`~deepspeed_dgc.codec.fixed.decode_sum_rows`."""
+        return fixed.decode_sum_rows(received, job.fixed_plan(), job.fingerprint, sum(job.chunks), job.raw_scale)
 
     def _select_encode(self, job: CompressJob, acc_m: torch.Tensor, real_m: torch.Tensor, finite: bool) -> CompressOutput:
         mask_m = real_m.clone() if finite else torch.zeros_like(real_m)

@@ -9,12 +9,18 @@ exactly the same bytes in the same order, so results do not depend on the backen
 Payloads are uint8, so dtypes gloo rejects (float8) travel as byte views. Every exchange is
 bounded by ``timeout_s``: when a peer hangs, :class:`DGCTimeoutError` is raised instead of waiting
 forever; when the backend sees it die first (a reset connection), :class:`DGCCommError`.
+
+How the bound is kept depends on the backend (:func:`wait_torch_work`). gloo runs on the host, so the
+host waits for the exchange with ``Work.wait(timeout)``. With NCCL that call would spin the CPU until the
+collective ends; instead the exchange runs on a process group of the extension's own whose timeout is
+``timeout_s`` (:func:`bounded_group`), the consumer waits on the stream (``Work.wait()``, which returns
+at once on the host), and NCCL's watchdog aborts a collective that outlives the timeout.
 """
 
 import ctypes
 import datetime
 import time
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from deepspeed import comm as dist
@@ -32,6 +38,17 @@ class DGCTimeoutError(DGCCommError):
 
 class DGCBackendError(RuntimeError):
     """The configured communication backend cannot run in this job (e.g. mpi4py missing)."""
+
+
+# what the backends say when a collective ran out of time (gloo: "Timed out waiting ..."; NCCL's watchdog: "Watchdog
+# caught collective operation timeout: WorkNCCL(...) ran for 600051 milliseconds before timing out")
+TIMEOUT_WORDS = ("timed out", "timeout", "timing out")
+
+
+def is_timeout(err: BaseException) -> bool:
+    """Whether a backend's error says that a collective ran out of time (gloo's and NCCL's messages)."""
+    text = str(err).lower()
+    return any(word in text for word in TIMEOUT_WORDS)
 
 
 def _timeout_message(what: str, rank: int, timeout_s: float) -> str:
@@ -91,6 +108,37 @@ class Communicator:
         self._count(send_sizes)
         return list(torch.split(received, recv_sizes))
 
+    def all_to_all_fixed(self, payloads: torch.Tensor) -> torch.Tensor:
+        """Send row d of ``payloads`` to rank d; every rank sends every other the same number of bytes, known to all
+        (the fixed layout), so there is no size exchange and nothing is read on the host.
+
+        Args:
+            payloads: uint8 ``(world_size, P)`` on the communication device.
+
+        Returns:
+            uint8 ``(world_size, P)``: row s is what rank s sent here.
+
+        Raises:
+            ValueError: not a ``(world_size, P)`` uint8 tensor.
+            DGCTimeoutError, DGCCommError: as :meth:`all_to_all`.
+        """
+        if payloads.dtype != torch.uint8 or payloads.dim() != 2 or payloads.shape[0] != self.world_size:
+            raise ValueError(f"all_to_all_fixed: expected uint8 ({self.world_size}, P) payloads, got {payloads.dtype} of "
+                             f"shape {tuple(payloads.shape)}")
+        size = payloads.shape[1]
+        received = self._exchange_equal(payloads.contiguous())
+        self.last_sent_bytes = [0 if d == self.rank else size for d in range(self.world_size)]
+        self.wire_bytes += sum(self.last_sent_bytes)
+        return received
+
+    def any_rank(self, flags: torch.Tensor) -> List[int]:
+        """Indices i where ``flags[i]`` is True on any rank of the group (a max all-reduce; read on the host)."""
+        return [i for i, f in enumerate(self.max_all_reduce(flags.to(torch.uint8)).tolist()) if f]
+
+    def max_all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """The element-wise maximum of ``t`` over the group (a new tensor), bounded by ``timeout_s``."""
+        return self._max_all_reduce(t)
+
 
 class TorchCommunicator(Communicator):
     """Uneven all-to-all of uint8 payloads over one ``deepspeed.comm`` process group.
@@ -102,16 +150,27 @@ class TorchCommunicator(Communicator):
 
     def __init__(self, group=None, timeout_s: float = 600.0):
         super().__init__(dist.get_world_size(group=group), dist.get_rank(group=group), timeout_s)
-        self.group = group
+        self.group = bounded_group(group, timeout_s)
+        self.stream_wait = torch.distributed.get_backend(self.group) == "nccl"
 
     def _wait(self, work, what: str) -> None:
-        wait_torch_work(work, what, self.rank, self.timeout_s)
+        wait_torch_work(work, what, self.rank, self.timeout_s, self.stream_wait)
 
     def _exchange_sizes(self, send_sizes: List[int], device) -> List[int]:
         send = torch.tensor(send_sizes, dtype=torch.int64, device=device)
         recv = torch.empty_like(send)
         self._wait(dist.all_to_all_single(recv, send, group=self.group, async_op=True), "the payload size exchange")
         return recv.tolist()
+
+    def _exchange_equal(self, send: torch.Tensor) -> torch.Tensor:
+        recv = torch.empty_like(send)
+        self._wait(dist.all_to_all_single(recv, send, group=self.group, async_op=True), "the compressed all-to-all")
+        return recv
+
+    def _max_all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        self._wait(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True), "a flag all-reduce")
+        return t
 
     def _exchange(self, send: torch.Tensor, send_sizes: List[int], recv_sizes: List[int]) -> torch.Tensor:
         recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=send.device)
@@ -125,17 +184,43 @@ class TorchCommunicator(Communicator):
         return recv
 
 
-def wait_torch_work(work, what: str, rank: int, timeout_s: float) -> None:
-    """``work.wait`` bounded by ``timeout_s``, with errors that say what happened.
+_BOUNDED: Dict[Tuple[Tuple[int, ...], float], object] = {}
+
+
+def bounded_group(group, timeout_s: float):
+    """A process group of the same ranks as ``group`` (a group, None for the world, or a list of global ranks) whose collectives time out after ``timeout_s``
+    (made once per ranks and timeout; only its ranks take part in making it). NCCL's watchdog enforces that timeout
+    without a host wait; gloo's collectives raise at it."""
+    ranks = tuple(group if isinstance(group, (list, tuple)) else group_global_ranks(group))
+    key = (ranks, float(timeout_s))
+    if key not in _BOUNDED:
+        _BOUNDED[key] = torch.distributed.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout_s),
+                                                    use_local_synchronization=True)
+    return _BOUNDED[key]
+
+
+def wait_torch_work(work, what: str, rank: int, timeout_s: float, stream_wait: bool = False) -> None:
+    """Wait for ``work``, bounded by ``timeout_s``, with errors that say what happened.
+
+    Args:
+        work: a torch.distributed ``Work``; what: named in errors; rank: this rank, named in errors.
+        timeout_s: the bound (seconds).
+        stream_wait: NCCL: make the current stream wait (``work.wait()`` returns at once on the host); the bound is
+            the process group's own timeout (:func:`bounded_group`), enforced by NCCL's watchdog. Else the host
+            waits with ``work.wait(timeout)``.
 
     Raises:
-        DGCTimeoutError: nothing arrived within ``timeout_s`` seconds (a peer hangs or died silently).
+        DGCTimeoutError: nothing arrived within ``timeout_s`` (a peer hangs or died silently); gloo's and NCCL's
+            timeout messages both map here.
         DGCCommError: the backend failed sooner, e.g. a peer's connection was reset (it died).
     """
     try:
-        work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+        if stream_wait:
+            work.wait()
+        else:
+            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
     except RuntimeError as err:
-        if "timed out" in str(err).lower():
+        if is_timeout(err):
             raise DGCTimeoutError(_timeout_message(what, rank, timeout_s) + f" ({err})") from None
         raise DGCCommError(f"deepspeed_dgc: {what} on rank {rank} failed: another rank has probably died "
                            f"(see its log) ({err})") from None
@@ -224,6 +309,17 @@ class MPICommunicator(Communicator):
         if self.cuda_aware:
             return t
         return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
+
+    def _exchange_equal(self, send: torch.Tensor) -> torch.Tensor:
+        size = send.shape[1]
+        return self._exchange(send.view(-1), [size] * self.world_size, [size] * self.world_size).view(send.shape)
+
+    def _max_all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        import numpy as np
+        send = t.cpu().numpy()
+        recv = np.empty_like(send)
+        self._wait(self.comm.Iallreduce(send, recv, op=self._mpi.MAX), "a flag all-reduce (MPI)")
+        return torch.from_numpy(recv)
 
     def _exchange(self, send: torch.Tensor, send_sizes: List[int], recv_sizes: List[int]) -> torch.Tensor:
         MPI = self._mpi

@@ -13,7 +13,7 @@ from typing import List, Optional, Tuple
 import torch
 from deepspeed import comm as dist
 
-from .communicators import MPICommunicator, Communicator, group_global_ranks, make_communicator
+from .communicators import MPICommunicator, Communicator, bounded_group, group_global_ranks, make_communicator
 from ..config import DGCConfig, DGCConfigError
 
 # launcher variables holding the number of ranks on this node, in the order they are trusted
@@ -117,8 +117,8 @@ def build_reduce_comms(cfg: DGCConfig, group, ranks_per_node: int) -> ReduceComm
     peer_ranks = [[k * L + j for k in range(N)] for j in range(L)]
     if cfg.comm_backend == "torch":
         # new_group is collective over the whole world: every rank creates every group, in order
-        node_groups = [dist.new_group(ranks) for ranks in node_ranks]
-        peer_groups = [dist.new_group(ranks) for ranks in peer_ranks]
+        node_groups = [bounded_group(ranks, cfg.timeout_s) for ranks in node_ranks]
+        peer_groups = [bounded_group(ranks, cfg.timeout_s) for ranks in peer_ranks]
         intra = make_communicator("torch", node_groups[node], cfg.timeout_s)
         inter = make_communicator("torch", peer_groups[local], cfg.timeout_s)
     else:

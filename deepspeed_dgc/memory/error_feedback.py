@@ -193,11 +193,12 @@ class ErrorFeedback:
         """L2 norm over all committed residuals (unscaled gradient units); one pass over them."""
         if not self.committed:
             return 0.0
-        sq = 0.0
-        for stored in self.committed.values():  # one decoded residual at a time
+        sq = None
+        for stored in self.committed.values():  # one decoded residual at a time, summed on the device
             r = self._fetch(stored)
-            sq += float(torch.dot(r, r))
-        return sq**0.5
+            d = torch.dot(r, r).double()
+            sq = d if sq is None else sq + d.to(sq.device)
+        return float(sq)**0.5  # one read-back
 
     def state_bytes(self) -> int:
         """Bytes held between steps by committed residuals (in host memory with ``offload``)."""

@@ -19,6 +19,7 @@ from typing import Callable, Dict, Hashable, List, Tuple
 import torch
 from deepspeed import comm as dist
 
+from ..comm.communicators import bounded_group, wait_torch_work
 from ..config import DGCConfigError
 
 # optimizers whose state holds Adam's "exp_avg_sq" and whose param groups hold lr, betas, eps, weight_decay
@@ -65,9 +66,8 @@ def check_optimizer(optimizer, gradient_accumulation_steps: int, fp16: bool = Fa
 
 
 
-def frozen_preconditioner(opt, precondition: bool, group,
-                          key_of: Callable[[torch.nn.Parameter], Hashable]) -> Tuple[Dict[Hashable, torch.Tensor],
-                                                                                      List[torch.Tensor]]:
+def frozen_preconditioner(opt, precondition: bool, group, key_of: Callable[[torch.nn.Parameter], Hashable],
+                          timeout_s: float = 600.0) -> Tuple[Dict[Hashable, torch.Tensor], List[torch.Tensor]]:
     """Freeze Adam's second moment: this owner's ``1 / (sqrt(max(v_hat, floor)) + eps)``, and with
     ``precondition`` every parameter's, gathered from all owners.
 
@@ -81,6 +81,7 @@ def frozen_preconditioner(opt, precondition: bool, group,
         precondition: gather every parameter's preconditioner (collective over ``group``: an all-gather).
         group: the data-parallel process group.
         key_of: the stable key of a parameter.
+        timeout_s: bound on the all-gather (``dgc.timeout_s``).
 
     Returns:
         ``(by_key, owner_inv)``: with ``precondition``, key -> bf16 ``(ds_numel,)`` of every parameter (else
@@ -101,27 +102,32 @@ def frozen_preconditioner(opt, precondition: bool, group,
         flat = opt.fp32_partitioned_groups_flat[i]
         st = basic.state[flat]
         param_group = basic.param_groups[opt.sub_group_to_group_id[i]]
-        v_hat = st["exp_avg_sq"].float() / (1.0 - param_group["betas"][1]**float(st["step"]))
+        step = st["step"]  # a host number, or a tensor (torch Adam's): read once per sub-group, at the freeze only
+        v_hat = st["exp_avg_sq"].float() / (1.0 - param_group["betas"][1]**(step.item() if torch.is_tensor(step) else
+                                                                             float(step)))
         inv = torch.empty_like(v_hat)
         for p in sub_group:
             _, offset, count = opt.grad_position[opt.get_param_id(p)]
             v = v_hat.narrow(0, offset, count)
-            floor = V_FLOOR * float(v.mean()) if count else 0.0
-            inv.narrow(0, offset, count).copy_(1.0 / (v.clamp(min=floor).sqrt() + param_group["eps"]))
+            floor = V_FLOOR * v.mean() if count else v.new_zeros(())  # on the device: nothing read back
+            inv.narrow(0, offset, count).copy_(1.0 / (torch.maximum(v, floor).sqrt() + param_group["eps"]))
             params.append(p)
             parts.append(inv.narrow(0, offset, count))
         owner_inv.append(inv)
     if not precondition:
         return {}, owner_inv
-    return _gather(params, parts, group, key_of), []
+    return _gather(params, parts, group, key_of, timeout_s), []
 
 
-def _gather(params, parts, group, key_of) -> Dict[Hashable, torch.Tensor]:
+def _gather(params, parts, group, key_of, timeout_s: float) -> Dict[Hashable, torch.Tensor]:
     """Every owner's partitions of each parameter's preconditioner, concatenated, in bf16 (2 bytes per parameter)."""
     world = dist.get_world_size(group=group)
     local = torch.cat(parts) if parts else torch.empty(0)
     gathered = [torch.empty_like(local) for _ in range(world)]
-    dist.all_gather(gathered, local, group=group)
+    bounded = bounded_group(group, timeout_s)
+    work = torch.distributed.all_gather(gathered, local, group=bounded, async_op=True)
+    wait_torch_work(work, "the all-gather of the frozen preconditioner", dist.get_rank(group=group), timeout_s,
+                    torch.distributed.get_backend(bounded) == "nccl")
     out, col = {}, 0
     for p, part in zip(params, parts):
         c = part.numel()

@@ -426,7 +426,7 @@ def freeze(opt, state: DGCState) -> None:
     "gradient" is the update). Collective over the data-parallel group with ``precondition``."""
     momentum = state.momentum
     by_key, owner_inv = owners.frozen_preconditioner(opt, momentum.cfg.precondition, opt.dp_process_group,
-                                                        state.key_of)
+                                                        state.key_of, state.cfg.timeout_s)
     momentum.set_frozen(by_key, owner_inv)
     inv_by_flat = {id(opt.fp32_partitioned_groups_flat[i]): inv for i, inv in enumerate(owner_inv)}
     decoupled = owners.decoupled_weight_decay(opt.optimizer)

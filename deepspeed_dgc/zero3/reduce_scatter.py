@@ -28,11 +28,10 @@ from dataclasses import dataclass
 from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
-from deepspeed import comm as dist
 
 from ..codec import wire
 from ..codec.entropy import deflate, inflate
-from ..codec.job import CompressJob, CompressOutput, real_count
+from ..codec.job import CompressJob, real_count
 from ..codec.kernels import get_ops
 from ..codec.selection import draw_samples, sample_indices
 from ..comm.topology import ReduceComms, build_reduce_comms, resolve_ranks_per_node
@@ -109,6 +108,7 @@ class CompressedReduceScatter:
         self._window_thresholds: Dict[Hashable, Optional[list]] = {}  # this window's: an estimate, "reused", or None
         self._generators: Dict[str, torch.Generator] = {}
         self._comms = {}
+        self._bad_senders: List[Tuple[object, torch.Tensor]] = []  # fixed layout: (communicator, bad flags) this step
         self.density = cfg.density if isinstance(cfg.density, float) else cfg.density_max
 
     # ---- the bucket path ------------------------------------------------------------------------
@@ -185,7 +185,7 @@ class CompressedReduceScatter:
         sparse = [(density < 1.0 or threshold) and n >= self.cfg.min_numel for n in numels]
         description = [list(codec), self.cfg.stochastic_rounding, self.cfg.index_coding, self.cfg.min_numel,
                        self.cfg.topology, self.ranks_per_node if self.cfg.topology == "hierarchical" else None,
-                       str(comm_dtype), list(numels), list(sparse)]
+                       str(comm_dtype), list(numels), list(sparse), self.layout(srcs[0].device.type)]
         return Bucket(keys=list(keys), numels=numels, chunks=[-(-n // world) for n in numels], srcs=srcs,
                       divisor=divisor, loss_scale=loss_scale, density=density, quantization=quantization,
                       group_size=group_size, sparse=sparse, comm_dtype=comm_dtype,
@@ -234,13 +234,20 @@ class CompressedReduceScatter:
 
         Returns:
             ``(out, finite, kept)``: the fp32 sum over senders of row ``my_row``, shape ``(C,)``, unscaled; whether
-            this rank's input was finite (it sends nothing otherwise); values it sent.
+            this rank's input was finite (exact layout: it sends nothing otherwise; fixed layout: always True, not
+            read back, every row is NaN instead); values it sent.
         """
         ops = self.ops_for(job.srcs[0].device.type)
+        if self.layout(job.srcs[0].device.type) == "fixed":
+            fixed_out = ops.compress_fixed(job)
+            out, bad = ops.decode_sum_fixed(comm.all_to_all_fixed(fixed_out.payloads), job)
+            self._bad_senders.append((comm, bad))
+            self._stage(bucket, job, fixed_out.residuals)
+            return out, True, fixed_out.kept
         result = ops.compress(job)
         received = self._exchange(comm, result.payloads)
         out = wire.decode_sum(received, job.row_layout(my_row), ops.decode_add)
-        self._stage(bucket, job, result)
+        self._stage(bucket, job, result.residuals, result.thresholds if result.finite else None)
         return out, result.finite, result.kept
 
     def _exchange(self, comm, payloads: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -249,17 +256,19 @@ class CompressedReduceScatter:
             return [inflate(b, src) for src, b in enumerate(comm.all_to_all([deflate(p) for p in payloads]))]
         return comm.all_to_all(payloads)
 
-    def _stage(self, bucket: Bucket, job: CompressJob, result: CompressOutput) -> None:
-        """Step 6: the new residuals and thresholds, and what the momentum state learns from the exchange."""
-        if job.reuse_thresholds is not None and result.finite:
-            self._remember_thresholds(job, bucket.keys, result.thresholds)
-        if result.residuals is None:
+    def _stage(self, bucket: Bucket, job: CompressJob, residuals: Optional[List[torch.Tensor]],
+               thresholds: Optional[Sequence[Optional[float]]] = None) -> None:
+        """Step 6: the new residuals, the thresholds a finite exchange used (threshold reuse), and what the momentum
+        state learns from the exchange."""
+        if job.reuse_thresholds is not None and thresholds is not None:
+            self._remember_thresholds(job, bucket.keys, thresholds)
+        if residuals is None:
             return
         before = list(job.residuals)
-        for key, residual in zip(bucket.keys, result.residuals):
+        for key, residual in zip(bucket.keys, residuals):
             self.memory.stage(key, residual)
         if bucket.momentum_sources:
-            self.momentum.after_exchange(bucket.keys, bucket.srcs, before, result.residuals, bucket.sparse)
+            self.momentum.after_exchange(bucket.keys, bucket.srcs, before, residuals, bucket.sparse)
 
     def _exit(self, out: torch.Tensor, finite: bool, bucket: Bucket, rank: int) -> List[torch.Tensor]:
         """Step 7: the loss scale restored, stock's rounding to the communication dtype for raw values, this
@@ -291,7 +300,10 @@ class CompressedReduceScatter:
         ]
         acc_m = torch.cat(cols, dim=1)
         payloads = [wire.as_bytes(acc_m[j::L].to(bucket.comm_dtype)) for j in range(L)]  # rows of owners k*L + j
-        received = comms.intra.all_to_all(payloads)
+        if self.layout(device.type) == "fixed":  # equal sizes: no size exchange
+            received = list(comms.intra.all_to_all_fixed(torch.stack(payloads)))
+        else:
+            received = comms.intra.all_to_all(payloads)
         node_sum = torch.zeros(N, C, dtype=torch.float32, device=device)
         for buf in received:  # in local-rank order, the same on every rank
             node_sum.add_(buf.view(bucket.comm_dtype).view(N, C).float())
@@ -307,6 +319,10 @@ class CompressedReduceScatter:
         return self._compress_exchange(bucket, job, comms.inter, comms.node)
 
     # ---- what a bucket is compressed with ---------------------------------------------------------
+
+    def layout(self, device_type: str) -> str:
+        """``"fixed"`` or ``"exact"``: the payload layout of gradients on ``device_type`` (``dgc.layout``)."""
+        return self.cfg.layout_for(device_type)
 
     def ops_for(self, device_type: str):
         """The compression implementation (fused or reference), chosen once."""
@@ -378,8 +394,7 @@ class CompressedReduceScatter:
                 needed = int(torch.searchsorted(kept_share, torch.tensor(1.0 - cfg.energy_budget, dtype=torch.float64))) + 1
                 want = needed / energy.numel()
         want = torch.tensor([min(cfg.density_max, max(cfg.density_min, want))], dtype=torch.float32, device=device)
-        dist.all_reduce(want, op=dist.ReduceOp.MAX, group=group)
-        return float(want.item())
+        return float(self.comms_for(group).flat.max_all_reduce(want).item())  # bounded by timeout_s
 
     # ---- threshold reuse ------------------------------------------------------------------------
 
@@ -410,7 +425,15 @@ class CompressedReduceScatter:
 
     def end_step(self, applied: bool) -> None:
         """The optimizer step ended. An applied step advances the warm-up clock and keeps this window's thresholds
-        (a reused one has served one more step); a skipped one forgets them."""
+        (a reused one has served one more step); a skipped one forgets them.
+
+        Raises:
+            DGCProtocolError: (fixed layout, after a skipped step only: the one time the flags are read on the host)
+                a rank of the group received a payload that does not match its own plan; raised on every rank.
+        """
+        bad, self._bad_senders = self._bad_senders, []
+        if not applied and bad:
+            self._check_payloads(bad)
         if applied:
             self.steps_applied += 1
             for key, change in self._window_thresholds.items():
@@ -421,6 +444,20 @@ class CompressedReduceScatter:
                 else:
                     self.thresholds[key] = change
         self._window_thresholds = {}
+
+    def _check_payloads(self, bad: Sequence[Tuple[object, torch.Tensor]]) -> None:
+        """After a skipped step: whether any rank received a payload that is not of its plan (one max all-reduce per
+        communicator, so every rank raises or none)."""
+        by_comm = {}
+        for comm, flags in bad:
+            by_comm[id(comm)] = (comm, flags if id(comm) not in by_comm else by_comm[id(comm)][1] | flags)
+        for comm, flags in by_comm.values():
+            senders = comm.any_rank(flags)
+            if senders:
+                raise wire.DGCProtocolError(
+                    f"rank {comm.rank} of a {comm.world_size}-rank exchange: a rank received payloads it cannot read "
+                    f"from rank(s) {senders} of that exchange (the 'dgc' config, the communication dtype or the "
+                    "bucket's tensor sizes differ between ranks); the step was skipped")
 
     def clear_thresholds(self, keys=None) -> None:
         """Forget the stored thresholds of these keys, or every one (estimated afresh at the next exchange)."""

@@ -44,7 +44,9 @@ def _assert_backends_equal(out, world, run_a="torch", run_b="mpi"):
         for case in a:
             for sa, sb in zip(a[case]["steps"], b[case]["steps"], strict=True):
                 for x, y in zip(sa["outputs"], sb["outputs"], strict=True):
-                    assert x.dtype == y.dtype and torch.equal(x, y), f"rank {rank} {case}: outputs differ"
+                    # bits, so that the NaN of a poisoned (skipped) micro-step compares too
+                    assert x.dtype == y.dtype and torch.equal(x.view(torch.int32), y.view(torch.int32)), \
+                        f"rank {rank} {case}: outputs differ"
                 assert sa["residuals"].keys() == sb["residuals"].keys()
                 assert all(torch.equal(sa["residuals"][k], sb["residuals"][k]) for k in sa["residuals"])
                 assert (sa["wire_bytes"], sa["kept"]) == (sb["wire_bytes"], sb["kept"])

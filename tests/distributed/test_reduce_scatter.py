@@ -1,4 +1,4 @@
-"""The compressed reduce-scatter in 2 and 3 real processes against float64 references.
+"""The compressed reduce-scatter in 2 and 3 real processes against float64 references, in both payload layouts.
 
 Sizes 1, 7, 42, 1001: with 3 ranks the last ranks own only part of a 1- or 7-element tensor, or nothing; residual
 bookkeeping must still conserve every gradient. Every case of tests/workers/reduce_worker.py is checked for
@@ -12,17 +12,39 @@ import pytest
 import torch
 
 from dist_launch import check_ok, launch
+from deepspeed_dgc.codec.fixed import chunk_split, position_bits
 from deepspeed_dgc.codec.formats import dequantize_weights, quantize_weights
 from deepspeed_dgc.codec.selection import target_count
 from workers.reduce_worker import CASES, SIZES, STEPS
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["w2", "w3"])
+@pytest.fixture(scope="module", params=[(2, "exact"), (3, "exact"), (2, "fixed"), (3, "fixed")],
+                ids=["w2", "w3", "w2-fixed", "w3-fixed"])
 def run(request):
-    world = request.param
+    """Every case on 2 or 3 ranks, in the exact or the fixed layout (the cases that need the exact layout, such as
+    density "auto", run in it in both: each case records its ``layout``)."""
+    world, layout = request.param
     out = tempfile.mkdtemp()
-    check_ok(launch(world, "reduce_worker.py", ["--out", out], timeout_s=180))
+    check_ok(launch(world, "reduce_worker.py", ["--out", out, "--layout", layout], timeout_s=180))
     return world, [torch.load(f"{out}/rank{r}_torch.pt") for r in range(world)]
+
+
+def _layout(ranks, case):
+    return ranks[0][case]["layout"]
+
+
+def _fixed_kept(n, world, density):
+    """Non-zero values a sender sends of an n-element sparsified tensor in the fixed layout: per owner row, each
+    chunk's count, clipped to the real (non-padding) columns of the chunk (random data: no exact zeros)."""
+    c = math.ceil(n / world)
+    bits = position_bits(density)
+    full, k_full, tail, k_tail = chunk_split(c, density, bits)
+    length, total = 1 << bits, 0
+    for o in range(world):
+        real = max(0, min(c, n - o * c))
+        total += sum(min(k_full, max(0, min(length, real - ch * length))) for ch in range(full))
+        total += min(k_tail, max(0, real - full * length)) if tail else 0
+    return total
 
 
 def _gather(ranks, case, step, i, world):
@@ -95,16 +117,21 @@ def test_delivered_equals_sent_and_conserves_gradients(run, case):
 
 # error of a sent value in units of the absmax of what its sender accumulated for the tensor (a group's absmax is at
 # most that): half a step to nearest, under one step with stochastic rounding; INT1 sends the group's mean magnitude
-# with the value's sign; FP8 and raw values are relative
+# with the value's sign; FP8 and raw values are relative. In the fixed layout a group holding zero-valued fills (the
+# last owner's padding columns) has INT2's three levels: a/2.
 FORMAT_BOUND = {"int4": 1 / 14, "int2": 1 / 3, "int1": 1.0}
+FIXED_FORMAT_BOUND = dict(FORMAT_BOUND, int2=1 / 2)
 FORMAT_REL = {"fp8_e4m3": 2.0**-4, "fp8_e5m2": 2.0**-3, "none": 1e-6}
 
 
-def _kept_bounds(cfg, n, density, step):
+def _kept_bounds(cfg, n, density, step, layout, world):
     """(fewest, most) elements of an n-element tensor a sender sends in a step of this case."""
     whole = n < cfg.get("min_numel", 2048) or density >= 1.0
     if whole:
         return n, n
+    if layout == "fixed":
+        k = _fixed_kept(n, world, density)
+        return k, k
     k = target_count(n, density)
     if step % cfg.get("threshold_reuse_steps", 1):  # a reused threshold: what reaches it, cut at 1.3 k
         return 0, math.ceil(1.3 * k)
@@ -134,6 +161,7 @@ def test_each_sender_sends_its_share_in_its_format(run, case):
     world, ranks = run
     cfg = CASES[case]
     fmt = cfg["quantization"]
+    layout = _layout(ranks, case)
     sr = cfg.get("stochastic_rounding", False)
     storage_rel = STORAGE_REL_ERROR[cfg.get("residual_dtype", "fp32")]
     checked = 0
@@ -150,18 +178,20 @@ def test_each_sender_sends_its_share_in_its_format(run, case):
                 tol = 1e-6 * (g.abs() + _residual(ranks, case, r, t - 1, i).abs() + res.abs()) + storage_rel * res.abs() \
                     + 1e-12
                 kept = sent.abs() > tol
-                lo, hi = _kept_bounds(cfg, n, density, t)
+                lo, hi = _kept_bounds(cfg, n, density, t, layout, world)
                 count = int(kept.sum())
-                zeros_possible = fmt in ("int4", "fp8_e4m3", "fp8_e5m2")  # a code of 0 sends nothing
+                # a code of 0 sends nothing (INT2 has one in the fixed layout's three-level groups)
+                zeros_possible = fmt in ("int4", "fp8_e4m3", "fp8_e5m2") or (fmt == "int2" and layout == "fixed")
                 assert (count >= lo or zeros_possible) and count <= hi, (case, r, t, i, count, lo, hi)
-                if fmt in ("int2", "int1", "none") and not (acc == 0).any():
+                if fmt in ("int1", "none") + (("int2", ) if layout == "exact" else ()) and not (acc == 0).any():
                     assert count >= lo, (case, r, t, i, count, lo)
                 if not bool(kept.any()):
                     continue
                 absmax = float(acc[kept].abs().max())
                 err = (sent[kept] - acc[kept]).abs()
                 if fmt in FORMAT_BOUND:
-                    bound = FORMAT_BOUND[fmt] * (2 if sr else 1) * absmax * (1 + 1e-5) + float(tol[kept].max())
+                    unit = (FIXED_FORMAT_BOUND if layout == "fixed" else FORMAT_BOUND)[fmt]
+                    bound = unit * (2 if sr else 1) * absmax * (1 + 1e-5) + float(tol[kept].max())
                     assert float(err.max()) <= bound, (case, r, t, i, float(err.max()), bound)
                     if fmt == "int1":
                         assert bool((torch.sign(sent[kept]) == torch.sign(acc[kept])).all())
@@ -176,7 +206,8 @@ def test_each_sender_sends_its_share_in_its_format(run, case):
 
 def test_an_overflow_in_the_second_of_four_micro_steps_rolls_back_the_whole_window(run):
     """Gradient accumulation of 4 micro-steps with lossy compression; rank 1's gradients hold an Inf in micro-step 1
-    of step 1. Rank 1 sends nothing and poisons its own partitions there; step 1 is skipped on every rank, and the
+    of step 1. Rank 1 sends nothing and poisons its own partitions there (exact layout), or flags its payloads so
+    that every rank's partitions are NaN there (fixed layout); step 1 is skipped on every rank, and the
     residuals after it are exactly those committed after step 0 on every rank, although micro-steps 0, 2 and 3 of
     the window had staged new ones. The windows that were applied conserve their gradients against a float64 oracle:
     what they delivered plus the residuals left equals the sum of their inputs divided by W."""
@@ -191,7 +222,8 @@ def test_an_overflow_in_the_second_of_four_micro_steps_rolls_back_the_whole_wind
         staged = [rec for rec in recs if rec["step"] == 1 and rec["micro"] in (2, 3)]
         assert any(not torch.equal(rec["residuals"][k], ends[0]["committed"][k]) for rec in staged for k in rec["residuals"])
         bad = [rec for rec in recs if (rec["step"], rec["micro"]) == (1, 1)][0]
-        assert all(bool(torch.isnan(o).all()) for o in bad["outputs"] if o.numel()) == (r == 1)
+        poisoned = r == 1 or _layout(ranks, case) == "fixed"
+        assert all(bool(torch.isnan(o).all()) for o in bad["outputs"] if o.numel()) == poisoned
         assert all(bool(torch.isfinite(v).all()) for e in ends.values() for v in e["committed"].values())
     for i, n in enumerate(SIZES):  # the applied windows (steps 0, 2, 3) against float64
         delivered = torch.zeros(n, dtype=torch.float64)
@@ -233,6 +265,9 @@ def test_entropy_coding_is_lossless_and_changes_only_the_bytes(run, case):
     inputs; only the bytes on the wire differ (the zlib streams were really sent)."""
     world, ranks = run
     twin = case.removesuffix("_zlib")
+    if _layout(ranks, twin) == "fixed":  # asked for the fixed layout, zlib's case fell back to the exact one
+        assert _layout(ranks, case) == "exact"
+        return
     for r in range(world):
         for a, b in zip(ranks[r][case]["steps"], ranks[r][twin]["steps"]):
             assert all(torch.equal(x, y) for x, y in zip(a["inputs"], b["inputs"]))
@@ -348,6 +383,8 @@ def test_sparse_selection_counts_and_residual_shape(run):
     elements stay whole in the residual; selected ones leave at most half a scale step."""
     world, ranks = run
     cfg = CASES["sparse_int4"]
+    if _layout(ranks, "sparse_int4") == "fixed":
+        return _check_fixed_selection(world, ranks, cfg["density"])
     for r in range(world):
         for t in range(STEPS):
             step = ranks[r]["sparse_int4"]["steps"][t]
@@ -380,3 +417,30 @@ def test_all_zero_rank(run):
             others = sum(_acc(ranks, "zero_rank", r, t, i, world) - _residual(ranks, "zero_rank", r, t, i)
                          for r in range(world) if r != 1)
             torch.testing.assert_close(out, others, rtol=0, atol=1e-5 * max(1.0, float(others.abs().max())))
+
+
+def _check_fixed_selection(world, ranks, density):
+    """Fixed layout, sparse_int4: each sender sends, in every chunk of every owner's slice, values at the chunk's
+    largest magnitudes only (chunked top-k), as many as the chunk's count (:func:`_fixed_kept`); the rest stays whole
+    in the residual."""
+    for r in range(world):
+        for t in range(STEPS):
+            for i, n in enumerate(SIZES):
+                acc = _acc(ranks, "sparse_int4", r, t, i, world)
+                res = _residual(ranks, "sparse_int4", r, t, i)
+                g = ranks[r]["sparse_int4"]["steps"][t]["inputs"][i].reshape(-1).double() / world
+                tol = 1e-6 * (g.abs() + _residual(ranks, "sparse_int4", r, t - 1, i).abs()) + 1e-12
+                sent = (res - acc).abs() > tol
+                assert int(sent.sum()) <= _fixed_kept(n, world, density)
+                c = math.ceil(n / world)
+                bits = position_bits(density)
+                full, k_full, tail, k_tail = chunk_split(c, density, bits)
+                length = 1 << bits
+                for o in range(world):
+                    for start, k in [(ch * length, k_full) for ch in range(full)] + [(full * length, k_tail)]:
+                        lo, hi = o * c + start, min(o * c + min(start + length, c), n)
+                        if hi <= lo:
+                            continue
+                        mags = acc[lo:hi].abs()
+                        kth = torch.topk(mags, min(k, mags.numel())).values.min()
+                        assert bool((mags[sent[lo:hi]] >= kth * (1 - 1e-6)).all())

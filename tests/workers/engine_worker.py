@@ -22,6 +22,7 @@ Options:
                              copies it into the parameter shards at every step and checkpoint load, and saves it
   --models-before K          build K other ZeRO-3 engines (stock) first, in this process: ZeRO-3 numbers the
                              parameters of every model a process builds (``ds_id``)
+  --count-syncs              count deepspeed_dgc's host-synchronising tensor calls per step (deepspeed_dgc.syncs)
   --fault die|hang           rank 1 is killed, or hangs, inside its reduce-scatter of step --fault-step (3);
                              rank 0 saves the error it got and when to DIR/rank0_error.pt and re-raises it
 """
@@ -41,6 +42,7 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
 import deepspeed_dgc
 from common import finish, init
+from deepspeed_dgc.syncs import HostSyncCounter
 
 BASE = {
     "train_micro_batch_size_per_gpu": 4,
@@ -198,6 +200,7 @@ def run(args, rank):
         for i, p in enumerate(engine.module.parameters()):
             p.register_hook(lambda g, i=i: local.__setitem__(i, g.detach().float().clone()))
     all_batches = batches(rank, args.steps, args.gas, dtype, args.model)
+    syncs = HostSyncCounter().__enter__() if args.count_syncs else None
     if args.eval_only:
         with torch.no_grad():
             record["losses"] = [float(engine(x, y)) for micro in all_batches for x, y in micro]
@@ -220,6 +223,9 @@ def run(args, rank):
                     if args.local_grads:
                         record["local_grads"].append([local[i] for i in range(len(local))])
                 engine.step()
+            if syncs is not None:  # before the test's own read-backs below
+                record.setdefault("host_syncs", []).append(
+                    {f"{site} {name}": n for (site, name), n in syncs.take_sites().items()})
             record["params"].append(full_params(engine))
             record["skipped"].append(engine.skipped_steps)
             record["loss_scale"].append(float(engine.optimizer.loss_scale))
@@ -233,10 +239,14 @@ def run(args, rank):
                 engine.module.l1.weight.requires_grad_(False)
             if args.save_at is not None and step + 1 == args.save_at:
                 engine.save_checkpoint(args.ckpt)
+            if syncs is not None:
+                syncs.take()  # the read-backs of this worker's records above are not the training step's
     except Exception as err:
         if args.fault:
             torch.save(dict(error=f"{type(err).__name__}: {err}", at=time.time()), f"{args.out}/rank{rank}_error.pt")
         raise
+    if syncs is not None:
+        syncs.__exit__(None, None, None)
     if args.lr_scheduler:  # after a freeze of compressed momentum the owners' step is replaced: still bound
         torch.optim.lr_scheduler.LambdaLR(engine.optimizer.optimizer, lambda s: 1.0)
     stats = deepspeed_dgc.get_stats(engine)
@@ -266,6 +276,7 @@ def main(argv=None):
     ap.add_argument("--freeze-at", type=int, default=None)
     ap.add_argument("--eval-only", action="store_true")
     ap.add_argument("--poison-padding", action="store_true")
+    ap.add_argument("--count-syncs", action="store_true")
     ap.add_argument("--fault", choices=["die", "hang"], default=None)
     ap.add_argument("--fault-step", type=int, default=3)
     args = ap.parse_args(argv)

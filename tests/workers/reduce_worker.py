@@ -1,6 +1,7 @@
 """Worker: run the compressed reduce-scatter directly on random gradients and save everything.
 
-Usage: reduce_worker.py --out DIR [--runs RUN[,RUN...]] [--topology flat|hierarchical] [--ranks-per-node L],
+Usage: reduce_worker.py --out DIR [--runs RUN[,RUN...]] [--topology flat|hierarchical] [--ranks-per-node L]
+[--layout auto|fixed|exact] (a case whose settings need the exact layout runs with "auto", i.e. exact on CPU),
 e.g. ``--runs torch,mpi`` or ``--runs torch,torch:reference --topology hierarchical --ranks-per-node 2``. Each run
 is ``BACKEND[:KERNELS]`` (``dgc.comm_backend``, ``dgc.kernels``, default auto). Writes DIR/rank<r>_<run>.pt:
 {case: {"cfg", "steps": [...], "ops"}} where each step holds this rank's inputs, outputs and committed residuals
@@ -55,7 +56,13 @@ def run_cases(rank: int, **settings) -> dict:
     for ci, (name, kw) in enumerate(CASES.items()):
         try:
             # fp32 residuals unless the case says (the exact oracle; the default "auto" is fp8 on the flat topology)
-            cfg = DGCConfig(enabled=True, **settings, **dict(dict(residual_dtype="fp32"), **kw))
+            kw_all = dict(dict(residual_dtype="fp32"), **kw)
+            try:
+                cfg = DGCConfig(enabled=True, **settings, **kw_all)
+            except ValueError:  # e.g. density "auto" with the fixed layout: this case runs in the exact one
+                if settings.get("layout") != "fixed":
+                    raise
+                cfg = DGCConfig(enabled=True, **dict(settings, layout="auto"), **kw_all)
         except ValueError as err:  # a case this topology refuses (e.g. density "auto" with the hierarchical one)
             if settings.get("topology") != "hierarchical":
                 raise
@@ -100,7 +107,7 @@ def run_cases(rank: int, **settings) -> dict:
             # what the next call starts from: the committed residuals (rounded by their storage dtype)
             steps[-1].update(applied=applied, committed=committed, residuals=dict(committed),
                              thresholds={k: list(v) for k, v in reducer.thresholds.items()})
-        results[name] = dict(cfg=kw, steps=steps, ops=reducer.ops.name)
+        results[name] = dict(cfg=kw, steps=steps, ops=reducer.ops.name, layout=reducer.layout("cpu"))
     return results
 
 
@@ -110,12 +117,13 @@ def main(argv=None) -> None:
     ap.add_argument("--runs", default="torch")
     ap.add_argument("--topology", default="flat", choices=["flat", "hierarchical"])
     ap.add_argument("--ranks-per-node", type=int, default=None)
+    ap.add_argument("--layout", default="auto", choices=["auto", "fixed", "exact"])
     args = ap.parse_args(argv)
     rank = init()
     for run in args.runs.split(","):
         backend, _, kernels = run.partition(":")
         results = run_cases(rank, comm_backend=backend, kernels=kernels or "auto", topology=args.topology,
-                            ranks_per_node=args.ranks_per_node, timeout_s=60.0)
+                            ranks_per_node=args.ranks_per_node, timeout_s=60.0, layout=args.layout)
         torch.save(results, f"{args.out}/rank{rank}_{run}.pt")
     finish()
 

@@ -38,7 +38,8 @@ def test_thresholds_are_reused_every_n_steps_and_skipped_steps_do_not_count():
         job = reducer._job(bucket, srcs, [0, 0], bucket.chunks, [0, 1], numels, 2.0)
         reused = job.reuse_thresholds[0] is not None
         assert (job.samples[0] is None) == reused  # a sample is drawn only to estimate
-        reducer._stage(bucket, job, ops.compress(job))
+        out = ops.compress(job)
+        reducer._stage(bucket, job, out.residuals, out.thresholds)
         reducer.end_step(applied)
         pattern.append((reused, reducer.thresholds["a"][1:]))
     assert pattern == [(False, [0.1, 1, False]), (True, [0.1, 2, False]), (True, [0.1, 2, False]),  # skipped

@@ -1,0 +1,451 @@
+"""The fixed layout: payloads whose every size the host knows from the bucket's shape and density alone.
+
+This is the device path (``"layout": "fixed"``, the default on GPUs): the host only launches work. Nothing
+the host needs depends on the data, so no size exchange, no read-back of a count and one ``all_to_all_single``
+per bucket with equal splits; every owner row gets a payload of the same size.
+
+Selection: chunked top-k. Each owner's slice of a sparsified tensor (``c_i`` columns) is cut into chunks of
+``L = 2^b`` columns (the last one shorter); each chunk sends its ``ceil(density * length)`` largest ``|acc|``
+(ties: the lower column first), so every payload holds the same number of values whatever the data.
+Chunked top-k is the selection of DeMo (Peng et al., arXiv 2411.19870, section 3) and SparseLoCo (arXiv
+2508.15706, section 3); like Ok-Topk's bounded payloads (Li and Hoefler, PPoPP 2022, section 3.1) it trades
+the exact global top-k for a size known in advance, and error feedback keeps what a chunk could not send.
+Positions are b-bit offsets inside the chunk, b the smallest of 8, 12, 16 whose chunks keep at least 4 values
+(:func:`position_bits`): 8 bits per position from density 1/64 up, 12 from 1/1024, else 16.
+
+Values: the formats of :mod:`~deepspeed_dgc.codec.formats` with every exact zero decoded as exactly 0 and
+no data-dependent size: INT4 and FP8 code 0 as 0; INT2 switches a scale group that mixes zeros and non-zeros
+to three levels ``{-a, 0, a}`` (``a`` its absmax, error <= a/2; flagged by a negative scale); INT1 codes
+sign-or-zero (ternary), five values per byte (1.6 bits; the exact layout's 1 bit plus masks needs sizes
+that depend on the data).
+
+Payload of one owner row (``FixedPlan.payload_bytes`` bytes)::
+
+    int32[3]  header: MAGIC, fingerprint, flags (bit 0: the sender's input was not finite)
+    fp32[G]   group scales (groups restart at each tensor)
+    values    codes (INT4 two per byte, INT2 four, INT1 five, FP8 one) or raw values times ``raw_scale``
+    bytes     positions of the sparsified tensors' values, chunk by chunk (b bits each, little-endian)
+    zeros     padding to a multiple of 4 bytes
+
+The receiver checks the headers on the device: a wrong magic or fingerprint (another config or bucket) or
+a position past its chunk sets a flag and fills the row with NaN (so the step is skipped on every rank),
+and the flag is read on the host only after a skipped step; a sender whose input was not finite makes
+every row NaN the same way.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .formats import FP8_DTYPES, FP8_MAX, INT2_LEVEL, INT4_QMAX, VALUE_BITS, _divide_by_scale
+
+MAGIC = 0x44474346  # "DGCF"
+HEADER_BYTES = 12
+FLAG_NOT_FINITE = 1
+POSITION_BITS = (8, 12, 16)
+MIN_PER_CHUNK = 4
+TERNARY_PER_BYTE = 5  # 3^5 = 243 <= 256
+
+
+def position_bits(density: float) -> int:
+    """Bits per position (and ``log2`` of the chunk length) at ``density``: the smallest of 8, 12, 16 whose
+    chunks keep at least ``MIN_PER_CHUNK`` values (so the rounding up of each chunk's count adds <= 25%)."""
+    for bits in POSITION_BITS:
+        if density * (1 << bits) >= MIN_PER_CHUNK:
+            return bits
+    return POSITION_BITS[-1]
+
+
+def chunk_split(columns: int, density: float, bits: int) -> Tuple[int, int, int, int]:
+    """``(full chunks, values each keeps, tail length, values the tail keeps)`` of a row slice of ``columns``."""
+    length = 1 << bits
+    full, tail = divmod(columns, length)
+    return full, min(length, math.ceil(density * length)), tail, math.ceil(density * tail) if tail else 0
+
+
+def value_code_bytes(count: int, fmt: str) -> int:
+    """Bytes of ``count`` codes of ``fmt`` in the fixed layout (INT1 is ternary: five per byte)."""
+    if fmt == "int1":
+        return -(-count // TERNARY_PER_BYTE)
+    return -(-count * VALUE_BITS[fmt] // 8)
+
+
+@dataclass(frozen=True)
+class FixedPlan:
+    """Sizes of one bucket's payloads, from its shape and codec only (every rank computes the same).
+
+    Attributes:
+        chunks: columns ``c_i`` of each tensor in a row; sparse: whether tensor i is sparsified.
+        density: top-k density of the sparsified tensors; bits: bits per position (chunks of ``2^bits``).
+        quantize, value_format, group_size: the value codec (``quantize`` False: raw ``value_dtype`` values).
+        counts: values per row of each tensor (``c_i`` when sent whole); groups: scale groups of each tensor.
+    """
+    chunks: Tuple[int, ...]
+    sparse: Tuple[bool, ...]
+    density: float
+    quantize: bool
+    value_format: str
+    group_size: int
+    value_dtype: torch.dtype
+    bits: int
+    counts: Tuple[int, ...]
+    groups: Tuple[int, ...]
+
+    @staticmethod
+    def build(chunks: Sequence[int], sparse: Sequence[bool], density: float, quantize: bool, value_format: str,
+              group_size: int, value_dtype: torch.dtype) -> "FixedPlan":
+        """The plan of a bucket (see the class); ``density`` only matters for sparsified tensors."""
+        bits = position_bits(density)
+        counts = []
+        for c, s in zip(chunks, sparse):
+            if s:
+                full, k_full, _, k_tail = chunk_split(c, density, bits)
+                counts.append(full * k_full + k_tail)
+            else:
+                counts.append(c)
+        groups = tuple(-(-k // group_size) if quantize else 0 for k in counts)
+        return FixedPlan(tuple(chunks), tuple(bool(s) for s in sparse), float(density), bool(quantize),
+                         value_format, int(group_size), value_dtype, bits, tuple(counts), groups)
+
+    @property
+    def values(self) -> int:
+        """K: values per row."""
+        return sum(self.counts)
+
+    @property
+    def indexed(self) -> int:
+        """Values per row that carry a position (those of sparsified tensors)."""
+        return sum(k for k, s in zip(self.counts, self.sparse) if s)
+
+    @property
+    def n_groups(self) -> int:
+        return sum(self.groups)
+
+    @property
+    def value_bytes(self) -> int:
+        if self.quantize:
+            return value_code_bytes(self.values, self.value_format)
+        return self.values * torch.empty(0, dtype=self.value_dtype).element_size()
+
+    @property
+    def position_bytes(self) -> int:
+        return -(-self.indexed * self.bits // 8)
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of one row's payload, padding included: what every row sends to every other."""
+        n = HEADER_BYTES + 4 * self.n_groups + self.value_bytes + self.position_bytes
+        return n + (-n % 4)
+
+
+class _Constants:
+    """Index tensors of a plan on one device, made once (the first bucket of that shape) and reused."""
+
+    def __init__(self, plan: FixedPlan, device):
+        gs = max(plan.group_size, 1)
+        self.in_chunk = []  # per sparsified tensor: (c,) column % 2^bits
+        slot, gid, col_base, chunk_len, indexed, self.chunk_start = [], [], [], [], [], []
+        group0, col0, value0 = 0, 0, 0
+        for c, s, k, g in zip(plan.chunks, plan.sparse, plan.counts, plan.groups):
+            j = torch.arange(k)
+            slot.append((group0 + j // gs) * gs + j % gs)
+            gid.append(group0 + j // gs)
+            if s:
+                full, k_full, tail, k_tail = chunk_split(c, plan.density, plan.bits)
+                chunk = torch.cat([torch.arange(full).repeat_interleave(k_full), torch.full((k_tail, ), full)])
+                col_base.append(col0 + chunk * (1 << plan.bits))
+                self.chunk_start.append((chunk * (1 << plan.bits)).to(device))
+                self.in_chunk.append((torch.arange(c) % (1 << plan.bits)).to(device))
+                chunk_len.append(torch.cat([torch.full((full * k_full, ), 1 << plan.bits), torch.full((k_tail, ), tail)]))
+                indexed.append(value0 + j)
+            else:
+                col_base.append(col0 + j)
+            group0, col0, value0 = group0 + g, col0 + c, value0 + k
+        cat = lambda parts: (torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)).to(device)  # noqa: E731
+        self.slot, self.gid, self.col_base = cat(slot), cat(gid), cat(col_base)
+        self.chunk_len, self.indexed = cat(chunk_len), cat(indexed)
+        real = torch.zeros(plan.n_groups * gs, dtype=torch.bool)
+        if plan.quantize and slot:
+            real[torch.cat(slot)] = True
+        self.real_slot = real.view(plan.n_groups, gs).to(device)
+        ternary = torch.tensor([3**i for i in range(TERNARY_PER_BYTE)], dtype=torch.int32)
+        bits = VALUE_BITS.get(plan.value_format, 8)
+        self.digit_weights = (ternary if plan.value_format == "int1" else
+                              1 << (bits * torch.arange(8 // bits, dtype=torch.int32))).to(device)
+
+
+_CONSTANTS: Dict[Tuple[FixedPlan, str], _Constants] = {}
+
+
+def constants(plan: FixedPlan, device) -> _Constants:
+    """The plan's index tensors on ``device`` (cached)."""
+    key = (plan, str(device))
+    if key not in _CONSTANTS:
+        _CONSTANTS[key] = _Constants(plan, device)
+    return _CONSTANTS[key]
+
+
+# ---- selection -----------------------------------------------------------------------------------------
+
+
+def select(acc_m: torch.Tensor, plan: FixedPlan) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Chunked top-k of every sparsified tensor; tensors sent whole give all their columns.
+
+    Args:
+        acc_m: fp32 ``(R, C)`` owner matrix (padding 0).
+        plan: the bucket's :class:`FixedPlan`.
+
+    Returns:
+        ``(values, positions)``: fp32 ``(R, K)`` in payload order (tensor by tensor, chunk by chunk, ascending
+        position) and int64 ``(R, Ks)`` offsets inside their chunks.
+    """
+    R = acc_m.shape[0]
+    consts = constants(plan, acc_m.device)
+    values, positions, col, t = [], [], 0, 0
+    for c, s in zip(plan.chunks, plan.sparse):
+        block = acc_m[:, col:col + c]
+        col += c
+        if not s:
+            values.append(block)
+            continue
+        full, k_full, tail, k_tail = chunk_split(c, plan.density, plan.bits)
+        length = 1 << plan.bits
+        # unique keys: |acc| (as ordered int bits), then the lower column; top-k of them is deterministic
+        key = block.abs().view(torch.int32).long() * length + (length - 1 - consts.in_chunk[t])
+        pos = []
+        if full:
+            top = torch.topk(key[:, :full * length].view(R, full, length), k_full, dim=2, sorted=False).indices
+            pos.append(torch.sort(top, dim=2).values.view(R, full * k_full))
+        if tail:
+            top = torch.topk(key[:, full * length:], k_tail, dim=1, sorted=False).indices
+            pos.append(torch.sort(top, dim=1).values)
+        pos = torch.cat(pos, dim=1)
+        values.append(torch.gather(block, 1, pos + consts.chunk_start[t]))
+        positions.append(pos)
+        t += 1
+    empty = acc_m.new_empty(R, 0)
+    return (torch.cat(values, dim=1) if values else empty,
+            torch.cat(positions, dim=1) if positions else empty.long())
+
+
+# ---- values ----------------------------------------------------------------------------------------------
+
+
+def quantize_rows(values: torch.Tensor, plan: FixedPlan,
+                  generator: Optional[torch.Generator] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group-wise quantization of every row (see the module docstring for the formats).
+
+    Args:
+        values: fp32 ``(R, K)``; plan: its :class:`FixedPlan` (quantized).
+        generator: stochastic rounding (INT4/INT2) from it; None: round to nearest.
+
+    Returns:
+        ``(scales, codes, decoded)``: fp32 ``(R, G)`` (INT2's three-level groups negative), uint8 ``(R, K)``
+        unpacked codes, fp32 ``(R, K)`` what the receivers decode.
+    """
+    R, fmt, gs = values.shape[0], plan.value_format, plan.group_size
+    consts = constants(plan, values.device)
+    G = plan.n_groups
+    v = values.new_zeros(R, G * gs).index_copy_(1, consts.slot, values).view(R, G, gs)
+    mag = v.abs()
+    amax = mag.amax(dim=2) if G else mag.new_zeros(R, 0)
+    u = 0.5 if generator is None else torch.rand(v.shape, generator=generator, device=v.device)
+    if fmt == "int4":
+        s = amax / INT4_QMAX
+        q = torch.floor(_divide_by_scale(v, s[..., None]) + u).clamp_(-INT4_QMAX, INT4_QMAX)
+        codes, decoded, scales = q + 8, q * s[..., None], s
+    elif fmt == "int2":
+        mixed = ((v == 0) & consts.real_slot).any(dim=2) & (amax > 0)
+        s4 = amax / INT2_LEVEL  # four levels (q + 0.5) s, q in [-2, 1]
+        q4 = torch.floor(_divide_by_scale(v, s4[..., None]) - 0.5 + u).clamp_(-2, 1)
+        q3 = torch.floor(_divide_by_scale(v, amax[..., None]) + u).clamp_(-1, 1)  # three levels q a, q in [-1, 1]
+        m = mixed[..., None]
+        codes = torch.where(m, q3 + 1, q4 + 2)
+        decoded = torch.where(m, q3 * amax[..., None], (q4 + 0.5) * s4[..., None])
+        scales = torch.where(mixed, -amax, s4)
+    elif fmt == "int1":
+        nonzero = (mag > 0).sum(dim=2)
+        s = mag.sum(dim=2) / nonzero.clamp(min=1)
+        sign = torch.sign(v)
+        codes, decoded, scales = sign + 1, sign * s[..., None], s
+    elif fmt in FP8_DTYPES:
+        s = amax / FP8_MAX[fmt]
+        c = _divide_by_scale(v, s[..., None]).to(FP8_DTYPES[fmt])
+        codes, decoded, scales = c.view(torch.uint8), c.float() * s[..., None], s
+    else:
+        raise ValueError(f"unknown value format {fmt!r}; allowed: {', '.join(VALUE_BITS)}")
+    flat = lambda t: t.reshape(R, G * gs).index_select(1, consts.slot)  # noqa: E731
+    return scales, flat(codes).to(torch.uint8), flat(decoded)
+
+
+def dequantize_rows(scales: torch.Tensor, codes: torch.Tensor, plan: FixedPlan) -> torch.Tensor:
+    """Inverse of :func:`quantize_rows`: fp32 ``(W, K)`` from scales ``(W, G)`` and unpacked codes ``(W, K)``."""
+    consts = constants(plan, codes.device)
+    s = scales.index_select(1, consts.gid)
+    fmt = plan.value_format
+    if fmt in FP8_DTYPES:
+        return codes.contiguous().view(FP8_DTYPES[fmt]).float() * s
+    c = codes.float()
+    if fmt == "int4":
+        return (c - 8) * s
+    if fmt == "int2":
+        return torch.where(s < 0, (c - 1) * -s, (c - 1.5) * s)
+    return (c - 1) * s  # int1
+
+
+def pack_rows(codes: torch.Tensor, plan: FixedPlan) -> torch.Tensor:
+    """Pack unpacked codes ``(R, K)`` row by row, little-endian (INT1: base 3, digit i of a byte weighing 3^i):
+    ``(R, value_code_bytes(K, fmt))`` uint8."""
+    R, K = codes.shape
+    if plan.value_format in FP8_DTYPES:
+        return codes
+    weights = constants(plan, codes.device).digit_weights
+    per = weights.numel()
+    c = torch.nn.functional.pad(codes, (0, -K % per)).view(R, -1, per).to(torch.int32)
+    return (c * weights).sum(dim=2).to(torch.uint8)
+
+
+def unpack_rows(packed: torch.Tensor, plan: FixedPlan) -> torch.Tensor:
+    """Inverse of :func:`pack_rows`: ``(W, K)`` uint8 codes."""
+    W, fmt = packed.shape[0], plan.value_format
+    if fmt in FP8_DTYPES:
+        return packed
+    weights = constants(plan, packed.device).digit_weights
+    b = packed.to(torch.int32)[..., None]
+    digits = (b // weights) % 3 if fmt == "int1" else (b // weights) & ((1 << VALUE_BITS[fmt]) - 1)
+    return digits.view(W, -1)[:, :plan.values].to(torch.uint8)
+
+
+def pack_positions(positions: torch.Tensor, bits: int) -> torch.Tensor:
+    """b-bit positions ``(R, Ks)`` as little-endian bytes ``(R, ceil(Ks * bits / 8))`` (12 bits: 3 bytes per pair)."""
+    R, n = positions.shape
+    p = positions.to(torch.int32)
+    if bits == 8:
+        return p.to(torch.uint8)
+    if bits == 16:
+        return torch.stack([p & 0xFF, p >> 8], dim=2).view(R, 2 * n).to(torch.uint8)
+    pairs = torch.nn.functional.pad(p, (0, n % 2)).view(R, -1, 2)
+    a, b = pairs[..., 0], pairs[..., 1]
+    out = torch.stack([a & 0xFF, (a >> 8) | ((b & 0xF) << 4), b >> 4], dim=2).view(R, -1)
+    return out[:, :-(-n * 12 // 8)].to(torch.uint8)
+
+
+def unpack_positions(data: torch.Tensor, count: int, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_positions`: int64 ``(W, count)``."""
+    W = data.shape[0]
+    d = data.long()
+    if bits == 8:
+        return d[:, :count]
+    if bits == 16:
+        pairs = d.view(W, -1, 2)
+        return (pairs[..., 0] | (pairs[..., 1] << 8))[:, :count]
+    d = torch.nn.functional.pad(d, (0, -d.shape[1] % 3)).view(W, -1, 3)
+    a = d[..., 0] | ((d[..., 1] & 0xF) << 8)
+    b = (d[..., 1] >> 4) | (d[..., 2] << 4)
+    return torch.stack([a, b], dim=2).view(W, -1)[:, :count]
+
+
+# ---- payloads -----------------------------------------------------------------------------------------
+
+
+def encode_rows(values: torch.Tensor, positions: torch.Tensor, plan: FixedPlan, fingerprint: int,
+                not_finite: torch.Tensor, raw_scale: float = 1.0,
+                generator: Optional[torch.Generator] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Every row's payload, and what the receivers will decode.
+
+    Args:
+        values: fp32 ``(R, K)`` and positions int64 ``(R, Ks)`` from :func:`select`.
+        plan: the bucket's plan; fingerprint: int31 of config and bucket (:func:`~deepspeed_dgc.codec.wire.fingerprint`).
+        not_finite: 0-d bool tensor, True when this rank's input held Inf/NaN (flagged in every header).
+        raw_scale: raw values travel multiplied by it; generator: stochastic rounding.
+
+    Returns:
+        ``(payloads, decoded)``: uint8 ``(R, payload_bytes)`` and fp32 ``(R, K)``.
+    """
+    from .wire import raw_decode, raw_encode
+    R, device = values.shape[0], values.device
+    header = torch.empty(R, 3, dtype=torch.int32, device=device)
+    header[:, 0] = MAGIC
+    header[:, 1] = fingerprint
+    header[:, 2] = not_finite.to(torch.int32) * FLAG_NOT_FINITE
+    parts = [header.view(torch.uint8)]
+    if plan.quantize:
+        scales, codes, decoded = quantize_rows(values, plan, generator)
+        parts += [scales.contiguous().view(torch.uint8), pack_rows(codes, plan)]
+    else:
+        raw = raw_encode(values, plan.value_dtype, raw_scale)
+        decoded = raw_decode(raw, raw_scale)
+        parts.append(raw.contiguous().view(torch.uint8).view(R, -1))
+    parts.append(pack_positions(positions, plan.bits))
+    n = sum(p.shape[1] for p in parts)
+    if n % 4:
+        parts.append(torch.zeros(R, -n % 4, dtype=torch.uint8, device=device))
+    return torch.cat(parts, dim=1), decoded
+
+
+def columns(positions: torch.Tensor, plan: FixedPlan) -> torch.Tensor:
+    """Row columns ``(W, K)`` of the values of payloads with these positions ``(W, Ks)`` (clamped into their chunks)."""
+    consts = constants(plan, positions.device)
+    cols = consts.col_base.expand(positions.shape[0], -1).clone()
+    if positions.shape[1]:
+        cols[:, consts.indexed] += torch.minimum(positions, consts.chunk_len - 1)
+    return cols
+
+
+def decode_sum_rows(received: torch.Tensor, plan: FixedPlan, fingerprint: int, row_numel: int,
+                    raw_scale: float = 1.0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Decode every sender's payload for this row and sum them, in sender order, into a dense fp32 row.
+
+    Args:
+        received: uint8 ``(W, payload_bytes)``, row s from sender s.
+        plan: the bucket's plan; fingerprint: expected in every header; row_numel: C.
+        raw_scale: raw values arrive multiplied by it.
+
+    Returns:
+        ``(row, bad)``: fp32 ``(C,)`` (all NaN when a sender's input was not finite or a payload is bad) and bool
+        ``(W,)``, True for the senders whose payload does not match this rank's plan (a device tensor: nothing is
+        read on the host).
+    """
+    W, device = received.shape[0], received.device
+    header = received[:, :HEADER_BYTES].contiguous().view(torch.int32)
+    bad = (header[:, 0] != MAGIC) | (header[:, 1] != fingerprint)
+    off = HEADER_BYTES
+    if plan.quantize:
+        scales = received[:, off:off + 4 * plan.n_groups].contiguous().view(torch.float32)
+        off += 4 * plan.n_groups
+        codes = unpack_rows(received[:, off:off + plan.value_bytes], plan)
+        values = dequantize_rows(scales, codes, plan)
+    else:
+        from .wire import raw_decode
+        raw = received[:, off:off + plan.value_bytes].contiguous().view(plan.value_dtype)
+        values = raw_decode(raw, raw_scale)
+    off += plan.value_bytes
+    positions = unpack_positions(received[:, off:off + plan.position_bytes], plan.indexed, plan.bits)
+    if positions.shape[1]:
+        bad |= (positions >= constants(plan, device).chunk_len).any(dim=1)
+    cols = columns(positions, plan)
+    out = torch.zeros(row_numel, dtype=torch.float32, device=device)
+    for s in range(W):
+        out.index_add_(0, cols[s], values[s])
+    poison = bad.any() | ((header[:, 2] & FLAG_NOT_FINITE) != 0).any()
+    return out.masked_fill_(poison, float("nan")), bad
+
+
+def sent_matrix(decoded: torch.Tensor, positions: torch.Tensor, plan: FixedPlan, row_numel: int) -> torch.Tensor:
+    """What this rank sent, as an fp32 ``(R, C)`` matrix (0 where nothing was sent): for the residuals."""
+    cols = columns(positions, plan)
+    return decoded.new_zeros(decoded.shape[0], row_numel).scatter_(1, cols, decoded)
+
+
+def residual_rows(acc_m: torch.Tensor, sent_m: torch.Tensor, chunks: Sequence[int],
+                  residual_numels: Sequence[int]) -> List[torch.Tensor]:
+    """The new residual of each tensor, ``acc - sent`` (unsent elements keep ``acc`` exactly), clipped to its
+    residual length."""
+    res_m = acc_m - sent_m
+    out, col = [], 0
+    for c, rn in zip(chunks, residual_numels):
+        out.append(res_m[:, col:col + c].reshape(-1)[:rn].clone())
+        col += c
+    return out
