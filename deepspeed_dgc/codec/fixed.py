@@ -4,33 +4,38 @@ This is the device path (``"layout": "fixed"``, the default on GPUs): the host o
 the host needs depends on the data, so no size exchange, no read-back of a count and one ``all_to_all_single``
 per bucket with equal splits; every owner row gets a payload of the same size.
 
-Selection: chunked top-k. Each owner's slice of a sparsified tensor (``c_i`` columns) is cut into chunks of
-``L = 2^b`` columns (the last one shorter); each chunk sends its ``ceil(density * length)`` largest ``|acc|``
-(ties: the lower column first), so every payload holds the same number of values whatever the data.
-Chunked top-k is the selection of DeMo (Peng et al., arXiv 2411.19870, section 3) and SparseLoCo (arXiv
-2508.15706, section 3); like Ok-Topk's bounded payloads (Li and Hoefler, PPoPP 2022, section 3.1) it trades
-the exact global top-k for a size known in advance, and error feedback keeps what a chunk could not send.
-Positions are b-bit offsets inside the chunk, b the smallest of 8, 12, 16 whose chunks keep at least 4 values
-(:func:`position_bits`): 8 bits per position from density 1/64 up, 12 from 1/1024, else 16.
+Selection (:func:`select`): DGC's sampled top-k threshold of the whole tensor, with its lowering rounds
+(Lin et al., ICLR 2018, section 3 and appendix), computed on the device (every candidate threshold counted in
+one pass); then each owner's slice sends what reaches the threshold up to a fixed **capacity** of
+``ceil(capacity_factor * density * c)`` values, the largest first: Ok-Topk's cut above capacity (Li and Hoefler,
+PPoPP 2022, section 3.1), per owner. Error feedback keeps what a full row could not send; a row with fewer values
+pads its payload with empty slots, counted on the wire. The threshold is global but the capacity is per owner, so
+a tensor whose slices differ (the q, k and v blocks of an attention projection fall in different owners) needs a
+factor well above DGC's 1.3 (``dgc.capacity_factor``, default 2).
+
+Positions: the slice is cut into chunks of ``2^b`` columns; each payload carries the number of values of every
+chunk (uint16) and, per value, its b-bit offset inside its chunk, b the smallest of 8, 12, 15 whose chunks hold
+at least 4 values at the density (:func:`position_bits`).
 
 Values: the formats of :mod:`~deepspeed_dgc.codec.formats` with every exact zero decoded as exactly 0 and
 no data-dependent size: INT4 and FP8 code 0 as 0; INT2 switches a scale group that mixes zeros and non-zeros
-to three levels ``{-a, 0, a}`` (``a`` its absmax, error <= a/2; flagged by a negative scale); INT1 codes
-sign-or-zero (ternary), five values per byte (1.6 bits; the exact layout's 1 bit plus masks needs sizes
-that depend on the data).
+(empty slots included) to three levels ``{-a, 0, a}`` (``a`` its absmax, error <= a/2; flagged by a negative
+scale); INT1 codes sign-or-zero (ternary), five values per byte (1.6 bits; the exact layout's 1 bit plus masks
+needs sizes that depend on the data).
 
 Payload of one owner row (``FixedPlan.payload_bytes`` bytes)::
 
     int32[3]  header: MAGIC, fingerprint, flags (bit 0: the sender's input was not finite)
     fp32[G]   group scales (groups restart at each tensor)
     values    codes (INT4 two per byte, INT2 four, INT1 five, FP8 one) or raw values times ``raw_scale``
-    bytes     positions of the sparsified tensors' values, chunk by chunk (b bits each, little-endian)
+    uint16[]  per sparsified tensor, the values of each of its chunks
+    bytes     per sparsified tensor, the b-bit offsets of its values in their chunks (12 bits: 3 bytes per pair)
     zeros     padding to a multiple of 4 bytes
 
-The receiver checks the headers on the device: a wrong magic or fingerprint (another config or bucket) or
-a position past its chunk sets a flag and fills the row with NaN (so the step is skipped on every rank),
-and the flag is read on the host only after a skipped step; a sender whose input was not finite makes
-every row NaN the same way.
+The receiver checks the headers and positions on the device: a wrong magic or fingerprint (another config or
+bucket), chunk counts past the capacity or a position past the slice set a flag and fill the row with NaN (so the
+step is skipped on every rank), and the flag is read on the host only after a skipped step; a sender whose input
+was not finite makes every row NaN the same way.
 """
 
 import math
@@ -40,29 +45,29 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .formats import FP8_DTYPES, FP8_MAX, INT2_LEVEL, INT4_QMAX, VALUE_BITS, _divide_by_scale
+from .selection import LOWER_FACTOR, LOWER_SLACK, MAX_LOWER_ROUNDS
 
 MAGIC = 0x44474346  # "DGCF"
 HEADER_BYTES = 12
 FLAG_NOT_FINITE = 1
-POSITION_BITS = (8, 12, 16)
+POSITION_BITS = (8, 12, 15)  # offsets of 15 bits travel in 16; a chunk's count always fits a uint16
 MIN_PER_CHUNK = 4
 TERNARY_PER_BYTE = 5  # 3^5 = 243 <= 256
 
 
 def position_bits(density: float) -> int:
-    """Bits per position (and ``log2`` of the chunk length) at ``density``: the smallest of 8, 12, 16 whose
-    chunks keep at least ``MIN_PER_CHUNK`` values (so the rounding up of each chunk's count adds <= 25%)."""
+    """Bits per in-chunk offset (and ``log2`` of the chunk length) at ``density``: the smallest of 8, 12, 15 whose
+    chunks hold at least ``MIN_PER_CHUNK`` values, so a chunk's count (16 bits) costs at most 4 bits per value."""
     for bits in POSITION_BITS:
         if density * (1 << bits) >= MIN_PER_CHUNK:
             return bits
     return POSITION_BITS[-1]
 
 
-def chunk_split(columns: int, density: float, bits: int) -> Tuple[int, int, int, int]:
-    """``(full chunks, values each keeps, tail length, values the tail keeps)`` of a row slice of ``columns``."""
-    length = 1 << bits
-    full, tail = divmod(columns, length)
-    return full, min(length, math.ceil(density * length)), tail, math.ceil(density * tail) if tail else 0
+def capacity(columns: int, density: float, factor: float) -> int:
+    """Values an owner's slice of ``columns`` sends at most (and always carries slots for):
+    ``ceil(factor * density * columns)``, at most ``columns``."""
+    return min(columns, math.ceil(factor * density * columns))
 
 
 def value_code_bytes(count: int, fmt: str) -> int:
@@ -78,9 +83,11 @@ class FixedPlan:
 
     Attributes:
         chunks: columns ``c_i`` of each tensor in a row; sparse: whether tensor i is sparsified.
-        density: top-k density of the sparsified tensors; bits: bits per position (chunks of ``2^bits``).
+        density: top-k density of the sparsified tensors; bits: bits per in-chunk offset (chunks of ``2^bits``).
         quantize, value_format, group_size: the value codec (``quantize`` False: raw ``value_dtype`` values).
-        counts: values per row of each tensor (``c_i`` when sent whole); groups: scale groups of each tensor.
+        capacity_factor: a sparsified slice of c columns has ``ceil(capacity_factor * density * c)`` slots.
+        counts: value slots per row of each tensor (its capacity, or ``c_i`` when sent whole); groups: scale groups
+            of each tensor; n_chunks: chunks of each sparsified tensor's slice (0 for the others).
     """
     chunks: Tuple[int, ...]
     sparse: Tuple[bool, ...]
@@ -89,34 +96,32 @@ class FixedPlan:
     value_format: str
     group_size: int
     value_dtype: torch.dtype
+    capacity_factor: float
     bits: int
     counts: Tuple[int, ...]
     groups: Tuple[int, ...]
+    n_chunks: Tuple[int, ...]
 
     @staticmethod
     def build(chunks: Sequence[int], sparse: Sequence[bool], density: float, quantize: bool, value_format: str,
-              group_size: int, value_dtype: torch.dtype) -> "FixedPlan":
+              group_size: int, value_dtype: torch.dtype, capacity_factor: float = 2.0) -> "FixedPlan":
         """The plan of a bucket (see the class); ``density`` only matters for sparsified tensors."""
         bits = position_bits(density)
-        counts = []
-        for c, s in zip(chunks, sparse):
-            if s:
-                full, k_full, _, k_tail = chunk_split(c, density, bits)
-                counts.append(full * k_full + k_tail)
-            else:
-                counts.append(c)
+        counts = tuple(capacity(c, density, capacity_factor) if s else c for c, s in zip(chunks, sparse))
         groups = tuple(-(-k // group_size) if quantize else 0 for k in counts)
+        n_chunks = tuple(-(-c // (1 << bits)) if s else 0 for c, s in zip(chunks, sparse))
         return FixedPlan(tuple(chunks), tuple(bool(s) for s in sparse), float(density), bool(quantize),
-                         value_format, int(group_size), value_dtype, bits, tuple(counts), groups)
+                         value_format, int(group_size), value_dtype, float(capacity_factor), bits, counts, groups,
+                         n_chunks)
 
     @property
     def values(self) -> int:
-        """K: values per row."""
+        """K: value slots per row."""
         return sum(self.counts)
 
     @property
     def indexed(self) -> int:
-        """Values per row that carry a position (those of sparsified tensors)."""
+        """Value slots per row that carry a position (those of sparsified tensors)."""
         return sum(k for k, s in zip(self.counts, self.sparse) if s)
 
     @property
@@ -130,13 +135,23 @@ class FixedPlan:
         return self.values * torch.empty(0, dtype=self.value_dtype).element_size()
 
     @property
+    def count_bytes(self) -> int:
+        """Bytes of the chunk counts (uint16 each)."""
+        return 2 * sum(self.n_chunks)
+
+    @property
+    def offset_bits(self) -> int:
+        """Bits each in-chunk offset travels in (15-bit offsets in 16)."""
+        return 16 if self.bits == 15 else self.bits
+
+    @property
     def position_bytes(self) -> int:
-        return -(-self.indexed * self.bits // 8)
+        return -(-self.indexed * self.offset_bits // 8)
 
     @property
     def payload_bytes(self) -> int:
         """Bytes of one row's payload, padding included: what every row sends to every other."""
-        n = HEADER_BYTES + 4 * self.n_groups + self.value_bytes + self.position_bytes
+        n = HEADER_BYTES + 4 * self.n_groups + self.value_bytes + self.count_bytes + self.position_bytes
         return n + (-n % 4)
 
 
@@ -145,27 +160,22 @@ class _Constants:
 
     def __init__(self, plan: FixedPlan, device):
         gs = max(plan.group_size, 1)
-        self.in_chunk = []  # per sparsified tensor: (c,) column % 2^bits
-        slot, gid, col_base, chunk_len, indexed, self.chunk_start = [], [], [], [], [], []
+        slot, gid, col_base, indexed, slot_columns = [], [], [], [], []
         group0, col0, value0 = 0, 0, 0
         for c, s, k, g in zip(plan.chunks, plan.sparse, plan.counts, plan.groups):
             j = torch.arange(k)
             slot.append((group0 + j // gs) * gs + j % gs)
             gid.append(group0 + j // gs)
             if s:
-                full, k_full, tail, k_tail = chunk_split(c, plan.density, plan.bits)
-                chunk = torch.cat([torch.arange(full).repeat_interleave(k_full), torch.full((k_tail, ), full)])
-                col_base.append(col0 + chunk * (1 << plan.bits))
-                self.chunk_start.append((chunk * (1 << plan.bits)).to(device))
-                self.in_chunk.append((torch.arange(c) % (1 << plan.bits)).to(device))
-                chunk_len.append(torch.cat([torch.full((full * k_full, ), 1 << plan.bits), torch.full((k_tail, ), tail)]))
+                col_base.append(torch.full((k, ), col0))
                 indexed.append(value0 + j)
+                slot_columns.append(torch.full((k, ), c))
             else:
                 col_base.append(col0 + j)
             group0, col0, value0 = group0 + g, col0 + c, value0 + k
         cat = lambda parts: (torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)).to(device)  # noqa: E731
         self.slot, self.gid, self.col_base = cat(slot), cat(gid), cat(col_base)
-        self.chunk_len, self.indexed = cat(chunk_len), cat(indexed)
+        self.indexed, self.slot_columns = cat(indexed), cat(slot_columns)
         real = torch.zeros(plan.n_groups * gs, dtype=torch.bool)
         if plan.quantize and slot:
             real[torch.cat(slot)] = True
@@ -174,6 +184,9 @@ class _Constants:
         bits = VALUE_BITS.get(plan.value_format, 8)
         self.digit_weights = (ternary if plan.value_format == "int1" else
                               1 << (bits * torch.arange(8 // bits, dtype=torch.int32))).to(device)
+        self.slots = {k: torch.arange(k).to(device) for k, s in zip(plan.counts, plan.sparse) if s}
+        self.column_index = {c: torch.arange(c).to(device) for c, s in zip(plan.chunks, plan.sparse) if s}
+        self.lower = (LOWER_FACTOR**torch.arange(MAX_LOWER_ROUNDS + 1, dtype=torch.float64)).float().to(device)
 
 
 _CONSTANTS: Dict[Tuple[FixedPlan, str], _Constants] = {}
@@ -190,41 +203,64 @@ def constants(plan: FixedPlan, device) -> _Constants:
 # ---- selection -----------------------------------------------------------------------------------------
 
 
-def select(acc_m: torch.Tensor, plan: FixedPlan) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Chunked top-k of every sparsified tensor; tensors sent whole give all their columns.
+def threshold_on_device(mag: torch.Tensor, k: int, sample: Optional[torch.Tensor], lower: torch.Tensor) -> torch.Tensor:
+    """DGC's sampled top-k threshold with its lowering rounds, as a 0-d device tensor (nothing read back).
+
+    The threshold is the ``ceil(s * k / m)``-th largest of the ``s`` sampled magnitudes; while it keeps fewer than
+    0.8 k elements it is multiplied by 0.8, at most 10 times (Lin et al., ICLR 2018, section 3 and appendix; the
+    exact layout's :func:`~deepspeed_dgc.codec.selection.topk_threshold` runs the same rounds one by one). All eleven
+    candidates are counted in one pass (``bucketize``), and the first that keeps 0.8 k is taken on the device. The
+    cut above 1.3 k is the per-row capacity (:func:`select`).
+
+    Args:
+        mag: 1-D fp32 magnitudes, m >= 1; k: target count, ``1 <= k``; sample: int64 positions into ``mag`` or None.
+        lower: fp32 ``(11,)`` factors ``0.8^j``.
+    """
+    s = mag if sample is None else mag[sample]
+    k_sample = max(1, math.ceil(s.numel() * k / mag.numel()))
+    t0 = torch.topk(s, min(k_sample, s.numel()), sorted=False).values.min()
+    candidates = t0 * lower  # descending
+    bucket = torch.bucketize(mag, candidates.flip(0), right=True)  # how many candidates each magnitude reaches
+    reached = torch.zeros(lower.numel() + 1, dtype=torch.long, device=mag.device).scatter_add_(
+        0, bucket, torch.ones_like(bucket))
+    kept = reached.flip(0).cumsum(0)[:lower.numel()]  # kept[j]: elements >= candidates[j]
+    enough = kept >= LOWER_SLACK * k
+    enough[-1] = True  # the last round is taken when none keeps 0.8 k
+    return candidates[enough.int().argmax()]  # the first that does
+
+
+def select(acc_m: torch.Tensor, plan: FixedPlan, targets: Sequence[int],
+           samples: Sequence[Optional[torch.Tensor]]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """What every row sends: sparsified tensors by threshold and capacity, the others whole.
 
     Args:
         acc_m: fp32 ``(R, C)`` owner matrix (padding 0).
         plan: the bucket's :class:`FixedPlan`.
+        targets: top-k target count k of each tensor (over its real elements).
+        samples: per tensor, positions into its ``(R, c_i)`` block (flattened) to estimate the threshold on, or None.
 
     Returns:
-        ``(values, positions)``: fp32 ``(R, K)`` in payload order (tensor by tensor, chunk by chunk, ascending
-        position) and int64 ``(R, Ks)`` offsets inside their chunks.
+        ``(values, positions)``: fp32 ``(R, K)`` in payload order (0 in empty slots) and int64 ``(R, Ks)`` columns
+        inside each tensor's slice, ascending per tensor, ``c_i`` in empty slots.
     """
     R = acc_m.shape[0]
     consts = constants(plan, acc_m.device)
-    values, positions, col, t = [], [], 0, 0
-    for c, s in zip(plan.chunks, plan.sparse):
+    values, positions, col = [], [], 0
+    for c, s, cap, k, sample in zip(plan.chunks, plan.sparse, plan.counts, targets, samples):
         block = acc_m[:, col:col + c]
         col += c
         if not s:
             values.append(block)
             continue
-        full, k_full, tail, k_tail = chunk_split(c, plan.density, plan.bits)
-        length = 1 << plan.bits
-        # unique keys: |acc| (as ordered int bits), then the lower column; top-k of them is deterministic
-        key = block.abs().view(torch.int32).long() * length + (length - 1 - consts.in_chunk[t])
-        pos = []
-        if full:
-            top = torch.topk(key[:, :full * length].view(R, full, length), k_full, dim=2, sorted=False).indices
-            pos.append(torch.sort(top, dim=2).values.view(R, full * k_full))
-        if tail:
-            top = torch.topk(key[:, full * length:], k_tail, dim=1, sorted=False).indices
-            pos.append(torch.sort(top, dim=1).values)
-        pos = torch.cat(pos, dim=1)
-        values.append(torch.gather(block, 1, pos + consts.chunk_start[t]))
+        mag = block.abs()
+        t = threshold_on_device(mag.reshape(-1), k, sample, consts.lower)
+        # unique keys: |acc| as ordered int bits, then the lower column; empty where below the threshold
+        key = torch.where(mag >= t, (mag.view(torch.int32).long() << 32) + (c - 1 - consts.column_index[c]), -1)
+        top = torch.topk(key, cap, dim=1, sorted=False)
+        pos = torch.where(top.values >= 0, top.indices, c)
+        pos = torch.sort(pos, dim=1).values
+        values.append(torch.gather(block, 1, pos.clamp(max=c - 1)) * (pos < c))
         positions.append(pos)
-        t += 1
     empty = acc_m.new_empty(R, 0)
     return (torch.cat(values, dim=1) if values else empty,
             torch.cat(positions, dim=1) if positions else empty.long())
@@ -350,6 +386,64 @@ def unpack_positions(data: torch.Tensor, count: int, bits: int) -> torch.Tensor:
 # ---- payloads -----------------------------------------------------------------------------------------
 
 
+def encode_positions(positions: torch.Tensor, plan: FixedPlan) -> torch.Tensor:
+    """Chunk counts (uint16) then b-bit in-chunk offsets of every sparsified tensor's slots: uint8 ``(R, count_bytes
+    + position_bytes)``. ``positions`` as :func:`select` gives them (``c_i`` in empty slots)."""
+    R, device = positions.shape[0], positions.device
+    counts, offsets, at = [], [], 0
+    for c, s, cap, n_chunks in zip(plan.chunks, plan.sparse, plan.counts, plan.n_chunks):
+        if not s:
+            continue
+        pos = positions[:, at:at + cap]
+        at += cap
+        valid = pos < c
+        chunk = torch.where(valid, pos >> plan.bits, n_chunks)
+        per_chunk = torch.zeros(R, n_chunks + 1, dtype=torch.int32, device=device).scatter_add_(
+            1, chunk, torch.ones_like(chunk, dtype=torch.int32))[:, :n_chunks]
+        counts.append(per_chunk)
+        offsets.append(torch.where(valid, pos & ((1 << plan.bits) - 1), 0))
+    if not counts:
+        return torch.empty(R, 0, dtype=torch.uint8, device=device)
+    per_chunk = torch.cat(counts, dim=1)
+    count_bytes = torch.stack([per_chunk & 0xFF, per_chunk >> 8], dim=2).view(R, -1).to(torch.uint8)
+    return torch.cat([count_bytes, pack_positions(torch.cat(offsets, dim=1), plan.offset_bits)], dim=1)
+
+
+def decode_positions(data: torch.Tensor, plan: FixedPlan) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`encode_positions` for W payloads, checked on the device.
+
+    Returns:
+        ``(positions, valid, bad)``: int64 ``(W, Ks)`` columns inside each tensor's slice (0 in empty slots), bool
+        ``(W, Ks)`` for the filled slots, bool ``(W,)`` for payloads whose counts or positions do not fit the plan.
+    """
+    W, device = data.shape[0], data.device
+    raw = data[:, :plan.count_bytes].long().view(W, -1, 2)
+    per_chunk = raw[..., 0] | (raw[..., 1] << 8)
+    offsets = unpack_positions(data[:, plan.count_bytes:], plan.indexed, plan.offset_bits)
+    consts = constants(plan, device)
+    positions, valid, bad = [], [], torch.zeros(W, dtype=torch.bool, device=device)
+    at_chunk, at_slot = 0, 0
+    for c, s, cap, n_chunks in zip(plan.chunks, plan.sparse, plan.counts, plan.n_chunks):
+        if not s:
+            continue
+        counts = per_chunk[:, at_chunk:at_chunk + n_chunks]
+        off = offsets[:, at_slot:at_slot + cap]
+        at_chunk, at_slot = at_chunk + n_chunks, at_slot + cap
+        ends = counts.cumsum(dim=1)
+        slots = consts.slots[cap].expand(W, cap).contiguous()
+        chunk = torch.searchsorted(ends, slots, right=True)
+        filled = slots < ends[:, -1:]
+        pos = chunk * (1 << plan.bits) + off
+        bad |= (ends[:, -1] > cap) | (counts > (1 << plan.bits)).any(dim=1) | (filled & (pos >= c)).any(dim=1)
+        ok = filled & (pos < c)
+        positions.append(torch.where(ok, pos, 0))
+        valid.append(ok)
+    if not positions:
+        empty = torch.empty(W, 0, dtype=torch.long, device=device)
+        return empty, empty.bool(), bad
+    return torch.cat(positions, dim=1), torch.cat(valid, dim=1), bad
+
+
 def encode_rows(values: torch.Tensor, positions: torch.Tensor, plan: FixedPlan, fingerprint: int,
                 not_finite: torch.Tensor, raw_scale: float = 1.0,
                 generator: Optional[torch.Generator] = None) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -362,7 +456,7 @@ def encode_rows(values: torch.Tensor, positions: torch.Tensor, plan: FixedPlan, 
         raw_scale: raw values travel multiplied by it; generator: stochastic rounding.
 
     Returns:
-        ``(payloads, decoded)``: uint8 ``(R, payload_bytes)`` and fp32 ``(R, K)``.
+        ``(payloads, decoded)``: uint8 ``(R, payload_bytes)`` and fp32 ``(R, K)`` (0 in empty slots).
     """
     from .wire import raw_decode, raw_encode
     R, device = values.shape[0], values.device
@@ -378,7 +472,7 @@ def encode_rows(values: torch.Tensor, positions: torch.Tensor, plan: FixedPlan, 
         raw = raw_encode(values, plan.value_dtype, raw_scale)
         decoded = raw_decode(raw, raw_scale)
         parts.append(raw.contiguous().view(torch.uint8).view(R, -1))
-    parts.append(pack_positions(positions, plan.bits))
+    parts.append(encode_positions(positions, plan))
     n = sum(p.shape[1] for p in parts)
     if n % 4:
         parts.append(torch.zeros(R, -n % 4, dtype=torch.uint8, device=device))
@@ -386,11 +480,12 @@ def encode_rows(values: torch.Tensor, positions: torch.Tensor, plan: FixedPlan, 
 
 
 def columns(positions: torch.Tensor, plan: FixedPlan) -> torch.Tensor:
-    """Row columns ``(W, K)`` of the values of payloads with these positions ``(W, Ks)`` (clamped into their chunks)."""
+    """Row columns ``(W, K)`` of every value slot, for positions ``(W, Ks)`` inside the tensors' slices (empty
+    slots at any position inside the slice: they carry 0)."""
     consts = constants(plan, positions.device)
     cols = consts.col_base.expand(positions.shape[0], -1).clone()
     if positions.shape[1]:
-        cols[:, consts.indexed] += torch.minimum(positions, consts.chunk_len - 1)
+        cols[:, consts.indexed] += positions
     return cols
 
 
@@ -410,21 +505,19 @@ def decode_sum_rows(received: torch.Tensor, plan: FixedPlan, fingerprint: int, r
     """
     W, device = received.shape[0], received.device
     header = received[:, :HEADER_BYTES].contiguous().view(torch.int32)
-    bad = (header[:, 0] != MAGIC) | (header[:, 1] != fingerprint)
     off = HEADER_BYTES
     if plan.quantize:
         scales = received[:, off:off + 4 * plan.n_groups].contiguous().view(torch.float32)
         off += 4 * plan.n_groups
-        codes = unpack_rows(received[:, off:off + plan.value_bytes], plan)
-        values = dequantize_rows(scales, codes, plan)
+        values = dequantize_rows(scales, unpack_rows(received[:, off:off + plan.value_bytes], plan), plan)
     else:
         from .wire import raw_decode
-        raw = received[:, off:off + plan.value_bytes].contiguous().view(plan.value_dtype)
-        values = raw_decode(raw, raw_scale)
+        values = raw_decode(received[:, off:off + plan.value_bytes].contiguous().view(plan.value_dtype), raw_scale)
     off += plan.value_bytes
-    positions = unpack_positions(received[:, off:off + plan.position_bytes], plan.indexed, plan.bits)
-    if positions.shape[1]:
-        bad |= (positions >= constants(plan, device).chunk_len).any(dim=1)
+    positions, valid, bad = decode_positions(received[:, off:off + plan.count_bytes + plan.position_bytes], plan)
+    bad |= (header[:, 0] != MAGIC) | (header[:, 1] != fingerprint)
+    if positions.shape[1]:  # an empty slot adds nothing, whatever its value says
+        values[:, constants(plan, device).indexed] *= valid
     cols = columns(positions, plan)
     out = torch.zeros(row_numel, dtype=torch.float32, device=device)
     for s in range(W):
@@ -434,9 +527,12 @@ def decode_sum_rows(received: torch.Tensor, plan: FixedPlan, fingerprint: int, r
 
 
 def sent_matrix(decoded: torch.Tensor, positions: torch.Tensor, plan: FixedPlan, row_numel: int) -> torch.Tensor:
-    """What this rank sent, as an fp32 ``(R, C)`` matrix (0 where nothing was sent): for the residuals."""
-    cols = columns(positions, plan)
-    return decoded.new_zeros(decoded.shape[0], row_numel).scatter_(1, cols, decoded)
+    """What this rank sent, as an fp32 ``(R, C)`` matrix (0 where nothing was sent): for the residuals. ``positions``
+    as :func:`select` gives them (``c_i`` in empty slots, whose values are 0)."""
+    consts = constants(plan, positions.device)
+    inside = torch.minimum(positions, consts.slot_columns - 1) if positions.shape[1] else positions
+    cols = columns(inside, plan)
+    return decoded.new_zeros(decoded.shape[0], row_numel).scatter_add_(1, cols, decoded)
 
 
 def residual_rows(acc_m: torch.Tensor, sent_m: torch.Tensor, chunks: Sequence[int],

@@ -57,6 +57,7 @@ class CompressJob:
             None; None for the whole list: estimate all (and report none).
         raw_scale: raw values travel multiplied by it (the loss scale: a narrow communication dtype keeps the
             range stock's loss scaling gives it); quantized values ignore it (their scales are fp32).
+        capacity_factor: fixed layout: value slots per sparsified owner slice, in units of ``density * c``.
     """
     srcs: List[torch.Tensor]
     offsets: List[int]
@@ -81,6 +82,7 @@ class CompressJob:
     threshold: Optional[float] = None
     reuse_thresholds: Optional[List[Optional[float]]] = None
     raw_scale: float = 1.0
+    capacity_factor: float = 2.0
 
     @property
     def rows(self) -> int:
@@ -101,7 +103,7 @@ class CompressJob:
     def fixed_plan(self) -> FixedPlan:
         """The sizes of this job's payloads in the fixed layout (the same for every row)."""
         return FixedPlan.build(self.chunks, self.sparse, self.density, self.quantize, self.value_format,
-                               self.group_size, self.value_dtype)
+                               self.group_size, self.value_dtype, self.capacity_factor)
 
     def row_layout(self, row: int) -> RowLayout:
         """What the owner of row ``row`` needs to check and decode the payloads of this bucket."""

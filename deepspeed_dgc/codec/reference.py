@@ -56,7 +56,7 @@ class ReferenceOps:
         (:mod:`~deepspeed_dgc.codec.fixed`), reading nothing back on the host."""
         plan = job.fixed_plan()
         acc_m = self.accumulate(job)
-        values, positions = fixed.select(acc_m, plan)
+        values, positions = fixed.select(acc_m, plan, job.targets(), job.samples)
         payloads, decoded = fixed.encode_rows(values, positions, plan, job.fingerprint, ~torch.isfinite(acc_m).all(),
                                               job.raw_scale, job.rounding_generator)
         residuals = None

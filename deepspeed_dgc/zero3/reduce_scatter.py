@@ -185,7 +185,8 @@ class CompressedReduceScatter:
         sparse = [(density < 1.0 or threshold) and n >= self.cfg.min_numel for n in numels]
         description = [list(codec), self.cfg.stochastic_rounding, self.cfg.index_coding, self.cfg.min_numel,
                        self.cfg.topology, self.ranks_per_node if self.cfg.topology == "hierarchical" else None,
-                       str(comm_dtype), list(numels), list(sparse), self.layout(srcs[0].device.type)]
+                       str(comm_dtype), list(numels), list(sparse), self.layout(srcs[0].device.type),
+                       self.cfg.capacity_factor]
         return Bucket(keys=list(keys), numels=numels, chunks=[-(-n // world) for n in numels], srcs=srcs,
                       divisor=divisor, loss_scale=loss_scale, density=density, quantization=quantization,
                       group_size=group_size, sparse=sparse, comm_dtype=comm_dtype,
@@ -218,13 +219,17 @@ class CompressedReduceScatter:
                           value_format=quantization if quantization != "none" else "int4",
                           index_coding=self.cfg.index_coding_for(density),
                           threshold=threshold,
-                          raw_scale=bucket.loss_scale)
+                          raw_scale=bucket.loss_scale,
+                          capacity_factor=self.cfg.capacity_factor)
         if self.cfg.threshold_reuse_steps > 1 and threshold is None:
             job.reuse_thresholds = [self._reusable(k, density) for k in bucket.keys]
         estimate = [s and (job.reuse_thresholds is None or job.reuse_thresholds[i] is None)
                     for i, s in enumerate(bucket.sparse)]
-        job.samples = draw_samples([sum(job.real_counts(i)) for i in range(len(bucket.numels))], estimate, density,
-                                   self._generator(device), device)
+        # positions of the threshold's sample: over the real elements (exact layout), over each tensor's (R, c_i)
+        # block (fixed layout: no mask of the real ones to read)
+        totals = ([job.rows * c for c in bucket.chunks] if self.layout(device.type) == "fixed" else
+                  [sum(job.real_counts(i)) for i in range(len(bucket.numels))])
+        job.samples = draw_samples(totals, estimate, density, self._generator(device), device)
         if self.cfg.stochastic_rounding and quantization in ("int4", "int2"):
             job.rounding_generator = self._generator(device)
         return job
