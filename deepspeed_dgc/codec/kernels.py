@@ -88,11 +88,16 @@ class FusedCUDAOps(ReferenceOps):
 
     def __init__(self, op):
         self.op = op
+        self._owners = {}  # (row owners, device) -> int64 device tensor, copied once
 
     def accumulate(self, job: CompressJob) -> torch.Tensor:
         C = sum(job.chunks)
         acc_m = torch.empty(job.rows, C, dtype=torch.float32, device=job.srcs[0].device)
-        owners = torch.tensor(job.row_owner, dtype=torch.long, device=acc_m.device)
+        key = (tuple(job.row_owner), str(acc_m.device))
+        if key not in self._owners:
+            self._owners[key] = torch.tensor(job.row_owner, dtype=torch.long).pin_memory().to(acc_m.device,
+                                                                                              non_blocking=True)
+        owners = self._owners[key]
         col = 0
         for i, src in enumerate(job.srcs):
             residual = job.residuals[i]
