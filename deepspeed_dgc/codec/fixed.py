@@ -190,12 +190,15 @@ class _Constants:
 
 
 _CONSTANTS: Dict[Tuple[FixedPlan, str], _Constants] = {}
+MAX_PLANS = 256  # a density warm-up makes a plan per step: keep the latest ones
 
 
 def constants(plan: FixedPlan, device) -> _Constants:
-    """The plan's index tensors on ``device`` (cached)."""
+    """The plan's index tensors on ``device`` (cached; the oldest are dropped past ``MAX_PLANS``)."""
     key = (plan, str(device))
     if key not in _CONSTANTS:
+        while len(_CONSTANTS) >= MAX_PLANS:
+            _CONSTANTS.pop(next(iter(_CONSTANTS)))
         _CONSTANTS[key] = _Constants(plan, device)
     return _CONSTANTS[key]
 

@@ -109,6 +109,7 @@ class CompressedReduceScatter:
         self._generators: Dict[str, torch.Generator] = {}
         self._comms = {}
         self._bad_senders: List[Tuple[object, torch.Tensor]] = []  # fixed layout: (communicator, bad flags) this step
+        self._first_step = True  # fixed layout: every bucket's shape is checked across ranks until the first step ends
         self.density = cfg.density if isinstance(cfg.density, float) else cfg.density_max
 
     # ---- the bucket path ------------------------------------------------------------------------
@@ -244,6 +245,8 @@ class CompressedReduceScatter:
         """
         ops = self.ops_for(job.srcs[0].device.type)
         if self.layout(job.srcs[0].device.type) == "fixed":
+            if self._first_step:
+                self._check_same_bucket(comm, bucket.fingerprint)
             fixed_out = ops.compress_fixed(job)
             out, bad = ops.decode_sum_fixed(comm.all_to_all_fixed(fixed_out.payloads), job)
             self._bad_senders.append((comm, bad))
@@ -306,6 +309,8 @@ class CompressedReduceScatter:
         acc_m = torch.cat(cols, dim=1)
         payloads = [wire.as_bytes(acc_m[j::L].to(bucket.comm_dtype)) for j in range(L)]  # rows of owners k*L + j
         if self.layout(device.type) == "fixed":  # equal sizes: no size exchange
+            if self._first_step:
+                self._check_same_bucket(comms.intra, bucket.fingerprint)
             received = list(comms.intra.all_to_all_fixed(torch.stack(payloads)))
         else:
             received = comms.intra.all_to_all(payloads)
@@ -437,6 +442,7 @@ class CompressedReduceScatter:
                 a rank of the group received a payload that does not match its own plan; raised on every rank.
         """
         bad, self._bad_senders = self._bad_senders, []
+        self._first_step = False
         if not applied and bad:
             self._check_payloads(bad)
         if applied:
@@ -449,6 +455,27 @@ class CompressedReduceScatter:
                 else:
                     self.thresholds[key] = change
         self._window_thresholds = {}
+
+    def _check_same_bucket(self, comm, fingerprint: int) -> None:
+        """Fixed layout, first step: every rank of the exchange compresses a bucket of the same config and shape (else
+        their payload sizes differ, which gloo and NCCL cannot report cleanly). One max all-reduce of the fingerprint
+        and its negation, read on the host, per bucket of the first step only.
+
+        Raises:
+            DGCProtocolError: on every rank of the exchange, when the fingerprints differ.
+        """
+        both = comm.max_all_reduce(torch.tensor([fingerprint, -fingerprint], dtype=torch.int64,
+                                                device=self._exchange_device(comm))).tolist()
+        if both[0] != -both[1]:
+            raise wire.DGCProtocolError(
+                f"rank {comm.rank} of a {comm.world_size}-rank exchange: the ranks compress buckets of different "
+                "configs or tensor sizes (their fingerprints differ): the 'dgc' config, the communication dtype or "
+                "the model differ between ranks")
+
+    @staticmethod
+    def _exchange_device(comm):
+        """Where a small tensor for ``comm``'s collectives lives (NCCL: the current GPU)."""
+        return torch.device("cuda", torch.cuda.current_device()) if getattr(comm, "stream_wait", False) else "cpu"
 
     def _check_payloads(self, bad: Sequence[Tuple[object, torch.Tensor]]) -> None:
         """After a skipped step: whether any rank received a payload that is not of its plan (one max all-reduce per

@@ -434,3 +434,17 @@ def _check_fixed_selection(world, ranks, density):
                     assert int(kept.sum()) <= capacity(c, density, 2.0)
                     if bool(kept.any()) and bool((~kept).any()):
                         assert float(mags[~kept].max()) <= float(mags[kept].min()) * (1 + 1e-6), (r, t, i, o)
+
+
+@pytest.mark.parametrize("layout", ["fixed", "exact"])
+def test_ranks_with_different_buckets_fail_with_a_protocol_error(layout):
+    """Rank 1's bucket has a tensor of another size (another model): in both layouts every rank raises DGCProtocolError
+    at the first bucket (exact: from the headers; fixed: from the first step's check of the buckets' fingerprints),
+    instead of hanging, summing garbage, or gloo aborting the process on payloads of different sizes (what the fixed
+    layout's exchange does without the check)."""
+    out = tempfile.mkdtemp()
+    results = launch(2, "mismatch_worker.py", ["--out", out, "--layout", layout], timeout_s=120)
+    check_ok(results)
+    errors = [torch.load(f"{out}/rank{r}.pt")["error"] for r in range(2)]
+    protocol = [e is not None and e.startswith("DGCProtocolError") for e in errors]
+    assert all(protocol), errors
