@@ -6,6 +6,7 @@ an error naming the key; ``strict``: ``"0.5"`` or ``true`` is not a density). Ev
 ``Field`` description; ``python -m deepspeed_dgc docs`` renders them as ``docs/config.md``.
 """
 
+import json
 from typing import Any, List, Literal, Mapping, Optional, Union
 
 from typing_extensions import Annotated
@@ -154,7 +155,8 @@ class DGCConfig(BaseModel):
     kernels: Literal["auto", "fused", "reference"] = Field(
         "auto", description="who compresses: the fused op where it loads (else the PyTorch reference, with one "
         "warning saying why), the fused op or fail at initialize, or the reference. Same bytes either way; the "
-        "fused ops code INT4 and hand every other format to the reference")
+        "fused ops code every value and weight format rounded to nearest with varint positions and hand the rest "
+        "(stochastic rounding, bitmap positions, raw values) to the reference")
     compressed_momentum: Optional[CompressedMomentumConfig] = Field(
         None, description="Adam only: 1-bit-Adam-style compressed momentum after a warm-up (`compressed_momentum.*` "
         "below)")
@@ -172,10 +174,16 @@ class DGCConfig(BaseModel):
         "reference code, so smaller than the paper's whole-model threshold)")
 
     @model_validator(mode="after")
-    def _fused_needs_int4(self):
-        if self.kernels == "fused" and self.quantization != "int4":
-            raise ValueError("'dgc.kernels' = \"fused\" needs 'dgc.quantization' = \"int4\" (the fused ops code INT4 "
-                             f"payloads only); use \"auto\" or \"reference\" with quantization \"{self.quantization}\"")
+    def _fused_needs_what_it_codes(self):
+        if self.kernels != "fused":
+            return self
+        for key, value, bad in (("quantization", self.quantization, "none"),
+                                ("stochastic_rounding", self.stochastic_rounding, True),
+                                ("index_coding", self.index_coding, "bitmap")):
+            if value == bad:
+                raise ValueError(f"'dgc.kernels' = \"fused\" cannot code 'dgc.{key}' = {json.dumps(value)} (the fused "
+                                 "ops code quantized values rounded to nearest with varint positions); use \"auto\" "
+                                 "or \"reference\"")
         return self
 
     @model_validator(mode="after")

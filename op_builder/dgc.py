@@ -106,7 +106,7 @@ class DGCCPUBuilder(_DGCBuilderMixin, CPUOpBuilder):
     BUILD_VAR = "DS_BUILD_DGC"
     NAME = "dgc_cpu_op"
     SOURCES = ("dgc_cpu.cpp", )
-    ABI = 3  # compress_bucket takes one divisor (the loss scale removed with it): everything in unscaled units
+    ABI = 4  # every value format (compress_bucket and decode_add take it), weight quantize and dequantize
 
     def __init__(self):
         super().__init__(name=self.NAME)
@@ -138,6 +138,7 @@ class DGCCUDABuilder(_DGCBuilderMixin, CUDAOpBuilder):
 
     BUILD_VAR = "DS_BUILD_DGC"
     NAME = "dgc_cuda_op"
+    ABI = 2  # every value format (values_encode, values_decode_add) and the weight codes
     SOURCES = ("dgc_cuda_binding.cpp", "dgc_cuda.cu")
 
     def __init__(self):

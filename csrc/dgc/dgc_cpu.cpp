@@ -102,9 +102,14 @@ float kth_largest(std::vector<float>& v, int64_t k) {
   return v[k - 1];
 }
 
+// The kept elements of one tensor in one row: columns j and accumulated values. `all`: every real element is
+// kept (a tensor sent whole, or k >= m), j is implicit (x) and acc was written in place by the dense pass.
 struct Kept {
   std::vector<int64_t> j;
   std::vector<float> acc;
+  bool all = false;
+  int64_t size() const { return static_cast<int64_t>(acc.size()); }
+  int64_t col(int64_t x) const { return all ? x : j[x]; }
 };
 
 struct Task {
@@ -149,17 +154,24 @@ void accumulate_block(const Spec& t, const Params& p, int64_t r, int64_t j0, int
 }
 
 // The dense pass over one block: acc, residual write (acc), compaction of |acc| >= thr.
+// With `direct` (every element kept): acc goes straight to direct[j0, j1), nothing is compacted.
 template <typename T>
 int64_t dense_block(const Spec& t, const Params& p, int64_t r, int64_t j0, int64_t j1, float thr, Kept& out,
-                    bool write_residual) {
+                    bool write_residual, float* direct) {
   thread_local std::vector<float> buf;
-  buf.resize(kBlock);
-  float* a = buf.data();
+  float* a = direct;
+  if (a == nullptr) {
+    buf.resize(kBlock);
+    a = buf.data();
+  } else {
+    a += j0;
+  }
   const int64_t len = j1 - j0;
   accumulate_block<T>(t, p, r, j0, j1, a);
   int64_t nonfinite = 0;
   for (int64_t x = 0; x < len; ++x) nonfinite += !(std::fabs(a[x]) <= FLT_MAX);  // Inf and NaN
   if (write_residual && t.residual_out) std::memcpy(t.residual_out + r * t.c + j0, a, len * sizeof(float));
+  if (direct) return nonfinite;
   // compaction: a vectorizable test of 16 elements at a time, the scalar one only where one is kept
   int64_t x0 = 0;
   for (; x0 + 16 <= len; x0 += 16) {
@@ -185,13 +197,20 @@ int64_t dense_pass(std::vector<Spec>& specs, const Params& p, const std::vector<
                    const std::vector<float>& thr, std::vector<std::vector<Kept>>& kept, bool write_residual) {
   std::vector<Kept> parts(tasks.size());
   std::vector<int64_t> nonfinite(tasks.size(), 0);
+  for (const Task& task : tasks)  // tensors keeping every real element: acc written in place, j implicit
+    if (thr[task.i] < 0.0f && !kept[task.i][task.r].all) {
+      kept[task.i][task.r].all = true;
+      kept[task.i][task.r].acc.resize(specs[task.i].real[task.r]);
+    }
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t b, int64_t e) {
     for (int64_t x = b; x < e; ++x) {
       const Task& task = tasks[x];
       const Spec& t = specs[task.i];
+      Kept& dst = kept[task.i][task.r];
+      float* direct = dst.all ? dst.acc.data() : nullptr;
       dispatch_dtype(t.dtype, [&](auto tag) {
         using T = decltype(tag);
-        nonfinite[x] = dense_block<T>(t, p, task.r, task.j0, task.j1, thr[task.i], parts[x], write_residual);
+        nonfinite[x] = dense_block<T>(t, p, task.r, task.j0, task.j1, thr[task.i], parts[x], write_residual, direct);
       });
     }
   });
@@ -199,6 +218,7 @@ int64_t dense_pass(std::vector<Spec>& specs, const Params& p, const std::vector<
   for (size_t x = 0; x < tasks.size(); ++x) {
     total += nonfinite[x];
     Kept& dst = kept[tasks[x].i][tasks[x].r];
+    if (dst.all) continue;
     dst.j.insert(dst.j.end(), parts[x].j.begin(), parts[x].j.end());
     dst.acc.insert(dst.acc.end(), parts[x].acc.begin(), parts[x].acc.end());
   }
@@ -265,7 +285,7 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
     std::vector<at::Tensor> srcs, std::vector<int64_t> offsets, std::vector<int64_t> strides,
     std::vector<at::Tensor> residuals, std::vector<int64_t> residual_numels, std::vector<int64_t> numels,
     std::vector<int64_t> chunks, std::vector<bool> sparse, std::vector<int64_t> row_owner, std::vector<int64_t> ks,
-    std::vector<at::Tensor> samples, double divisor, int64_t group_size, int64_t fingerprint,
+    std::vector<at::Tensor> samples, double divisor, int64_t group_size, int64_t fmt, int64_t fingerprint,
     bool want_residual, std::vector<double> fixed, bool reuse) {
   const size_t T = srcs.size();
   const int64_t R = static_cast<int64_t>(row_owner.size());
@@ -274,6 +294,7 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
                   samples.size() == T && fixed.size() == T,
               "compress_bucket: per-tensor lists differ in length");
   TORCH_CHECK(group_size >= 2, "compress_bucket: group_size must be >= 2");
+  TORCH_CHECK(fmt >= 0 && fmt < dgc::kNumValueFormats, "compress_bucket: unknown value format ", fmt);
   TORCH_CHECK(fingerprint >= 0 && fingerprint <= INT32_MAX, "compress_bucket: fingerprint must fit in an int31");
   TORCH_CHECK(divisor > 0, "compress_bucket: divisor must be > 0");
   Params p{static_cast<float>(divisor), divisor != 1.0};
@@ -374,7 +395,7 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
     const bool is_fixed = t.sparse && fixed[i] >= 0;
     if (!t.sparse || t.k >= t.m || (is_fixed && !reuse)) continue;
     int64_t cnt = 0;
-    for (auto& kr : kept[i]) cnt += static_cast<int64_t>(kr.j.size());
+    for (auto& kr : kept[i]) cnt += kr.size();
     if (cnt < kLowerSlack * t.k && !is_fixed) {
       float th = thr[i];
       for (int rounds = 0; cnt < kLowerSlack * t.k && rounds < kMaxLowerRounds; ++rounds) {
@@ -395,9 +416,9 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
       thr[i] = th;
       for (auto& kr : kept[i]) {
         Kept f;
-        for (size_t x = 0; x < kr.j.size(); ++x)
+        for (int64_t x = 0; x < kr.size(); ++x)
           if (std::fabs(kr.acc[x]) >= th) {
-            f.j.push_back(kr.j[x]);
+            f.j.push_back(kr.col(x));
             f.acc.push_back(kr.acc[x]);
           }
         kr = std::move(f);
@@ -405,72 +426,138 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
     }
   }
 
-  // 4. payload sizes per row, then allocation, then encoding (rows in parallel)
-  std::vector<int64_t> n_kept(R, 0), n_groups(R, 0), n_index(R, 0);
+  // 4. payloads. Per row: its scale groups (serially: where each starts), then every group's scale in parallel,
+  //    then sizes and allocation; then codes and residuals in parallel over blocks of values (blocks of whole
+  //    bytes, so no two tasks write one byte), and last, serially per row, the zero bitmap of INT2/INT1's mixed
+  //    groups and the varint positions of the sparse tensors.
+  const bool masked = dgc::zero_masked(fmt);
+  const int bits = dgc::format_bits(fmt);
+  struct Group {
+    int64_t r, i, x0, x1, v0, mb0;  // row, tensor, kept range [x0, x1) of kept[i][r], first value, first mask bit
+    float scale;
+    bool mixed;
+  };
+  std::vector<Group> groups;
+  std::vector<int64_t> n_kept(R, 0), n_groups(R, 0), n_index(R, 0), mask_bits(R, 0), first_group(R + 1, 0);
   for (int64_t r = 0; r < R; ++r) {
+    first_group[r] = static_cast<int64_t>(groups.size());
     int64_t prev = -1;
     for (size_t i = 0; i < T; ++i) {
       const Kept& kr = kept[i][r];
-      int64_t cnt = static_cast<int64_t>(kr.j.size());
+      const int64_t cnt = kr.size();
+      for (int64_t g0 = 0; g0 < cnt; g0 += group_size)
+        groups.push_back({r, static_cast<int64_t>(i), g0, std::min(g0 + group_size, cnt), n_kept[r] + g0, 0, 0.0f, false});
       n_kept[r] += cnt;
-      n_groups[r] += (cnt + group_size - 1) / group_size;
       if (specs[i].sparse)
-        for (int64_t j : kr.j) {
-          int64_t pos = specs[i].col + j;
+        for (int64_t x = 0; x < cnt; ++x) {
+          int64_t pos = specs[i].col + kr.col(x);
           n_index[r] += dgc::varint_length(static_cast<uint64_t>(pos - prev - 1));
           prev = pos;
         }
     }
+    n_groups[r] = static_cast<int64_t>(groups.size()) - first_group[r];
   }
+  first_group[R] = static_cast<int64_t>(groups.size());
+  at::parallel_for(0, static_cast<int64_t>(groups.size()), 256, [&](int64_t b, int64_t e) {
+    for (int64_t gi = b; gi < e; ++gi) {
+      Group& gr = groups[gi];
+      const float* acc = kept[gr.i][gr.r].acc.data();
+      float absmax = 0.0f, mag_sum = 0.0f, nonzero = 0.0f;
+      bool has_zero = false;
+      for (int64_t x = gr.x0; x < gr.x1; ++x) {
+        const float mag = std::fabs(acc[x]);
+        absmax = std::max(absmax, mag);
+        mag_sum += mag;
+        nonzero += mag > 0.0f;
+        has_zero |= acc[x] == 0.0f;
+      }
+      gr.scale = dgc::group_scale(static_cast<int>(fmt), absmax, mag_sum, nonzero);
+      gr.mixed = masked && has_zero && gr.scale > 0.0f;
+    }
+  });
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t gi = first_group[r]; gi < first_group[r + 1]; ++gi) {
+      groups[gi].mb0 = mask_bits[r];
+      if (groups[gi].mixed) mask_bits[r] += groups[gi].x1 - groups[gi].x0;
+    }
   std::vector<at::Tensor> payloads;
+  std::vector<int64_t> scale_words(R);
+  std::vector<uint8_t*> bases(R);
   int64_t total_kept = 0;
   for (int64_t r = 0; r < R; ++r) {
-    TORCH_CHECK(n_kept[r] <= INT32_MAX && n_index[r] <= INT32_MAX && n_groups[r] <= INT32_MAX,
+    scale_words[r] = n_groups[r] + (mask_bits[r] + 31) / 32;
+    TORCH_CHECK(n_kept[r] <= INT32_MAX && n_index[r] <= INT32_MAX && scale_words[r] <= INT32_MAX,
                 "compress_bucket: row ", r, " does not fit the int32 header (", n_kept[r], " values)");
-    int64_t bytes = 4 * dgc::kHeaderInt32 + 4 * n_groups[r] + (n_kept[r] + 1) / 2 + n_index[r];
+    int64_t bytes = 4 * dgc::kHeaderInt32 + 4 * scale_words[r] + dgc::packed_bytes(n_kept[r], fmt) + n_index[r];
     bytes += (4 - bytes % 4) % 4;
     payloads.push_back(at::zeros({bytes}, at::kByte));
+    bases[r] = payloads[r].data_ptr<uint8_t>();
     total_kept += n_kept[r];
+    int32_t* header = reinterpret_cast<int32_t*>(bases[r]);
+    header[0] = dgc::kMagic;
+    header[1] = static_cast<int32_t>(fingerprint);
+    header[2] = static_cast<int32_t>(n_kept[r]);
+    header[3] = static_cast<int32_t>(n_index[r]);
+    header[4] = static_cast<int32_t>(scale_words[r]);
   }
+  auto scales_of = [&](int64_t r) { return reinterpret_cast<float*>(bases[r] + 4 * dgc::kHeaderInt32); };
+  auto values_of = [&](int64_t r) { return bases[r] + 4 * dgc::kHeaderInt32 + 4 * scale_words[r]; };
+  // value blocks: [v, v + kBlock) of row r; kBlock is a multiple of 8, so every block starts on a byte
+  std::vector<std::pair<int64_t, int64_t>> blocks;
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t v = 0; v < n_kept[r]; v += kBlock) blocks.push_back({r, v});
+  at::parallel_for(0, static_cast<int64_t>(blocks.size()), 1, [&](int64_t b, int64_t e) {
+    for (int64_t bi = b; bi < e; ++bi) {
+      const int64_t r = blocks[bi].first, v_begin = blocks[bi].second;
+      const int64_t v_end = std::min(v_begin + kBlock, n_kept[r]);
+      float* scales = scales_of(r);
+      uint8_t* values = values_of(r);
+      // the first group of this row holding value v_begin
+      auto first = std::upper_bound(groups.begin() + first_group[r], groups.begin() + first_group[r + 1], v_begin,
+                                    [](int64_t v, const Group& gr) { return v < gr.v0; });
+      for (int64_t gi = (first - groups.begin()) - 1; gi < first_group[r + 1]; ++gi) {
+        const Group& gr = groups[gi];
+        if (gr.v0 >= v_end) break;
+        if (gr.v0 >= v_begin) scales[gi - first_group[r]] = gr.mixed ? -gr.scale : gr.scale;
+        const Kept& kr = kept[gr.i][r];
+        const Spec& t = specs[gr.i];
+        const int64_t x_begin = std::max(gr.x0, gr.x0 + v_begin - gr.v0), x_end = std::min(gr.x1, gr.x0 + v_end - gr.v0);
+        for (int64_t x = x_begin; x < x_end; ++x) {
+          uint8_t code;
+          const float decoded = dgc::encode_value(static_cast<int>(fmt), kr.acc[x], gr.scale, &code);
+          const int64_t bit = (gr.v0 + x - gr.x0) * bits;
+          values[bit >> 3] |= static_cast<uint8_t>(code << (bit & 7));
+          if (t.residual_out) t.residual_out[r * t.c + kr.col(x)] = kr.acc[x] - decoded;
+        }
+      }
+    }
+  });
   at::parallel_for(0, R, 1, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
-      uint8_t* base = payloads[r].data_ptr<uint8_t>();
-      int32_t* header = reinterpret_cast<int32_t*>(base);
-      header[0] = dgc::kMagic;
-      header[1] = static_cast<int32_t>(fingerprint);
-      header[2] = static_cast<int32_t>(n_kept[r]);
-      header[3] = static_cast<int32_t>(n_index[r]);
-      header[4] = static_cast<int32_t>(n_groups[r]);
-      float* scales = reinterpret_cast<float*>(base + 4 * dgc::kHeaderInt32);
-      uint8_t* values = base + 4 * dgc::kHeaderInt32 + 4 * n_groups[r];
-      uint8_t* index = values + (n_kept[r] + 1) / 2;
-      int64_t v = 0, g = 0, prev = -1;
+      uint8_t* mask = reinterpret_cast<uint8_t*>(scales_of(r) + n_groups[r]);  // after the scales
+      for (int64_t gi = first_group[r]; gi < first_group[r + 1]; ++gi) {
+        const Group& gr = groups[gi];
+        if (!gr.mixed) continue;
+        const float* acc = kept[gr.i][r].acc.data();
+        for (int64_t x = gr.x0, mb = gr.mb0; x < gr.x1; ++x, ++mb)
+          mask[mb >> 3] |= static_cast<uint8_t>((acc[x] != 0.0f) << (mb & 7));
+      }
+      uint8_t* index = values_of(r) + dgc::packed_bytes(n_kept[r], fmt);
+      int64_t prev = -1;
       for (size_t i = 0; i < T; ++i) {
         const Spec& t = specs[i];
         const Kept& kr = kept[i][r];
-        const int64_t cnt = static_cast<int64_t>(kr.j.size());
-        for (int64_t g0 = 0; g0 < cnt; g0 += group_size) {
-          const int64_t g1 = std::min(g0 + group_size, cnt);
-          float absmax = 0.0f;
-          for (int64_t x = g0; x < g1; ++x) absmax = std::max(absmax, std::fabs(kr.acc[x]));
-          const float scale = dgc::int4_scale(absmax);
-          scales[g++] = scale;
-          for (int64_t x = g0; x < g1; ++x, ++v) {
-            const float q = dgc::int4_quantize(kr.acc[x], scale);
-            values[v >> 1] |= static_cast<uint8_t>(dgc::int4_nibble(q) << ((v & 1) * 4));
-            if (t.residual_out) t.residual_out[r * t.c + kr.j[x]] = kr.acc[x] - q * scale;
+        if (!t.sparse) continue;
+        for (int64_t x = 0; x < kr.size(); ++x) {
+          const int64_t j = kr.col(x);
+          uint64_t gap = static_cast<uint64_t>(t.col + j - prev - 1);
+          prev = t.col + j;
+          while (gap >= 128) {
+            *index++ = static_cast<uint8_t>((gap & 0x7F) | 0x80);
+            gap >>= 7;
           }
+          *index++ = static_cast<uint8_t>(gap);
         }
-        if (t.sparse)
-          for (int64_t j : kr.j) {
-            uint64_t gap = static_cast<uint64_t>(t.col + j - prev - 1);
-            prev = t.col + j;
-            while (gap >= 128) {
-              *index++ = static_cast<uint8_t>((gap & 0x7F) | 0x80);
-              gap >>= 7;
-            }
-            *index++ = static_cast<uint8_t>(gap);
-          }
       }
     }
   });
@@ -482,8 +569,9 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
 
 void decode_add(at::Tensor out, at::Tensor values, at::Tensor scales, at::Tensor index_bytes, int64_t kept,
                 int64_t n_indexed, std::vector<int64_t> seg_real, std::vector<int64_t> seg_chunks,
-                std::vector<bool> sparse, int64_t group_size) {
+                std::vector<bool> sparse, int64_t group_size, int64_t fmt) {
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous(), "decode_add: out must be contiguous fp32");
+  TORCH_CHECK(fmt >= 0 && fmt < dgc::kNumValueFormats, "decode_add: unknown value format ", fmt);
   const size_t T = seg_chunks.size();
   TORCH_CHECK(seg_real.size() == T && sparse.size() == T, "decode_add: per-tensor lists differ in length");
   TORCH_CHECK(group_size >= 2, "decode_add: group_size must be >= 2");
@@ -527,54 +615,192 @@ void decode_add(at::Tensor out, at::Tensor values, at::Tensor scales, at::Tensor
   std::vector<int64_t> col(T + 1, 0);
   for (size_t i = 0; i < T; ++i) col[i + 1] = col[i] + seg_chunks[i];
   size_t next = 0;
-  int64_t v = 0, g = 0, expected_groups = 0, total = 0;
-  std::vector<std::pair<int64_t, int64_t>> runs;  // (first position index, count) per segment
-  std::vector<int64_t> all_pos;
-  all_pos.reserve(kept);
+  int64_t expected_groups = 0, total = 0;
+  struct Run {
+    bool implied;
+    int64_t first, count;  // implied: first column; else first index into pos
+  };
+  std::vector<Run> runs;
   for (size_t i = 0; i < T; ++i) {
-    int64_t start = static_cast<int64_t>(all_pos.size());
+    Run run{!sparse[i], 0, 0};
     if (!sparse[i]) {
       if (next < pos.size() && pos[next] < col[i + 1])
         throw std::invalid_argument("index " + std::to_string(pos[next]) + " points into a tensor sent whole");
-      for (int64_t j = 0; j < seg_real[i]; ++j) all_pos.push_back(col[i] + j);
+      run.first = col[i];
+      run.count = seg_real[i];
     } else {
+      run.first = static_cast<int64_t>(next);
       while (next < pos.size() && pos[next] < col[i + 1]) {
         if (pos[next] >= col[i] + seg_real[i])
           throw std::invalid_argument("index " + std::to_string(pos[next]) + " points into padding");
-        all_pos.push_back(pos[next++]);
+        ++next;
       }
+      run.count = static_cast<int64_t>(next) - run.first;
     }
-    int64_t cnt = static_cast<int64_t>(all_pos.size()) - start;
-    runs.push_back({start, cnt});
-    expected_groups += (cnt + group_size - 1) / group_size;
+    runs.push_back(run);
+    total += run.count;
+    expected_groups += (run.count + group_size - 1) / group_size;
   }
   if (next < pos.size())
     throw std::invalid_argument("index " + std::to_string(pos[next]) + " past the partition of " +
                                 std::to_string(col[T]) + " elements");
-  total = static_cast<int64_t>(all_pos.size());
   if (total != kept)
     throw std::invalid_argument("payload holds " + std::to_string(total) + " positions for " + std::to_string(kept) +
                                 " kept values");
-  if (expected_groups != scales.numel())
-    throw std::invalid_argument(std::to_string(scales.numel()) + " scales for " + std::to_string(expected_groups) +
-                                " groups");
-  if (values.numel() < (kept + 1) / 2) throw std::invalid_argument("too few value bytes");
-  for (auto& run : runs) {  // groups restart at every segment
-    for (int64_t x = 0; x < run.second; ++x, ++v) {
-      uint8_t nib = (vals[v >> 1] >> ((v & 1) * 4)) & 0x0F;
-      o[all_pos[run.first + x]] += dgc::int4_dequantize(nib, sc[g + x / group_size]);
+  const bool masked = dgc::zero_masked(fmt);
+  const int64_t n_words = scales.numel();
+  if (masked ? n_words < expected_groups : n_words != expected_groups)
+    throw std::invalid_argument(std::to_string(n_words) + " scales for " + std::to_string(expected_groups) + " groups");
+  // groups restart at every segment; INT2/INT1: groups flagged by a negative scale carry one bit per value
+  // (1: non-zero) after the scales
+  struct Group {
+    int64_t run, x0, x1, v0, mb0;
+  };
+  std::vector<Group> groups;
+  groups.reserve(expected_groups);
+  int64_t n_bits = 0, v = 0;
+  for (size_t ri = 0; ri < runs.size(); ++ri) {
+    for (int64_t g0 = 0; g0 < runs[ri].count; g0 += group_size) {
+      const int64_t g1 = std::min(g0 + group_size, runs[ri].count);
+      groups.push_back({static_cast<int64_t>(ri), g0, g1, v + g0, n_bits});
+      if (masked && sc[groups.size() - 1] < 0.0f) n_bits += g1 - g0;
     }
-    g += (run.second + group_size - 1) / group_size;
+    v += runs[ri].count;
+  }
+  if (masked && n_words != expected_groups + (n_bits + 31) / 32)
+    throw std::invalid_argument(std::to_string(n_words) + " scale words for " + std::to_string(expected_groups) +
+                                " groups and a zero mask of " + std::to_string(n_bits) + " values");
+  if (values.numel() < dgc::packed_bytes(kept, fmt)) throw std::invalid_argument("too few value bytes");
+  const uint8_t* mask = reinterpret_cast<const uint8_t*>(sc + expected_groups);
+  const int bits = dgc::format_bits(fmt);
+  // one sender's positions are distinct: groups add into disjoint elements
+  at::parallel_for(0, static_cast<int64_t>(groups.size()), 64, [&](int64_t b, int64_t e) {
+    for (int64_t gi = b; gi < e; ++gi) {
+      const Group& gr = groups[gi];
+      const Run& run = runs[gr.run];
+      const float scale = sc[gi];
+      const bool mixed = masked && scale < 0.0f;
+      for (int64_t x = gr.x0; x < gr.x1; ++x) {
+        float value = dgc::decode_value(static_cast<int>(fmt), dgc::unpack_code(vals, gr.v0 + x - gr.x0, bits),
+                                        std::fabs(scale));
+        if (mixed) {
+          const int64_t mb = gr.mb0 + x - gr.x0;
+          if (!((mask[mb >> 3] >> (mb & 7)) & 1)) value = 0.0f;
+        }
+        o[run.implied ? run.first + x : pos[run.first + x]] += value;
+      }
+    }
+  });
+}
+
+namespace {
+
+// Group starts of the weight layout: groups of group_size restart at every segment; the last entry is n.
+std::vector<int64_t> weight_group_starts(int64_t n, int64_t group_size, const std::vector<int64_t>& segments) {
+  TORCH_CHECK(group_size >= 1, "weights: group_size must be >= 1");
+  std::vector<int64_t> segs = segments.empty() ? std::vector<int64_t>{n} : segments;
+  std::vector<int64_t> starts;
+  int64_t at = 0;
+  for (int64_t len : segs) {
+    TORCH_CHECK(len >= 0, "weights: negative segment length ", len);
+    for (int64_t g = 0; g < len; g += group_size) starts.push_back(at + g);
+    at += len;
+  }
+  TORCH_CHECK(at == n, "weights: segments of ", at, " elements for ", n, " weights");
+  starts.push_back(n);
+  return starts;
+}
+
+// Calls f(element, group) for the elements [b, e), with their groups (starts from weight_group_starts).
+template <typename F>
+inline void for_each_in_groups(const std::vector<int64_t>& starts, int64_t b, int64_t e, F&& f) {
+  int64_t g = std::upper_bound(starts.begin(), starts.end() - 1, b) - starts.begin() - 1;
+  for (int64_t i = b; i < e; ++i) {
+    while (i >= starts[g + 1]) ++g;
+    f(i, g);
   }
 }
 
+}  // namespace
+
+// Group-wise absmax quantization of a flat weight shard (formats.quantize_weights): wfmt 0 INT8, 1 FP8 e4m3,
+// 2 INT4. x: contiguous 1-D fp32/bf16/fp16 of n elements; segments: lengths (groups restart at each), empty for
+// one. Returns (codes uint8 (n, or ceil(n/2) for INT4), scales fp32 (groups,)).
+std::tuple<at::Tensor, at::Tensor> quantize_weights(at::Tensor x, int64_t wfmt, int64_t group_size,
+                                                    std::vector<int64_t> segments) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 1 && x.is_contiguous(), "quantize_weights: x must be contiguous 1-D CPU");
+  TORCH_CHECK(wfmt >= 0 && wfmt <= 2, "quantize_weights: unknown weight format ", wfmt);
+  const int64_t n = x.numel();
+  const std::vector<int64_t> starts = weight_group_starts(n, group_size, segments);
+  const int64_t G = static_cast<int64_t>(starts.size()) - 1;
+  at::Tensor scales = at::empty({G}, at::kFloat);
+  at::Tensor codes = at::zeros({wfmt == dgc::kWInt4 ? (n + 1) / 2 : n}, at::kByte);
+  float* sc = scales.data_ptr<float>();
+  uint8_t* out = codes.data_ptr<uint8_t>();
+  const float qmax = dgc::weight_qmax(static_cast<int>(wfmt));
+  dispatch_dtype(x.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    const T* v = static_cast<const T*>(x.data_ptr());
+    at::parallel_for(0, G, 64, [&](int64_t b, int64_t e) {
+      for (int64_t g = b; g < e; ++g) {
+        float absmax = 0.0f;
+        for (int64_t i = starts[g]; i < starts[g + 1]; ++i) absmax = std::max(absmax, std::fabs(static_cast<float>(v[i])));
+        sc[g] = absmax / qmax;
+      }
+    });
+    at::parallel_for(0, (n + 1) / 2, kBlock, [&](int64_t b, int64_t e) {  // pairs: an INT4 byte is one task's
+      for_each_in_groups(starts, 2 * b, std::min(2 * e, n), [&](int64_t i, int64_t g) {
+        const uint8_t code = dgc::encode_weight(static_cast<int>(wfmt), static_cast<float>(v[i]), sc[g]);
+        if (wfmt == dgc::kWInt4)
+          out[i >> 1] |= static_cast<uint8_t>(code << ((i & 1) * 4));
+        else
+          out[i] = code;
+      });
+    });
+  });
+  return {codes, scales};
+}
+
+// Inverse of quantize_weights into `out` (contiguous 1-D fp32/bf16/fp16 of n elements, written in place; a value
+// is rounded to out's dtype once, as copy_ of the fp32 result does).
+void dequantize_weights(at::Tensor codes, at::Tensor scales, at::Tensor out, int64_t wfmt, int64_t group_size,
+                        std::vector<int64_t> segments) {
+  TORCH_CHECK(out.device().is_cpu() && out.dim() == 1 && out.is_contiguous(), "dequantize_weights: out must be contiguous 1-D CPU");
+  TORCH_CHECK(wfmt >= 0 && wfmt <= 2, "dequantize_weights: unknown weight format ", wfmt);
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && scales.scalar_type() == at::kFloat &&
+                  scales.is_contiguous(), "dequantize_weights: codes must be contiguous uint8 and scales fp32");
+  const int64_t n = out.numel();
+  const std::vector<int64_t> starts = weight_group_starts(n, group_size, segments);
+  const int64_t G = static_cast<int64_t>(starts.size()) - 1;
+  if (scales.numel() != G)
+    throw std::invalid_argument("dequantize_weights: " + std::to_string(scales.numel()) + " scales for " +
+                                std::to_string(G) + " groups of " + std::to_string(n) + " weights");
+  TORCH_CHECK(codes.numel() >= (wfmt == dgc::kWInt4 ? (n + 1) / 2 : n), "dequantize_weights: too few code bytes");
+  const float* sc = scales.data_ptr<float>();
+  const uint8_t* in = codes.data_ptr<uint8_t>();
+  dispatch_dtype(out.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    T* o = static_cast<T*>(out.data_ptr());
+    at::parallel_for(0, n, kBlock, [&](int64_t b, int64_t e) {
+      for_each_in_groups(starts, b, e, [&](int64_t i, int64_t g) {
+        const uint8_t code = wfmt == dgc::kWInt4 ? static_cast<uint8_t>((in[i >> 1] >> ((i & 1) * 4)) & 0x0F) : in[i];
+        o[i] = static_cast<T>(dgc::decode_weight(static_cast<int>(wfmt), code, sc[g]));
+      });
+    });
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "deepspeed_dgc fused CPU kernels (compress_bucket, decode_add, topk_threshold)";
+  m.doc() = "deepspeed_dgc fused CPU kernels (compress_bucket, decode_add, quantize_weights, dequantize_weights, topk_threshold)";
   // the calling convention of these functions; op_builder/dgc.py rebuilds a prebuilt module of another one
-  m.attr("ABI") = 3;
-  m.def("compress_bucket", &compress_bucket, "fused residual add, top-k selection, INT4 quantize and pack per owner row",
+  m.attr("ABI") = 4;
+  m.def("compress_bucket", &compress_bucket, "fused residual add, top-k selection, quantize (any value format) and pack per owner row",
         py::call_guard<py::gil_scoped_release>());
   m.def("decode_add", &decode_add, "decode one payload body and scatter-add it into a dense fp32 partition",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("quantize_weights", &quantize_weights, "group-wise absmax INT8/FP8/INT4 codes and scales of a weight shard",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("dequantize_weights", &dequantize_weights, "decode a weight shard's codes into a float tensor in place",
         py::call_guard<py::gil_scoped_release>());
   m.def("topk_threshold", &topk_threshold, "DGC's sampled top-k threshold of a 1-D fp32 magnitude tensor",
         py::call_guard<py::gil_scoped_release>());

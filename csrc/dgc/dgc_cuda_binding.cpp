@@ -15,6 +15,15 @@ extern "C" cudaError_t dgc_cuda_int4_encode(const float* vals, const float* scal
                                             uint8_t* nibbles, float* decoded, cudaStream_t stream);
 extern "C" cudaError_t dgc_cuda_dequant_add(float* out, const int64_t* pos, const uint8_t* packed, const float* scales,
                                             const int64_t* gid, int64_t k, cudaStream_t stream);
+extern "C" cudaError_t dgc_cuda_values_encode(const float* vals, const float* scales, const int64_t* gid, int64_t k,
+                                              int fmt, uint8_t* codes, float* decoded, cudaStream_t stream);
+extern "C" cudaError_t dgc_cuda_values_decode_add(float* out, const int64_t* pos, const uint8_t* packed,
+                                                  const float* scales, const int64_t* gid, const bool* nonzero,
+                                                  int64_t k, int fmt, cudaStream_t stream);
+extern "C" cudaError_t dgc_cuda_weights_encode(const float* x, const float* scales, const int64_t* gid, int64_t n,
+                                               int wfmt, uint8_t* codes, cudaStream_t stream);
+extern "C" cudaError_t dgc_cuda_weights_decode(const uint8_t* codes, const float* scales, const int64_t* gid,
+                                               int64_t n, int wfmt, void* out, int dtype, cudaStream_t stream);
 
 namespace {
 
@@ -76,9 +85,83 @@ void dequant_add(at::Tensor out, at::Tensor pos, at::Tensor packed, at::Tensor s
         "dequant_add");
 }
 
+// Returns (codes uint8 (k,), one unpacked code per value; decoded fp32 (k,)). fmt: dgc::ValueFormat.
+std::tuple<at::Tensor, at::Tensor> values_encode(at::Tensor vals, at::Tensor scales, at::Tensor gid, int64_t fmt,
+                                                 int64_t stream) {
+  check_cuda(vals, "vals");
+  check_cuda(scales, "scales");
+  check_cuda(gid, "gid");
+  TORCH_CHECK(vals.scalar_type() == at::kFloat && scales.scalar_type() == at::kFloat && gid.scalar_type() == at::kLong &&
+                  gid.numel() == vals.numel(), "values_encode: fp32 values and scales, one int64 group per value");
+  at::Tensor codes = at::empty({vals.numel()}, vals.options().dtype(at::kByte));
+  at::Tensor decoded = at::empty({vals.numel()}, vals.options().dtype(at::kFloat));
+  check(dgc_cuda_values_encode(vals.data_ptr<float>(), scales.data_ptr<float>(), gid.data_ptr<int64_t>(), vals.numel(),
+                               static_cast<int>(fmt), codes.data_ptr<uint8_t>(), decoded.data_ptr<float>(),
+                               reinterpret_cast<cudaStream_t>(stream)),
+        "values_encode");
+  return {codes, decoded};
+}
+
+// nonzero: bool (k,) (False: the value is exactly 0), or empty for none.
+void values_decode_add(at::Tensor out, at::Tensor pos, at::Tensor packed, at::Tensor scales, at::Tensor gid,
+                       at::Tensor nonzero, int64_t fmt, int64_t stream) {
+  check_cuda(out, "out");
+  check_cuda(pos, "pos");
+  check_cuda(packed, "packed");
+  check_cuda(scales, "scales");
+  check_cuda(gid, "gid");
+  const int64_t k = pos.numel();
+  const int bits = fmt == 0 ? 4 : fmt == 1 ? 2 : fmt == 2 ? 1 : 8;
+  TORCH_CHECK(packed.numel() >= (k * bits + 7) / 8, "values_decode_add: too few value bytes");
+  TORCH_CHECK(gid.numel() == k, "values_decode_add: one group per position");
+  const bool* nz = nullptr;
+  if (nonzero.numel()) {
+    check_cuda(nonzero, "nonzero");
+    TORCH_CHECK(nonzero.scalar_type() == at::kBool && nonzero.numel() == k, "values_decode_add: one bool per value");
+    nz = nonzero.data_ptr<bool>();
+  }
+  check(dgc_cuda_values_decode_add(out.data_ptr<float>(), pos.data_ptr<int64_t>(), packed.data_ptr<uint8_t>(),
+                                   scales.data_ptr<float>(), gid.data_ptr<int64_t>(), nz, k, static_cast<int>(fmt),
+                                   reinterpret_cast<cudaStream_t>(stream)),
+        "values_decode_add");
+}
+
+// Returns uint8 (n,), one unpacked code per weight. wfmt: dgc::WeightFormat.
+at::Tensor weights_encode(at::Tensor x, at::Tensor scales, at::Tensor gid, int64_t wfmt, int64_t stream) {
+  check_cuda(x, "x");
+  check_cuda(scales, "scales");
+  check_cuda(gid, "gid");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && gid.numel() == x.numel(), "weights_encode: fp32 x, one group per weight");
+  at::Tensor codes = at::empty({x.numel()}, x.options().dtype(at::kByte));
+  check(dgc_cuda_weights_encode(x.data_ptr<float>(), scales.data_ptr<float>(), gid.data_ptr<int64_t>(), x.numel(),
+                                static_cast<int>(wfmt), codes.data_ptr<uint8_t>(), reinterpret_cast<cudaStream_t>(stream)),
+        "weights_encode");
+  return codes;
+}
+
+void weights_decode(at::Tensor codes, at::Tensor scales, at::Tensor gid, at::Tensor out, int64_t wfmt, int64_t stream) {
+  check_cuda(codes, "codes");
+  check_cuda(scales, "scales");
+  check_cuda(gid, "gid");
+  check_cuda(out, "out");
+  int dtype = out.scalar_type() == at::kFloat ? 0 : out.scalar_type() == at::kBFloat16 ? 1 : out.scalar_type() == at::kHalf ? 2 : -1;
+  TORCH_CHECK(dtype >= 0, "weights_decode: unsupported output dtype ", out.scalar_type());
+  TORCH_CHECK(gid.numel() == out.numel(), "weights_decode: one group per weight");
+  check(dgc_cuda_weights_decode(codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), gid.data_ptr<int64_t>(),
+                                out.numel(), static_cast<int>(wfmt), out.data_ptr(), dtype,
+                                reinterpret_cast<cudaStream_t>(stream)),
+        "weights_decode");
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "deepspeed_dgc CUDA kernels (accumulate, int4_encode, dequant_add)";
+  m.doc() = "deepspeed_dgc CUDA kernels (accumulate, value and weight codes, decode)";
+  // the calling convention of these functions; op_builder/dgc.py rebuilds a prebuilt module of another one
+  m.attr("ABI") = 2;
   m.def("accumulate", &accumulate, "acc = src / divisor + residual into an owner matrix");
   m.def("int4_encode", &int4_encode, "INT4 nibbles and decoded values of kept values");
   m.def("dequant_add", &dequant_add, "scatter-add dequantized INT4 values into a dense fp32 row");
+  m.def("values_encode", &values_encode, "codes (unpacked) and decoded values of kept values, any value format");
+  m.def("values_decode_add", &values_decode_add, "scatter-add decoded values of any format into a dense fp32 row");
+  m.def("weights_encode", &weights_encode, "INT8/FP8/INT4 codes (unpacked) of weights given their group scales");
+  m.def("weights_decode", &weights_decode, "weights decoded from their codes into a float tensor");
 }

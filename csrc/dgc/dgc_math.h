@@ -8,6 +8,9 @@
 // nvcc --fmad=false): a fused multiply-add would round differently from the reference.
 #pragma once
 
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+
 #include <cmath>
 #include <cstdint>
 
@@ -70,6 +73,121 @@ DGC_HD uint8_t int4_nibble(float q) { return static_cast<uint8_t>(static_cast<in
 // Value a nibble decodes to: (nibble - 8) * scale.
 DGC_HD float int4_dequantize(uint8_t nibble, float scale) {
   return static_cast<float>(static_cast<int>(nibble) - kInt4Offset) * scale;
+}
+
+// Value formats of gradient payloads (formats.VALUE_BITS), in the order the Python side numbers them.
+enum ValueFormat : int { kInt4 = 0, kInt2 = 1, kInt1 = 2, kFp8E4M3 = 3, kFp8E5M2 = 4 };
+constexpr int kNumValueFormats = 5;
+
+DGC_HD int format_bits(int fmt) { return fmt == kInt4 ? 4 : fmt == kInt2 ? 2 : fmt == kInt1 ? 1 : 8; }
+
+// INT2 and INT1 have no code for 0: their groups mixing zeros and non-zeros carry a non-zero bitmap.
+DGC_HD bool zero_masked(int fmt) { return fmt == kInt2 || fmt == kInt1; }
+
+// Bytes of n codes packed little-endian: ceil(n * bits / 8).
+DGC_HD int64_t packed_bytes(int64_t n, int fmt) { return (n * format_bits(fmt) + 7) / 8; }
+
+// v / scale, and 0 for a scale that is not positive (an all-zero group), as formats._divide_by_scale.
+DGC_HD float divide_by_scale(float v, float scale) { return scale > 0.0f ? v / scale : 0.0f; }
+
+// The scale of a group from its absmax, the sum of its magnitudes (in value order) and its count of
+// non-zero values: absmax / 7 (INT4), / 1.5 (INT2), / 448 (e4m3), / 57344 (e5m2); INT1: the mean
+// magnitude of the non-zero values (formats.group_scales).
+DGC_HD float group_scale(int fmt, float absmax, float mag_sum, float nonzero) {
+  switch (fmt) {
+    case kInt4: return absmax / kInt4Qmax;
+    case kInt2: return absmax / 1.5f;
+    case kInt1: return mag_sum / (nonzero < 1.0f ? 1.0f : nonzero);
+    case kFp8E4M3: return absmax / 448.0f;
+    default: return absmax / 57344.0f;
+  }
+}
+
+DGC_HD float floor_float(float x) {
+#if defined(__CUDA_ARCH__)
+  return floorf(x);
+#else
+  return std::floor(x);
+#endif
+}
+
+// Code of v in a group of scale `scale` (rounded to nearest), stored in *code; returns the value it
+// decodes to (formats.quantize_values): INT4 round(v/s) in [-7, 7] + 8; INT2 floor(v/s - 0.5 + 0.5) in
+// [-2, 1] + 2, decoding to (q + 0.5) s; INT1 the sign bit (v >= 0), decoding to +-s; FP8 the bits of
+// v/s as float8. Exact zeros decode to +0 in INT2 and INT1 (their bitmap says so).
+DGC_HD float encode_value(int fmt, float v, float scale, uint8_t* code) {
+  switch (fmt) {
+    case kInt4: {
+      const float q = int4_quantize(v, scale);
+      *code = int4_nibble(q);
+      return q * scale;
+    }
+    case kInt2: {
+      const float t = divide_by_scale(v, scale) - 0.5f;
+      float q = floor_float(t + 0.5f);
+      q = q < -2.0f ? -2.0f : (q > 1.0f ? 1.0f : q);
+      *code = static_cast<uint8_t>(static_cast<int>(q) + 2);
+      return v == 0.0f ? 0.0f : (q + 0.5f) * scale;
+    }
+    case kInt1:
+      *code = v >= 0.0f ? 1 : 0;
+      return v == 0.0f ? 0.0f : (v >= 0.0f ? scale : -scale);
+    case kFp8E4M3: {
+      const c10::Float8_e4m3fn f(divide_by_scale(v, scale));
+      *code = f.x;
+      return static_cast<float>(f) * scale;
+    }
+    default: {
+      const c10::Float8_e5m2 f(divide_by_scale(v, scale));
+      *code = f.x;
+      return static_cast<float>(f) * scale;
+    }
+  }
+}
+
+// The value a code decodes to (formats.dequantize_values), before the zero bitmap of INT2/INT1.
+DGC_HD float decode_value(int fmt, uint8_t code, float scale) {
+  switch (fmt) {
+    case kInt4: return int4_dequantize(code, scale);
+    case kInt2: return (static_cast<float>(code) - 2.0f + 0.5f) * scale;
+    case kInt1: return code ? scale : -scale;
+    case kFp8E4M3: return static_cast<float>(c10::Float8_e4m3fn(code, c10::Float8_e4m3fn::from_bits())) * scale;
+    default: return static_cast<float>(c10::Float8_e5m2(code, c10::Float8_e5m2::from_bits())) * scale;
+  }
+}
+
+// Code i of a packed stream (little-endian within each byte).
+DGC_HD uint8_t unpack_code(const uint8_t* packed, int64_t i, int bits) {
+  if (bits == 8) return packed[i];
+  const int64_t bit = i * bits;
+  return static_cast<uint8_t>((packed[bit >> 3] >> (bit & 7)) & ((1 << bits) - 1));
+}
+
+// Weight formats of the quantized all-gather (formats.WEIGHT_QMAX), numbered as the Python side does.
+enum WeightFormat : int { kWInt8 = 0, kWFp8E4M3 = 1, kWInt4 = 2 };
+
+DGC_HD float weight_qmax(int wfmt) { return wfmt == kWInt8 ? 127.0f : wfmt == kWFp8E4M3 ? 448.0f : kInt4Qmax; }
+
+// Code of weight v in a group of scale `scale` (formats.quantize_weights): INT8 round(v/s) in [-127, 127]
+// as a two's-complement byte; FP8 e4m3 the bits of v/s; INT4 as encode_value.
+DGC_HD uint8_t encode_weight(int wfmt, float v, float scale) {
+  if (wfmt == kWInt4) return int4_nibble(int4_quantize(v, scale));
+  const float x = divide_by_scale(v, scale);
+  if (wfmt == kWFp8E4M3) return c10::Float8_e4m3fn(x).x;
+#if defined(__CUDA_ARCH__)
+  float q = rintf(x);
+#else
+  float q = std::nearbyint(x);
+#endif
+  q = q < -127.0f ? -127.0f : (q > 127.0f ? 127.0f : q);
+  return static_cast<uint8_t>(static_cast<int8_t>(q));
+}
+
+// The weight a code decodes to (formats.dequantize_weights).
+DGC_HD float decode_weight(int wfmt, uint8_t code, float scale) {
+  if (wfmt == kWInt4) return int4_dequantize(code, scale);
+  if (wfmt == kWFp8E4M3) return static_cast<float>(c10::Float8_e4m3fn(code, c10::Float8_e4m3fn::from_bits())) * scale;
+  return static_cast<float>(static_cast<int8_t>(code)) * scale;
 }
 
 // Bytes of the LEB128 varint of a non-negative gap (7 bits per byte).

@@ -1,13 +1,16 @@
 """The fused ops (C++/OpenMP on CPU, CUDA on GPU) and the choice between them and the reference.
 
 - :class:`FusedCPUOps` (``csrc/dgc/dgc_cpu.cpp``): one OpenMP pass over the dense data;
-- :class:`FusedCUDAOps` (``csrc/dgc/dgc_cuda.cu``): accumulation, INT4 codes and decode as CUDA kernels,
-  selection and packing of the kept ~density fraction as torch ops on the device.
+- :class:`FusedCUDAOps` (``csrc/dgc/dgc_cuda.cu``): accumulation, the codes of every format, decode and the
+  weight codes as CUDA kernels; group scales, selection and packing of the kept ~density fraction as torch
+  ops on the device.
 
 Both give the bytes and residual bits of :class:`~deepspeed_dgc.codec.reference.ReferenceOps`. They code
-INT4 rounded to nearest with varint positions; a job asking for anything else (another format,
-stochastic rounding, bitmap positions, raw values) runs the reference code, which gives the same bytes
-either way, so ranks may mix the two paths. :func:`get_ops` picks one from ``dgc.kernels``.
+every value format (INT4, INT2, INT1, FP8 e4m3/e5m2) rounded to nearest with varint positions, and the
+weight formats of the quantized all-gather and of fp8 residual storage (INT8, FP8 e4m3, INT4); a job
+asking for anything else (stochastic rounding, bitmap positions, raw values) runs the reference code,
+which gives the same bytes either way, so ranks may mix the two paths. :func:`get_ops` picks one from
+``dgc.kernels``.
 """
 
 import logging
@@ -16,7 +19,8 @@ from typing import Sequence, Tuple
 import torch
 
 from . import wire
-from .formats import int4_group_ids, int4_group_scales, pack_nibbles
+from .formats import (VALUE_BITS, WEIGHT_QMAX, ZERO_MASKED, _with_zero_masks, group_scales, int4_group_ids, int4_group_scales,
+                      pack_bits, pack_nibbles, split_scales, weight_code_bytes)
 from .indices import decode_positions
 from .job import CompressJob, CompressOutput
 from .reference import REFERENCE, ReferenceOps
@@ -31,9 +35,15 @@ class DGCKernelError(RuntimeError):
     """``dgc.kernels`` is ``"fused"`` and the fused op cannot load here (the message says why)."""
 
 
+# the numbering of value and weight formats in csrc/dgc/dgc_math.h (ValueFormat, WeightFormat)
+VALUE_FORMAT_CODES = {"int4": 0, "int2": 1, "int1": 2, "fp8_e4m3": 3, "fp8_e5m2": 4}
+WEIGHT_FORMAT_CODES = {"int8": 0, "fp8_e4m3": 1, "int4": 2}
+assert set(VALUE_FORMAT_CODES) == set(VALUE_BITS)
+
+
 def fused_can_decode(quantize: bool, value_format: str, index_coding: str, sparse: Sequence[bool]) -> bool:
-    """Whether the fused ops decode such a payload: INT4 values with varint positions (or none sent)."""
-    return quantize and value_format == "int4" and (index_coding == "varint" or not any(sparse))
+    """Whether the fused ops decode such a payload: quantized values with varint positions (or none sent)."""
+    return quantize and value_format in VALUE_FORMAT_CODES and (index_coding == "varint" or not any(sparse))
 
 
 def fused_can_code(job: CompressJob) -> bool:
@@ -47,7 +57,8 @@ def _row_decodable(row: wire.RowLayout) -> bool:
 
 
 class FusedCPUOps(ReferenceOps):
-    """The fused OpenMP op (``dgc_cpu_op``): one pass over the dense data; INT4 only."""
+    """The fused OpenMP op (``dgc_cpu_op``): one pass over the dense data, then every value format on the kept
+    values; weight quantize and dequantize in one pass each."""
 
     name = "fused-cpu"
 
@@ -67,7 +78,8 @@ class FusedCPUOps(ReferenceOps):
             [s.contiguous() for s in job.srcs], list(job.offsets), list(job.row_strides),
             [empty_f if r is None else r.contiguous() for r in job.residuals], list(job.residual_numels),
             list(job.numels), list(job.chunks), list(job.sparse), list(job.row_owner), job.targets(),
-            [empty_l if s is None else s for s in job.samples], float(job.divisor), job.group_size, job.fingerprint,
+            [empty_l if s is None else s for s in job.samples], float(job.divisor), job.group_size,
+            VALUE_FORMAT_CODES[job.value_format], job.fingerprint,
             job.want_residual, fixed, job.threshold is None)
         report = job.reuse_thresholds is not None or job.threshold is not None
         return CompressOutput(list(payloads), list(residuals) if finite and job.want_residual else None, finite, kept,
@@ -78,11 +90,38 @@ class FusedCPUOps(ReferenceOps):
             return ReferenceOps.decode_add(self, out, body, row)
         self.op.decode_add(out, body.values.contiguous(), body.scales.contiguous(), body.index_bytes.contiguous(),
                            body.kept, body.n_indexed, list(row.seg_real), list(row.chunks), list(row.sparse),
-                           row.group_size)
+                           row.group_size, VALUE_FORMAT_CODES[row.value_format])
+
+    def quantize_weights(self, x, fmt, group_size, segments=None):
+        if x.device.type != "cpu":
+            return ReferenceOps.quantize_weights(self, x, fmt, group_size, segments)
+        return self.op.quantize_weights(x.reshape(-1).contiguous(), WEIGHT_FORMAT_CODES[fmt], group_size,
+                                        _segment_list(x.numel(), segments))
+
+    def dequantize_weights_into(self, out, codes, scales, fmt, group_size, segments=None):
+        if out.device.type != "cpu" or not out.is_contiguous() or out.dtype not in _FUSED_DTYPES:
+            return ReferenceOps.dequantize_weights_into(self, out, codes, scales, fmt, group_size, segments)
+        try:
+            self.op.dequantize_weights(codes.contiguous(), scales.contiguous(), out.view(-1), WEIGHT_FORMAT_CODES[fmt],
+                                       group_size, _segment_list(out.numel(), segments))
+        except ValueError as err:  # a scale count that does not match, as the reference says it
+            raise ValueError(str(err)) from None
+
+
+_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _segment_list(n: int, segments) -> list:
+    """Segment lengths for the op (empty: one segment), checked as the reference checks them."""
+    if segments is None:
+        return []
+    if sum(segments) != n:
+        raise ValueError(f"segments of {sum(segments)} elements for {n} weights")
+    return [int(s) for s in segments]
 
 
 class FusedCUDAOps(ReferenceOps):
-    """The CUDA op (``dgc_cuda_op``): accumulation, INT4 coding and decode as CUDA kernels."""
+    """The CUDA op (``dgc_cuda_op``): accumulation, value and weight codes and decode as CUDA kernels."""
 
     name = "fused-cuda"
 
@@ -113,17 +152,63 @@ class FusedCUDAOps(ReferenceOps):
         pos, counts = decode_positions(out.numel(), body.index_bytes, body.kept, body.n_indexed, row.seg_real,
                                        row.chunks, row.sparse)
         gid, n_groups = int4_group_ids(counts, row.group_size)
-        if n_groups != body.scales.numel():
+        fmt = row.value_format
+        if fmt in ZERO_MASKED:
+            scales, nonzero = split_scales(body.scales, gid, n_groups)
+        elif n_groups != body.scales.numel():
             raise ValueError(f"{body.scales.numel()} scales for {n_groups} groups")
-        self.op.dequant_add(out, pos, body.values.contiguous(), body.scales.contiguous(), gid, _stream())
+        else:
+            scales, nonzero = body.scales, None
+        if fmt == "int4":
+            self.op.dequant_add(out, pos, body.values.contiguous(), scales.contiguous(), gid, _stream())
+            return
+        self.op.values_decode_add(out, pos, body.values.contiguous(), scales.contiguous(), gid,
+                                  torch.empty(0, dtype=torch.bool, device=out.device) if nonzero is None else nonzero,
+                                  VALUE_FORMAT_CODES[fmt], _stream())
+
+    def quantize_weights(self, x, fmt, group_size, segments=None):
+        if x.device.type != "cuda":
+            return ReferenceOps.quantize_weights(self, x, fmt, group_size, segments)
+        v = x.reshape(-1).float().contiguous()
+        gid, n_groups = _weight_groups(v.numel(), group_size, segments, v.device)
+        scales = torch.zeros(n_groups, dtype=torch.float32, device=v.device)
+        scales.scatter_reduce_(0, gid, v.abs(), reduce="amax", include_self=True)
+        scales.div_(WEIGHT_QMAX[fmt])
+        codes = self.op.weights_encode(v, scales, gid, WEIGHT_FORMAT_CODES[fmt], _stream())
+        return (pack_nibbles(codes) if fmt == "int4" else codes), scales
+
+    def dequantize_weights_into(self, out, codes, scales, fmt, group_size, segments=None):
+        if out.device.type != "cuda" or not out.is_contiguous() or out.dtype not in _FUSED_DTYPES:
+            return ReferenceOps.dequantize_weights_into(self, out, codes, scales, fmt, group_size, segments)
+        gid, n_groups = _weight_groups(out.numel(), group_size, segments, out.device)
+        if n_groups != scales.numel():
+            raise ValueError(f"dequantize_weights: {scales.numel()} scales for {n_groups} groups of {out.numel()} "
+                             "weights")
+        if codes.numel() < weight_code_bytes(out.numel(), fmt):
+            raise ValueError(f"dequantize_weights: {codes.numel()} code bytes for {out.numel()} {fmt} weights")
+        self.op.weights_decode(codes.contiguous(), scales.contiguous(), gid, out.view(-1), WEIGHT_FORMAT_CODES[fmt],
+                               _stream())
+
+
+def _weight_groups(n: int, group_size: int, segments, device):
+    """Scale group of each of n weights (groups restart at each segment; sizes from the host, nothing read back)."""
+    from .formats import _segment_tensor
+    return int4_group_ids(_segment_tensor(n, segments, device), group_size)
 
     def _quantize(self, vals: torch.Tensor, job: CompressJob, segment_counts_: torch.Tensor):
-        if job.value_format != "int4" or job.rounding_generator is not None:
+        if job.rounding_generator is not None:
             return ReferenceOps._quantize(self, vals, job, segment_counts_)
+        fmt = job.value_format
         gid, n_groups = int4_group_ids(segment_counts_, job.group_size)
-        scales = int4_group_scales(vals, gid, n_groups)
-        nibbles, decoded = self.op.int4_encode(vals.contiguous(), scales, gid, _stream())
-        return pack_nibbles(nibbles), scales, decoded
+        v = vals.float().contiguous()
+        if fmt == "int4":
+            scales = int4_group_scales(v, gid, n_groups)
+            nibbles, decoded = self.op.int4_encode(v, scales, gid, _stream())
+            return pack_nibbles(nibbles), scales, decoded
+        scales = group_scales(v, gid, n_groups, fmt)
+        codes, decoded = self.op.values_encode(v, scales, gid, VALUE_FORMAT_CODES[fmt], _stream())
+        side = _with_zero_masks(v, gid, scales) if fmt in ZERO_MASKED else scales
+        return pack_bits(codes, VALUE_BITS[fmt]), side, decoded
 
 
 def _stream() -> int:
@@ -150,7 +235,8 @@ def get_ops(kernels: str, device_type: str, quantize: bool):
     Args:
         kernels: ``"auto"``, ``"fused"`` or ``"reference"``.
         device_type: torch device type of the gradients (``"cpu"``, ``"cuda"``, ...).
-        quantize: whether payloads are quantized (the fused ops code INT4 and hand the rest to the reference).
+        quantize: whether payloads are quantized (the fused ops code quantized values and hand raw ones to the
+            reference; pass True for the weight codes).
 
     Returns:
         :class:`~deepspeed_dgc.codec.reference.ReferenceOps`, :class:`FusedCPUOps` or :class:`FusedCUDAOps`.
@@ -166,7 +252,7 @@ def get_ops(kernels: str, device_type: str, quantize: bool):
     if not quantize:
         if kernels == "fused":
             raise DGCKernelError("'dgc.kernels' is \"fused\" but 'dgc.quantization' is \"none\": the fused ops only "
-                                 "code INT4 payloads; use \"auto\" or \"reference\"")
+                                 "code quantized payloads; use \"auto\" or \"reference\"")
         return REFERENCE
     if device_type not in ("cpu", "cuda"):
         reason = f"no fused op for device type {device_type!r}"

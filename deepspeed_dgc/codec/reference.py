@@ -12,7 +12,7 @@ from typing import List, Tuple
 import torch
 
 from . import fixed, wire
-from .formats import dequantize_values, quantize_values
+from .formats import dequantize_values, dequantize_weights, quantize_values, quantize_weights
 from .indices import decode_positions, encode_bitmap, encode_indices, segment_counts
 from .job import CompressJob, CompressOutput, FixedOutput
 from .selection import reused_threshold, topk_threshold
@@ -150,6 +150,20 @@ class ReferenceOps:
         else:
             vals = wire.raw_decode(body.values, row.raw_scale)
         out.index_add_(0, pos, vals)
+
+    def quantize_weights(self, x: torch.Tensor, fmt: str, group_size: int, segments=None):
+        """``(codes, scales)`` of :func:`~deepspeed_dgc.codec.formats.quantize_weights` (weights or fp8 residuals)."""
+        return quantize_weights(x, fmt, group_size, segments)
+
+    def dequantize_weights_into(self, out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, fmt: str,
+                                group_size: int, segments=None) -> None:
+        """:func:`~deepspeed_dgc.codec.formats.dequantize_weights` of ``out.numel()`` weights copied into ``out``
+        (any float dtype, rounded once).
+
+        Raises:
+            ValueError: the scales or segments do not match ``out``'s size.
+        """
+        out.copy_(dequantize_weights(codes, scales, out.numel(), fmt, group_size, segments).view(out.shape))
 
 
 REFERENCE = ReferenceOps()

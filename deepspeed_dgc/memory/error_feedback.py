@@ -13,7 +13,7 @@ from typing import Dict, Hashable, Optional
 
 import torch
 
-from ..codec.formats import dequantize_weights, quantize_weights
+from ..codec.formats import dequantize_weights
 
 # bytes per element of each storage dtype of committed residuals (fp8: one code plus an fp32 scale per 128)
 RESIDUAL_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp8": 1.0 + 4.0 / 128}
@@ -49,11 +49,13 @@ class ErrorFeedback:
         ValueError: unknown storage.
     """
 
-    def __init__(self, storage: str = "fp32", offload: bool = False):
+    def __init__(self, storage: str = "fp32", offload: bool = False, kernels: str = "auto"):
         if storage not in RESIDUAL_BYTES:
             raise ValueError(f"unknown residual storage {storage!r}; allowed: {', '.join(RESIDUAL_BYTES)}")
         self.storage = storage
         self.offload = offload
+        self.kernels = kernels  # who codes fp8 residuals (``dgc.kernels``): the fused op or the reference, same bits
+        self._ops = {}
         self.device = None  # where staged residuals live (the gradients' device); offload copies back there
         self.committed: Dict[Hashable, object] = {}  # fp32/bf16 tensor, or (codes, scales) for fp8
         self.staged: Dict[Hashable, torch.Tensor] = {}
@@ -63,7 +65,14 @@ class ErrorFeedback:
             return r
         if self.storage == "bf16":
             return r.to(torch.bfloat16)
-        return quantize_weights(r, "fp8_e4m3", FP8_RESIDUAL_GROUP)
+        return self._codec(r.device.type).quantize_weights(r, "fp8_e4m3", FP8_RESIDUAL_GROUP)
+
+    def _codec(self, device_type: str):
+        """The ops that code fp8 residuals on ``device_type`` (:func:`~deepspeed_dgc.codec.kernels.get_ops`)."""
+        if device_type not in self._ops:
+            from ..codec.kernels import get_ops
+            self._ops[device_type] = get_ops(self.kernels, device_type, True)
+        return self._ops[device_type]
 
     @staticmethod
     def decode(stored) -> torch.Tensor:
@@ -108,7 +117,12 @@ class ErrorFeedback:
         """A committed residual decoded to fp32 on the device (copied from the host with ``offload``)."""
         if self.offload and self.device is not None:
             stored = self._map(stored, lambda t: t.to(self.device, non_blocking=True))
-        return self.decode(stored)
+        if not isinstance(stored, tuple):
+            return stored.float()
+        codes, scales = stored
+        out = torch.empty(codes.numel(), dtype=torch.float32, device=codes.device)
+        self._codec(codes.device.type).dequantize_weights_into(out, codes, scales, "fp8_e4m3", FP8_RESIDUAL_GROUP)
+        return out
 
     @staticmethod
     def _nbytes(stored) -> int:

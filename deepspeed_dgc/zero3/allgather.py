@@ -29,7 +29,8 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
-from ..codec.formats import dequantize_weights, quantize_weights, weight_code_bytes, weight_num_groups
+from ..codec.formats import weight_code_bytes, weight_num_groups
+from ..codec.reference import REFERENCE
 from ..comm.communicators import group_global_ranks, wait_torch_work
 from ..comm.topology import node_of
 
@@ -106,8 +107,8 @@ class _DequantizeOnWait:
     """Handle returned to DeepSpeed: ``wait()`` finishes the gather and decodes every shard into ``output``."""
 
     def __init__(self, work, recv: torch.Tensor, output: torch.Tensor, numel: int, fmt: str, group_size: int,
-                 timeout_s: float, segments: Optional[List[int]]):
-        self.work, self.recv, self.output = work, recv, output
+                 timeout_s: float, segments: Optional[List[int]], ops=REFERENCE):
+        self.work, self.recv, self.output, self.ops = work, recv, output, ops
         self.numel, self.fmt, self.group_size, self.timeout_s, self.segments = numel, fmt, group_size, timeout_s, segments
 
     def wait(self) -> None:
@@ -121,9 +122,8 @@ class _DequantizeOnWait:
         for r in range(world):
             piece = self.recv[r * p:(r + 1) * p]
             scales = piece[:n_scale].view(torch.float32)
-            values = dequantize_weights(piece[n_scale:n_scale + code_len], scales, n, self.fmt, self.group_size,
-                                        self.segments)
-            self.output[r * n:(r + 1) * n].copy_(values)
+            self.ops.dequantize_weights_into(self.output[r * n:(r + 1) * n], piece[n_scale:n_scale + code_len], scales,
+                                             self.fmt, self.group_size, self.segments)
         self.work = self.recv = None
 
 
@@ -142,14 +142,25 @@ class QuantizedAllGather:
         stock: the function replaced (used for ``"none"`` and non-float tensors).
         timeout_s: bound on each quantized gather, seconds (:func:`~deepspeed_dgc.comm.communicators.wait_torch_work`).
         ranks_per_node: node size used to count ``off_node_peers`` (:func:`~deepspeed_dgc.comm.topology.node_of`).
+        kernels: who codes the weights (``dgc.kernels``): the fused op of the shard's device or the reference
+            (the same bytes; :func:`~deepspeed_dgc.codec.kernels.get_ops`).
     """
 
     def __init__(self, fmt: str, group_size: int, record: Callable[[int, float, float], None], stock: Callable,
-                 timeout_s: float = 600.0, ranks_per_node: int = 1 << 30):
+                 timeout_s: float = 600.0, ranks_per_node: int = 1 << 30, kernels: str = "auto"):
         self.fmt, self.group_size, self.record, self.stock = fmt, group_size, record, stock
+        self.kernels = kernels
+        self._ops = {}
         self.timeout_s, self.ranks_per_node = timeout_s, ranks_per_node
         self._off_node = {}
         self._warned = False
+
+    def ops_for(self, device_type: str):
+        """The ops that code weights on ``device_type``, chosen once."""
+        if device_type not in self._ops:
+            from ..codec.kernels import get_ops
+            self._ops[device_type] = get_ops(self.kernels, device_type, True)
+        return self._ops[device_type]
 
     def off_node_peers(self, group) -> int:
         """Ranks of ``group`` on another node than this rank (cached per group)."""
@@ -187,7 +198,8 @@ class QuantizedAllGather:
                 for s, r in zip(layout.segments, layout.real):
                     shard[col + r:col + s] = 0  # padding: sent as zeros, whatever the memory holds
                     col += s
-        codes, scales = quantize_weights(shard, self.fmt, self.group_size, segments)
+        ops = self.ops_for(input_tensor.device.type)
+        codes, scales = ops.quantize_weights(shard, self.fmt, self.group_size, segments)
         p = payload_bytes(n, self.fmt, self.group_size, segments)
         payload = torch.zeros(p, dtype=torch.uint8, device=input_tensor.device)
         payload[:scales.numel() * FP32_BYTES] = scales.view(torch.uint8)
@@ -195,4 +207,4 @@ class QuantizedAllGather:
         recv = torch.empty(world * p, dtype=torch.uint8, device=input_tensor.device)
         work = dist.all_gather_into_tensor(recv, payload, group=group, async_op=True)
         self.record((world - 1) * p, (world - 1) * n * FP32_BYTES, off_node)
-        return _DequantizeOnWait(work, recv, output_tensor, n, self.fmt, self.group_size, self.timeout_s, segments)
+        return _DequantizeOnWait(work, recv, output_tensor, n, self.fmt, self.group_size, self.timeout_s, segments, ops)

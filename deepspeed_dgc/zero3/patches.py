@@ -459,7 +459,7 @@ def _install_allgather(cfg: DGCConfig, state: DGCState) -> None:
     stock = current.stock if isinstance(current, QuantizedAllGather) else current
     partition_parameters._dist_allgather_fn = QuantizedAllGather(cfg.weights.quantization, cfg.weights.group_size,
                                                                  state.stats.record_param_gather, stock, cfg.timeout_s,
-                                                                 state.reducer.ranks_per_node)
+                                                                 state.reducer.ranks_per_node, cfg.kernels)
 
 
 def _save_checkpoint(engine, state: DGCState) -> Callable:

@@ -49,7 +49,7 @@ class DGCState:
               samples_seen: Callable[[], int] = lambda: 0) -> "DGCState":
         """A fresh state: residual storage from ``cfg``, a reducer seeded for this rank, the parameters of ``module``
         keyed by name (:meth:`assign_keys`)."""
-        memory = ErrorFeedback(cfg.residual_storage, offload=cfg.residual_offload)
+        memory = ErrorFeedback(cfg.residual_storage, offload=cfg.residual_offload, kernels=cfg.kernels)
         reducer = CompressedReduceScatter(cfg, memory, seed=SEED_BASE + global_rank, ranks_per_node=ranks_per_node,
                                           momentum=momentum)
         params = list(module.parameters()) if module is not None else []
