@@ -53,6 +53,50 @@ def test_cuda_equals_reference(cuda_ops, hierarchical, rows, numels):
                 assert torch.equal(sums[0], sums[1])
 
 
+@pytest.mark.parametrize("fmt", ["int2", "int1", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("density", [0.05, 1.0])
+def test_cuda_every_value_format_equals_cpu_reference(cuda_ops, fmt, density):
+    """INT2, INT1 and FP8 coded by the CUDA op: the bytes and residual bits the reference gives on the CPU (the oracle
+    of the fused CPU op too), zeros included (INT1/INT2 bitmaps), and the same decoded sums."""
+    job = _job(SIZES[2], 2, value_format=fmt, density=density, residual=True, seed=5,
+               min_numel=0 if density < 1 else 10**9)
+    for src in job.srcs:
+        src[::7] = 0.0
+    for r in job.residuals:
+        r[::7] = 0.0
+    ref = REFERENCE.compress(job)
+    out = cuda_ops.compress(_to_cuda(job))
+    _assert_same(ref, type(out)([p.cpu() for p in out.payloads], [r.cpu() for r in out.residuals], out.finite,
+                                out.kept, out.thresholds))
+    for row, payload in enumerate(ref.payloads):
+        layout = job.row_layout(row)
+        body = wire.parse(payload, 0, layout)
+        cpu = torch.zeros(layout.row_numel)
+        REFERENCE.decode_add(cpu, body, layout)
+        gpu_body = wire.parse(payload.cuda(), 0, layout)
+        gpu = torch.zeros(layout.row_numel, device="cuda")
+        cuda_ops.decode_add(gpu, gpu_body, layout)
+        assert torch.equal(cpu.view(torch.int32), gpu.cpu().view(torch.int32))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_weight_codes_equal_cpu_reference(cuda_ops, fmt, dtype):
+    """The weight codes and decoded weights of the CUDA op equal the reference's on the CPU."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(5001, generator=g) * torch.logspace(-5, 2, 5001)).to(dtype)
+    x[:300] = 0.0
+    for segments in (None, [1, 4000, 1000]):
+        codes, scales = REFERENCE.quantize_weights(x, fmt, 64, segments)
+        gc, gs = cuda_ops.quantize_weights(x.cuda(), fmt, 64, segments)
+        assert torch.equal(codes, gc.cpu()) and torch.equal(scales.view(torch.int32), gs.cpu().view(torch.int32))
+        cpu = torch.empty(5001, dtype=dtype)
+        REFERENCE.dequantize_weights_into(cpu, codes, scales, fmt, 64, segments)
+        gpu = torch.empty(5001, dtype=dtype, device="cuda")
+        cuda_ops.dequantize_weights_into(gpu, gc, gs, fmt, 64, segments)
+        assert torch.equal(cpu.view(torch.uint8), gpu.cpu().view(torch.uint8))
+
+
 def test_cuda_non_finite_sends_nothing(cuda_ops):
     job = _to_cuda(_job([3, 5000], 2))
     job.srcs[1][1234] = float("inf")

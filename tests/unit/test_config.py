@@ -57,6 +57,9 @@ def test_config_defaults_and_lossless():
     ({"density": 0.1, "density_min": 0.2}, "'dgc.density_min' is a setting of density \"auto\""),
     ({"energy_budget": 0.2}, "'dgc.energy_budget' is a setting of density \"auto\""),
     ({1: 2}, "'dgc' keys must be strings, got 1"),
+    ({"kernels": "fused", "quantization": "none"}, "'dgc.kernels' = \"fused\" cannot code 'dgc.quantization' = \"none\""),
+    ({"kernels": "fused", "stochastic_rounding": True}, "cannot code 'dgc.stochastic_rounding' = true"),
+    ({"kernels": "fused", "index_coding": "bitmap"}, "cannot code 'dgc.index_coding' = \"bitmap\""),
 ])
 def test_config_errors_name_the_key(section, needle):
     with pytest.raises(DGCConfigError, match=needle.replace(".", r"\.")):
