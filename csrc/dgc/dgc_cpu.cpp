@@ -711,16 +711,6 @@ std::vector<int64_t> weight_group_starts(int64_t n, int64_t group_size, const st
   return starts;
 }
 
-// Calls f(element, group) for the elements [b, e), with their groups (starts from weight_group_starts).
-template <typename F>
-inline void for_each_in_groups(const std::vector<int64_t>& starts, int64_t b, int64_t e, F&& f) {
-  int64_t g = std::upper_bound(starts.begin(), starts.end() - 1, b) - starts.begin() - 1;
-  for (int64_t i = b; i < e; ++i) {
-    while (i >= starts[g + 1]) ++g;
-    f(i, g);
-  }
-}
-
 }  // namespace
 
 // Group-wise absmax quantization of a flat weight shard (formats.quantize_weights): wfmt 0 INT8, 1 FP8 e4m3,
@@ -734,30 +724,33 @@ std::tuple<at::Tensor, at::Tensor> quantize_weights(at::Tensor x, int64_t wfmt, 
   const std::vector<int64_t> starts = weight_group_starts(n, group_size, segments);
   const int64_t G = static_cast<int64_t>(starts.size()) - 1;
   at::Tensor scales = at::empty({G}, at::kFloat);
-  at::Tensor codes = at::zeros({wfmt == dgc::kWInt4 ? (n + 1) / 2 : n}, at::kByte);
+  at::Tensor codes = at::empty({wfmt == dgc::kWInt4 ? (n + 1) / 2 : n}, at::kByte);  // every byte written
   float* sc = scales.data_ptr<float>();
   uint8_t* out = codes.data_ptr<uint8_t>();
   const float qmax = dgc::weight_qmax(static_cast<int>(wfmt));
+  const bool int4 = wfmt == dgc::kWInt4;
+  std::vector<uint8_t> nibbles(int4 ? n : 0);  // INT4: unpacked first (a byte may hold two groups' codes)
+  uint8_t* dst = int4 ? nibbles.data() : out;
   dispatch_dtype(x.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     const T* v = static_cast<const T*>(x.data_ptr());
-    at::parallel_for(0, G, 64, [&](int64_t b, int64_t e) {
+    const int64_t grain = std::max<int64_t>(1, kBlock / std::max<int64_t>(group_size, 1));
+    at::parallel_for(0, G, grain, [&](int64_t b, int64_t e) {  // per group: absmax, scale, codes
       for (int64_t g = b; g < e; ++g) {
         float absmax = 0.0f;
         for (int64_t i = starts[g]; i < starts[g + 1]; ++i) absmax = std::max(absmax, std::fabs(static_cast<float>(v[i])));
-        sc[g] = absmax / qmax;
+        const float scale = absmax / qmax;
+        sc[g] = scale;
+        for (int64_t i = starts[g]; i < starts[g + 1]; ++i)
+          dst[i] = dgc::encode_weight(static_cast<int>(wfmt), static_cast<float>(v[i]), scale);
       }
     });
-    at::parallel_for(0, (n + 1) / 2, kBlock, [&](int64_t b, int64_t e) {  // pairs: an INT4 byte is one task's
-      for_each_in_groups(starts, 2 * b, std::min(2 * e, n), [&](int64_t i, int64_t g) {
-        const uint8_t code = dgc::encode_weight(static_cast<int>(wfmt), static_cast<float>(v[i]), sc[g]);
-        if (wfmt == dgc::kWInt4)
-          out[i >> 1] |= static_cast<uint8_t>(code << ((i & 1) * 4));
-        else
-          out[i] = code;
-      });
-    });
   });
+  if (int4)
+    at::parallel_for(0, (n + 1) / 2, kBlock, [&](int64_t b, int64_t e) {
+      for (int64_t k = b; k < e; ++k)
+        out[k] = static_cast<uint8_t>(nibbles[2 * k] | (2 * k + 1 < n ? nibbles[2 * k + 1] << 4 : 0));
+    });
   return {codes, scales};
 }
 
@@ -781,11 +774,19 @@ void dequantize_weights(at::Tensor codes, at::Tensor scales, at::Tensor out, int
   dispatch_dtype(out.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     T* o = static_cast<T*>(out.data_ptr());
-    at::parallel_for(0, n, kBlock, [&](int64_t b, int64_t e) {
-      for_each_in_groups(starts, b, e, [&](int64_t i, int64_t g) {
-        const uint8_t code = wfmt == dgc::kWInt4 ? static_cast<uint8_t>((in[i >> 1] >> ((i & 1) * 4)) & 0x0F) : in[i];
-        o[i] = static_cast<T>(dgc::decode_weight(static_cast<int>(wfmt), code, sc[g]));
-      });
+    const int64_t grain = std::max<int64_t>(1, kBlock / std::max<int64_t>(group_size, 1));
+    at::parallel_for(0, G, grain, [&](int64_t b, int64_t e) {
+      for (int64_t g = b; g < e; ++g) {
+        const float scale = sc[g];
+        if (wfmt == dgc::kWInt4)  // the loops apart, so each vectorizes
+          for (int64_t i = starts[g]; i < starts[g + 1]; ++i)
+            o[i] = static_cast<T>(dgc::decode_weight(dgc::kWInt4, (in[i >> 1] >> ((i & 1) * 4)) & 0x0F, scale));
+        else if (wfmt == dgc::kWInt8)
+          for (int64_t i = starts[g]; i < starts[g + 1]; ++i) o[i] = static_cast<T>(dgc::decode_weight(dgc::kWInt8, in[i], scale));
+        else
+          for (int64_t i = starts[g]; i < starts[g + 1]; ++i)
+            o[i] = static_cast<T>(dgc::decode_weight(dgc::kWFp8E4M3, in[i], scale));
+      }
     });
   });
 }
