@@ -673,6 +673,8 @@ void decode_add(at::Tensor out, at::Tensor values, at::Tensor scales, at::Tensor
   if (values.numel() < dgc::packed_bytes(kept, fmt)) throw std::invalid_argument("too few value bytes");
   const uint8_t* mask = reinterpret_cast<const uint8_t*>(sc + expected_groups);
   const int bits = dgc::format_bits(fmt);
+  float unit[256];  // code -> value at scale 1 (exact: value = unit[code] * scale)
+  for (int c = 0; c < 256; ++c) unit[c] = dgc::decode_unit(static_cast<int>(fmt), static_cast<uint8_t>(c));
   // one sender's positions are distinct: groups add into disjoint elements
   at::parallel_for(0, static_cast<int64_t>(groups.size()), 64, [&](int64_t b, int64_t e) {
     for (int64_t gi = b; gi < e; ++gi) {
@@ -681,8 +683,7 @@ void decode_add(at::Tensor out, at::Tensor values, at::Tensor scales, at::Tensor
       const float scale = sc[gi];
       const bool mixed = masked && scale < 0.0f;
       for (int64_t x = gr.x0; x < gr.x1; ++x) {
-        float value = dgc::decode_value(static_cast<int>(fmt), dgc::unpack_code(vals, gr.v0 + x - gr.x0, bits),
-                                        std::fabs(scale));
+        float value = unit[dgc::unpack_code(vals, gr.v0 + x - gr.x0, bits)] * std::fabs(scale);
         if (mixed) {
           const int64_t mb = gr.mb0 + x - gr.x0;
           if (!((mask[mb >> 3] >> (mb & 7)) & 1)) value = 0.0f;
@@ -774,18 +775,16 @@ void dequantize_weights(at::Tensor codes, at::Tensor scales, at::Tensor out, int
   dispatch_dtype(out.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     T* o = static_cast<T*>(out.data_ptr());
+    float unit[256];  // code -> weight at scale 1 (exact: weight = unit[code] * scale)
+    for (int c = 0; c < 256; ++c) unit[c] = dgc::decode_weight_unit(static_cast<int>(wfmt), static_cast<uint8_t>(c));
     const int64_t grain = std::max<int64_t>(1, kBlock / std::max<int64_t>(group_size, 1));
     at::parallel_for(0, G, grain, [&](int64_t b, int64_t e) {
       for (int64_t g = b; g < e; ++g) {
         const float scale = sc[g];
-        if (wfmt == dgc::kWInt4)  // the loops apart, so each vectorizes
-          for (int64_t i = starts[g]; i < starts[g + 1]; ++i)
-            o[i] = static_cast<T>(dgc::decode_weight(dgc::kWInt4, (in[i >> 1] >> ((i & 1) * 4)) & 0x0F, scale));
-        else if (wfmt == dgc::kWInt8)
-          for (int64_t i = starts[g]; i < starts[g + 1]; ++i) o[i] = static_cast<T>(dgc::decode_weight(dgc::kWInt8, in[i], scale));
+        if (wfmt == dgc::kWInt4)
+          for (int64_t i = starts[g]; i < starts[g + 1]; ++i) o[i] = static_cast<T>(unit[(in[i >> 1] >> ((i & 1) * 4)) & 0x0F] * scale);
         else
-          for (int64_t i = starts[g]; i < starts[g + 1]; ++i)
-            o[i] = static_cast<T>(dgc::decode_weight(dgc::kWFp8E4M3, in[i], scale));
+          for (int64_t i = starts[g]; i < starts[g + 1]; ++i) o[i] = static_cast<T>(unit[in[i]] * scale);
       }
     });
   });

@@ -145,16 +145,21 @@ DGC_HD float encode_value(int fmt, float v, float scale, uint8_t* code) {
   }
 }
 
-// The value a code decodes to (formats.dequantize_values), before the zero bitmap of INT2/INT1.
-DGC_HD float decode_value(int fmt, uint8_t code, float scale) {
+// What a code decodes to with scale 1: decode_value(fmt, code, s) == decode_unit(fmt, code) * s exactly for every
+// format (the unit values are exact small integers, +-1, k + 0.5 or FP8 values), so a 256-entry table of them
+// decodes without branches.
+DGC_HD float decode_unit(int fmt, uint8_t code) {
   switch (fmt) {
-    case kInt4: return int4_dequantize(code, scale);
-    case kInt2: return (static_cast<float>(code) - 2.0f + 0.5f) * scale;
-    case kInt1: return code ? scale : -scale;
-    case kFp8E4M3: return static_cast<float>(c10::Float8_e4m3fn(code, c10::Float8_e4m3fn::from_bits())) * scale;
-    default: return static_cast<float>(c10::Float8_e5m2(code, c10::Float8_e5m2::from_bits())) * scale;
+    case kInt4: return static_cast<float>(static_cast<int>(code) - kInt4Offset);
+    case kInt2: return static_cast<float>(code) - 2.0f + 0.5f;
+    case kInt1: return code ? 1.0f : -1.0f;
+    case kFp8E4M3: return static_cast<float>(c10::Float8_e4m3fn(code, c10::Float8_e4m3fn::from_bits()));
+    default: return static_cast<float>(c10::Float8_e5m2(code, c10::Float8_e5m2::from_bits()));
   }
 }
+
+// The value a code decodes to (formats.dequantize_values), before the zero bitmap of INT2/INT1.
+DGC_HD float decode_value(int fmt, uint8_t code, float scale) { return decode_unit(fmt, code) * scale; }
 
 // Code i of a packed stream (little-endian within each byte).
 DGC_HD uint8_t unpack_code(const uint8_t* packed, int64_t i, int bits) {
@@ -183,12 +188,15 @@ DGC_HD uint8_t encode_weight(int wfmt, float v, float scale) {
   return static_cast<uint8_t>(static_cast<int8_t>(q));
 }
 
-// The weight a code decodes to (formats.dequantize_weights).
-DGC_HD float decode_weight(int wfmt, uint8_t code, float scale) {
-  if (wfmt == kWInt4) return int4_dequantize(code, scale);
-  if (wfmt == kWFp8E4M3) return static_cast<float>(c10::Float8_e4m3fn(code, c10::Float8_e4m3fn::from_bits())) * scale;
-  return static_cast<float>(static_cast<int8_t>(code)) * scale;
+// What a weight code decodes to with scale 1 (decode_weight(w, code, s) == decode_weight_unit(w, code) * s exactly).
+DGC_HD float decode_weight_unit(int wfmt, uint8_t code) {
+  if (wfmt == kWInt4) return static_cast<float>(static_cast<int>(code) - kInt4Offset);
+  if (wfmt == kWFp8E4M3) return static_cast<float>(c10::Float8_e4m3fn(code, c10::Float8_e4m3fn::from_bits()));
+  return static_cast<float>(static_cast<int8_t>(code));
 }
+
+// The weight a code decodes to (formats.dequantize_weights).
+DGC_HD float decode_weight(int wfmt, uint8_t code, float scale) { return decode_weight_unit(wfmt, code) * scale; }
 
 // Bytes of the LEB128 varint of a non-negative gap (7 bits per byte).
 DGC_HD int varint_length(uint64_t v) {
