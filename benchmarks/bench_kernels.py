@@ -112,9 +112,12 @@ def bench(n: int, fmt: str, density: float, args, fused) -> dict:
     fused_out = fused.compress(job)
     sparse = density < 1
     pairs = [(job, job)]
-    if sparse:
+    if sparse:  # the thresholds just estimated (reported when the job takes part in reuse)
+        est = make_job(n, args.world, args.device, args.seed, fmt, density)
+        est.reuse_thresholds = [None]
         reuse = make_job(n, args.world, args.device, args.seed, fmt, density)
-        reuse.reuse_thresholds, reuse.samples = list(fused_out.thresholds), [None]
+        reuse.reuse_thresholds, reuse.samples = list(fused.compress(est).thresholds), [None]
+        assert all(t is not None for t in reuse.reuse_thresholds)
         pairs.append((reuse, reuse))
     same = _same(ref_out, fused_out) and all(_same(REFERENCE.compress(a), fused.compress(b)) for a, b in pairs[1:])
     dec_ref, out_ref = decode_fn(REFERENCE, job, ref_out.payloads[0])

@@ -148,10 +148,12 @@ class DGCConfig(BaseModel):
     ranks_per_node: Optional[int] = Field(
         None, ge=1, description="ranks per node; `null` takes the launcher's `LOCAL_SIZE` / "
         "`OMPI_COMM_WORLD_LOCAL_SIZE`, else counts host names. Ranks `k*L ... (k+1)*L - 1` form node k")
-    # at least 1 ms: gloo counts in whole milliseconds and takes 0 as "wait forever"
-    timeout_s: float = Field(600.0, ge=0.001, le=7 * 24 * 3600.0, allow_inf_nan=False,
+    # at least 1 s: the same bound covers start-up (rendezvous, the config agreement) and a bucket's exchange on a
+    # slow link, which take longer than a few milliseconds even when every rank is healthy
+    timeout_s: float = Field(600.0, ge=1.0, le=7 * 24 * 3600.0, allow_inf_nan=False,
                              description="seconds any collective of the extension may wait before it raises "
-                             "`DGCTimeoutError` (a peer died or hangs)")
+                             "`DGCTimeoutError` (a peer died or hangs); at least 1 (start-up and a bucket's exchange "
+                             "on a slow link take that long on healthy ranks)")
     kernels: Literal["auto", "fused", "reference"] = Field(
         "auto", description="who compresses: the fused op where it loads (else the PyTorch reference, with one "
         "warning saying why), the fused op or fail at initialize, or the reference. Same bytes either way; the "
@@ -215,7 +217,9 @@ class DGCConfig(BaseModel):
     @model_validator(mode="after")
     def _fixed_layout_limits(self):
         if self.layout == "fixed" and self.exact_only_settings():
-            raise ValueError(f"'dgc.{self.exact_only_settings()[0]}' needs payloads of the exact kept count: set "
+            key = self.exact_only_settings()[0]
+            value = "auto" if key == "density" else getattr(self, key)
+            raise ValueError(f"'dgc.{key}' = {json.dumps(value)} needs payloads of the exact kept count: set "
                              "'dgc.layout' to \"exact\" or \"auto\" (got \"fixed\")")
         return self
 
@@ -301,7 +305,9 @@ def _format_validation_error(err: ValidationError) -> str:
         # a union (density: float or "auto") reports one error per member, tagged in the location
         loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and (p.startswith("constrained-") or "[" in p)))
         key = ".".join(str(p) for p in (DGC_SECTION, ) + loc)
-        if e["type"] == "extra_forbidden":
+        if e["type"] == "value_error" and not loc:  # a rule across keys: its own message names them
+            lines.append(e["msg"].removeprefix("Value error, "))
+        elif e["type"] == "extra_forbidden":
             model = SUBSECTIONS.get(loc[0], DGCConfig) if len(loc) > 1 else DGCConfig
             allowed = ", ".join(model.model_fields)
             lines.append(f"unknown key '{key}' (allowed keys: {allowed})")

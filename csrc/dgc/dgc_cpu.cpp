@@ -17,6 +17,8 @@
 #include <cfloat>
 #include <cstring>
 #include <functional>
+#include <memory>
+#include <type_traits>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -104,12 +106,18 @@ float kth_largest(std::vector<float>& v, int64_t k) {
 
 // The kept elements of one tensor in one row: columns j and accumulated values. `all`: every real element is
 // kept (a tensor sent whole, or k >= m), j is implicit (x) and acc was written in place by the dense pass.
+// kept elements (rare among many) are compacted into acc; a row sent whole is accumulated in place: straight into
+// its slot of the new residual (`ext`, overwritten by acc - decoded when it is coded) or into `whole`.
 struct Kept {
   std::vector<int64_t> j;
   std::vector<float> acc;
   bool all = false;
-  int64_t size() const { return static_cast<int64_t>(acc.size()); }
+  std::shared_ptr<float[]> whole;  // uninitialised: every element is written by the dense pass
+  float* ext = nullptr;
+  int64_t n_all = 0;
+  int64_t size() const { return all ? n_all : static_cast<int64_t>(acc.size()); }
   int64_t col(int64_t x) const { return all ? x : j[x]; }
+  const float* values() const { return all ? ext : acc.data(); }
 };
 
 struct Task {
@@ -170,7 +178,8 @@ int64_t dense_block(const Spec& t, const Params& p, int64_t r, int64_t j0, int64
   accumulate_block<T>(t, p, r, j0, j1, a);
   int64_t nonfinite = 0;
   for (int64_t x = 0; x < len; ++x) nonfinite += !(std::fabs(a[x]) <= FLT_MAX);  // Inf and NaN
-  if (write_residual && t.residual_out) std::memcpy(t.residual_out + r * t.c + j0, a, len * sizeof(float));
+  float* res = write_residual && t.residual_out ? t.residual_out + r * t.c + j0 : nullptr;
+  if (res && res != a) std::memcpy(res, a, len * sizeof(float));
   if (direct) return nonfinite;
   // compaction: a vectorizable test of 16 elements at a time, the scalar one only where one is kept
   int64_t x0 = 0;
@@ -199,15 +208,23 @@ int64_t dense_pass(std::vector<Spec>& specs, const Params& p, const std::vector<
   std::vector<int64_t> nonfinite(tasks.size(), 0);
   for (const Task& task : tasks)  // tensors keeping every real element: acc written in place, j implicit
     if (thr[task.i] < 0.0f && !kept[task.i][task.r].all) {
-      kept[task.i][task.r].all = true;
-      kept[task.i][task.r].acc.resize(specs[task.i].real[task.r]);
+      Kept& k = kept[task.i][task.r];
+      const Spec& t = specs[task.i];
+      k.all = true;
+      k.n_all = t.real[task.r];
+      if (write_residual && t.residual_out) {
+        k.ext = t.residual_out + task.r * t.c;
+      } else {
+        k.whole.reset(new float[std::max<int64_t>(k.n_all, 1)]);
+        k.ext = k.whole.get();
+      }
     }
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t b, int64_t e) {
     for (int64_t x = b; x < e; ++x) {
       const Task& task = tasks[x];
       const Spec& t = specs[task.i];
       Kept& dst = kept[task.i][task.r];
-      float* direct = dst.all ? dst.acc.data() : nullptr;
+      float* direct = dst.all ? dst.ext : nullptr;
       dispatch_dtype(t.dtype, [&](auto tag) {
         using T = decltype(tag);
         nonfinite[x] = dense_block<T>(t, p, task.r, task.j0, task.j1, thr[task.i], parts[x], write_residual, direct);
@@ -461,7 +478,7 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
   at::parallel_for(0, static_cast<int64_t>(groups.size()), 256, [&](int64_t b, int64_t e) {
     for (int64_t gi = b; gi < e; ++gi) {
       Group& gr = groups[gi];
-      const float* acc = kept[gr.i][gr.r].acc.data();
+      const float* acc = kept[gr.i][gr.r].values();
       float absmax = 0.0f, mag_sum = 0.0f, nonzero = 0.0f;
       bool has_zero = false;
       for (int64_t x = gr.x0; x < gr.x1; ++x) {
@@ -502,43 +519,14 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
   }
   auto scales_of = [&](int64_t r) { return reinterpret_cast<float*>(bases[r] + 4 * dgc::kHeaderInt32); };
   auto values_of = [&](int64_t r) { return bases[r] + 4 * dgc::kHeaderInt32 + 4 * scale_words[r]; };
-  // value blocks: [v, v + kBlock) of row r; kBlock is a multiple of 8, so every block starts on a byte
-  std::vector<std::pair<int64_t, int64_t>> blocks;
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t v = 0; v < n_kept[r]; v += kBlock) blocks.push_back({r, v});
-  at::parallel_for(0, static_cast<int64_t>(blocks.size()), 1, [&](int64_t b, int64_t e) {
-    for (int64_t bi = b; bi < e; ++bi) {
-      const int64_t r = blocks[bi].first, v_begin = blocks[bi].second;
-      const int64_t v_end = std::min(v_begin + kBlock, n_kept[r]);
-      float* scales = scales_of(r);
-      uint8_t* values = values_of(r);
-      // the first group of this row holding value v_begin
-      auto first = std::upper_bound(groups.begin() + first_group[r], groups.begin() + first_group[r + 1], v_begin,
-                                    [](int64_t v, const Group& gr) { return v < gr.v0; });
-      for (int64_t gi = (first - groups.begin()) - 1; gi < first_group[r + 1]; ++gi) {
-        const Group& gr = groups[gi];
-        if (gr.v0 >= v_end) break;
-        if (gr.v0 >= v_begin) scales[gi - first_group[r]] = gr.mixed ? -gr.scale : gr.scale;
-        const Kept& kr = kept[gr.i][r];
-        const Spec& t = specs[gr.i];
-        const int64_t x_begin = std::max(gr.x0, gr.x0 + v_begin - gr.v0), x_end = std::min(gr.x1, gr.x0 + v_end - gr.v0);
-        for (int64_t x = x_begin; x < x_end; ++x) {
-          uint8_t code;
-          const float decoded = dgc::encode_value(static_cast<int>(fmt), kr.acc[x], gr.scale, &code);
-          const int64_t bit = (gr.v0 + x - gr.x0) * bits;
-          values[bit >> 3] |= static_cast<uint8_t>(code << (bit & 7));
-          if (t.residual_out) t.residual_out[r * t.c + kr.col(x)] = kr.acc[x] - decoded;
-        }
-      }
-    }
-  });
+  // zero bitmaps and varint positions (serially per row; before the codes, which overwrite an in-place acc)
   at::parallel_for(0, R, 1, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       uint8_t* mask = reinterpret_cast<uint8_t*>(scales_of(r) + n_groups[r]);  // after the scales
       for (int64_t gi = first_group[r]; gi < first_group[r + 1]; ++gi) {
         const Group& gr = groups[gi];
         if (!gr.mixed) continue;
-        const float* acc = kept[gr.i][r].acc.data();
+        const float* acc = kept[gr.i][r].values();
         for (int64_t x = gr.x0, mb = gr.mb0; x < gr.x1; ++x, ++mb)
           mask[mb >> 3] |= static_cast<uint8_t>((acc[x] != 0.0f) << (mb & 7));
       }
@@ -561,6 +549,61 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
       }
     }
   });
+  // codes and residuals, in parallel over groups: 8-bit codes straight into the payload, narrower ones unpacked
+  // into a scratch row first and packed after (a byte may hold the codes of two groups)
+  std::vector<std::unique_ptr<uint8_t[]>> scratch(R);
+  if (bits < 8)
+    for (int64_t r = 0; r < R; ++r) scratch[r].reset(new uint8_t[std::max<int64_t>(n_kept[r], 1)]);
+  auto encode_groups = [&](auto fmt_tag) {
+    constexpr int F = decltype(fmt_tag)::value;
+    const int64_t grain = std::max<int64_t>(1, kBlock / group_size);
+    at::parallel_for(0, static_cast<int64_t>(groups.size()), grain, [&](int64_t b, int64_t e) {
+      for (int64_t gi = b; gi < e; ++gi) {
+        const Group& gr = groups[gi];
+        const int64_t r = gr.r;
+        scales_of(r)[gi - first_group[r]] = gr.mixed ? -gr.scale : gr.scale;
+        const Kept& kr = kept[gr.i][r];
+        const Spec& t = specs[gr.i];
+        const float* acc = kr.values();
+        uint8_t* codes = (bits < 8 ? scratch[r].get() : values_of(r)) + gr.v0 - gr.x0;
+        float* res = t.residual_out ? t.residual_out + r * t.c : nullptr;
+        const float scale = gr.scale;
+        if (res && kr.all)  // columns are x: a loop without indirection
+          for (int64_t x = gr.x0; x < gr.x1; ++x) {
+            const float a = acc[x];
+            res[x] = a - dgc::encode_value(F, a, scale, codes + x);
+          }
+        else
+          for (int64_t x = gr.x0; x < gr.x1; ++x) {
+            const float a = acc[x];
+            const float decoded = dgc::encode_value(F, a, scale, codes + x);
+            if (res) res[kr.col(x)] = a - decoded;
+          }
+      }
+    });
+  };
+  switch (fmt) {
+    case dgc::kInt4: encode_groups(std::integral_constant<int, dgc::kInt4>()); break;
+    case dgc::kInt2: encode_groups(std::integral_constant<int, dgc::kInt2>()); break;
+    case dgc::kInt1: encode_groups(std::integral_constant<int, dgc::kInt1>()); break;
+    case dgc::kFp8E4M3: encode_groups(std::integral_constant<int, dgc::kFp8E4M3>()); break;
+    default: encode_groups(std::integral_constant<int, dgc::kFp8E5M2>()); break;
+  }
+  if (bits < 8) {
+    const int per = 8 / bits;
+    for (int64_t r = 0; r < R; ++r) {
+      const uint8_t* codes = scratch[r].get();
+      uint8_t* values = values_of(r);
+      const int64_t n = n_kept[r];
+      at::parallel_for(0, (n + per - 1) / per, kBlock, [&](int64_t b, int64_t e) {
+        for (int64_t k = b; k < e; ++k) {
+          uint8_t byte = 0;
+          for (int q = 0; q < per && k * per + q < n; ++q) byte |= static_cast<uint8_t>(codes[k * per + q] << (q * bits));
+          values[k] = byte;
+        }
+      });
+    }
+  }
   std::vector<double> used(T, -1.0);
   for (size_t i = 0; i < T; ++i)
     if (thr[i] >= 0) used[i] = static_cast<double>(thr[i]);
@@ -742,8 +785,16 @@ std::tuple<at::Tensor, at::Tensor> quantize_weights(at::Tensor x, int64_t wfmt, 
         for (int64_t i = starts[g]; i < starts[g + 1]; ++i) absmax = std::max(absmax, std::fabs(static_cast<float>(v[i])));
         const float scale = absmax / qmax;
         sc[g] = scale;
-        for (int64_t i = starts[g]; i < starts[g + 1]; ++i)
-          dst[i] = dgc::encode_weight(static_cast<int>(wfmt), static_cast<float>(v[i]), scale);
+        auto encode = [&](auto w) {  // the format a constant in each loop
+          for (int64_t i = starts[g]; i < starts[g + 1]; ++i)
+            dst[i] = dgc::encode_weight(decltype(w)::value, static_cast<float>(v[i]), scale);
+        };
+        if (wfmt == dgc::kWInt8)
+          encode(std::integral_constant<int, dgc::kWInt8>());
+        else if (wfmt == dgc::kWFp8E4M3)
+          encode(std::integral_constant<int, dgc::kWFp8E4M3>());
+        else
+          encode(std::integral_constant<int, dgc::kWInt4>());
       }
     });
   });

@@ -53,7 +53,7 @@ def is_timeout(err: BaseException) -> bool:
 
 def _timeout_message(what: str, rank: int, timeout_s: float) -> str:
     return (f"deepspeed_dgc: {what} on rank {rank} did not complete within dgc.timeout_s = {timeout_s:g} s; "
-            "another rank has probably died or hangs (see its log)")
+            "another rank has probably died or hangs (see its log), or the exchange needs longer than that")
 
 
 class Communicator:

@@ -41,6 +41,7 @@ def test_config_defaults_and_lossless():
     ({"ranks_per_node": 2.0}, "'dgc.ranks_per_node'"),
     ({"timeout_s": 0}, "'dgc.timeout_s'"),
     ({"timeout_s": -5.0}, "'dgc.timeout_s'"),
+    ({"timeout_s": 0.05}, "'dgc.timeout_s': Input should be greater than or equal to 1"),
     ({"local_clip_norm": 0.0}, "'dgc.local_clip_norm'"),
     ({"local_clip_norm": 1.0}, "'dgc.local_clip_norm' is part of DGC's momentum correction"),
     ({"momentum_factor_masking": False}, "'dgc.momentum_factor_masking' is part of DGC's momentum correction"),
