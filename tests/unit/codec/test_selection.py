@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from deepspeed_dgc.codec.selection import LOWER_SLACK, UPPER_SLACK, select_topk, target_count
+from deepspeed_dgc.codec.selection import select_topk, target_count, topk_threshold
+
+LOWER_SLACK, UPPER_SLACK = 0.8, 1.3  # DGC's bounds (the paper's numbers, not the module's constants)
 
 
 def _gen(seed):
@@ -42,3 +44,19 @@ def test_selection_keeps_largest_magnitudes():
 def test_density_one_keeps_everything():
     x = torch.randn(999, generator=_gen(5))
     assert bool(select_topk(x, 1.0).all())
+
+
+@pytest.mark.parametrize("which", ["largest", "smallest"])
+def test_corrections_bring_a_bad_sample_back_to_k(which):
+    """A sample of the largest magnitudes puts the first threshold far too high (DGC's lowering rounds must bring the
+    count up to 0.8 k); a sample of the smallest puts it far too low (the exact top-k step must cut to k)."""
+    mag = torch.randn(100_000, generator=_gen(11)).abs()
+    k = 1000
+    order = torch.argsort(mag, descending=which == "largest")
+    threshold = topk_threshold(mag, k, order[:2000])
+    count = int((mag >= threshold).sum())
+    if which == "largest":
+        assert LOWER_SLACK * k <= count <= UPPER_SLACK * k, count
+        assert count < 2000  # lowered a few times (x 0.8), not down to the whole tail
+    else:
+        assert count == k
