@@ -92,15 +92,19 @@ def test_resume_after_building_another_model_first_is_bit_identical():
 def test_resume_with_int8_weights_and_padded_shards_is_bit_identical():
     """INT8 weights gathered in forward and backward, odd-sized parameters (padded shards), and the padding of the
     fp32 master partitions holding 1e30, which DeepSpeed copies into the shards at every step and at checkpoint load:
-    the padding never reaches a quantizer's scale, so the run resumed from step 5 equals the uninterrupted one bit
-    for bit."""
+    the padding never reaches a quantizer's scale, so the poisoned run equals one whose padding was left alone, and
+    the run resumed from step 5 (whose load copies the saved 1e30 padding into the shards) equals the uninterrupted
+    one, bit for bit."""
     config = {"dgc": dict(SPARSE, weights={"quantization": "int8"}),
               "zero_optimization": {"stage3_prefetch_bucket_size": 0, "stage3_max_reuse_distance": 0}}
     out = tempfile.mkdtemp()
     full = run_engine(out=out, steps=8, ckpt=f"{out}/ckpt", save_at=5, config=config, poison_padding=True)
+    clean = run_engine(steps=8, config=config)
     second, _ = run_engine(out=out, steps=8, ckpt=f"{out}/ckpt", resume_at=5, config=config, logs=True)
     for r in range(2):
         assert all(math.isfinite(x) for x in full[r]["losses"])
+        assert full[r]["losses"] == clean[r]["losses"]  # a quantizer that saw the padding would differ from step 1
+        assert all(torch.equal(a, b) for a, b in zip(full[r]["params"][-1], clean[r]["params"][-1]))
         assert second[r]["losses"] == full[r]["losses"][5:]
         assert all(torch.equal(a, b) for a, b in zip(second[r]["params"][-1], full[r]["params"][-1]))
         assert full[r]["stats"]["param_wire_bytes_total"] < 0.3 * full[r]["stats"]["param_dense_fp32_bytes_total"]

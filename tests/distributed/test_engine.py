@@ -106,8 +106,11 @@ def test_lossless_matches_stock_within_rounding(world, dgc):
         for step, (a, b) in enumerate(zip(ours[r]["grads"], stock[r]["grads"])):
             for x, y in zip(a, b):
                 torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-7)
+        # Adam divides by sqrt(v): on a coordinate whose gradient is near zero a rounding difference of the sum
+        # becomes a larger difference of its step (1.7e-6 was seen once at 4 ranks); a wrong reduction moves
+        # parameters by about lr = 1e-2 per step, far outside this bound
         for x, y in zip(ours[r]["params"][-1], stock[r]["params"][-1]):
-            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
         assert not torch.equal(stock[r]["params"][0][0], stock[r]["params"][-1][0])
         if dgc.get("topology") == "hierarchical":  # the two hops really ran
             assert ours[r]["stats"]["grad_intra_node_wire_bytes_total"] > 0
