@@ -11,7 +11,11 @@ Weights: for each weight format (the quantized all-gather's INT8 / FP8 e4m3 / IN
 e4m3 in groups of 128) a shard of n fp32 weights is quantized and dequantized into a bf16 buffer by each.
 
 Every timing is the median of ``--repeats`` runs, the variants interleaved in each repeat. GB/s counts the fp32
-input bytes (4 n) per second.
+input bytes (4 n) per second. With glibc's defaults (what a CPU training process has) every output of 32 MB or more
+is a fresh mapping whose pages fault in as they are first written, for the clone as for the fused op's new
+residual; ``--reuse-freed-memory`` keeps freed memory for reuse instead (``mallopt``: no mmap or trim under 1 GiB),
+as a caching allocator does on a GPU, so that the clone is the memory-bandwidth floor and the fused op's own
+compute shows.
 
 Usage::
 
@@ -20,6 +24,7 @@ Usage::
 """
 
 import argparse
+import ctypes
 import json
 import platform
 import statistics
@@ -171,6 +176,17 @@ def bench_weights(n: int, fmt: str, args, fused) -> dict:
                 dequantize_vs_clone=med["dequantize_fused"] / med["clone"])
 
 
+def keep_freed_memory() -> bool:
+    """glibc only: serve large blocks from the heap and keep freed memory (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD at 1 GiB);
+    whether it applied."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(libc.mallopt(m_mmap_threshold, 1 << 30)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -186,7 +202,10 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=positive_int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--reuse-freed-memory", action="store_true",
+                    help="glibc keeps freed memory for reuse (no fresh pages for large outputs, as a caching allocator)")
     args = ap.parse_args(argv)
+    warm = args.reuse_freed_memory and args.device == "cpu" and keep_freed_memory()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_kernels: --device cuda but torch sees no CUDA device", file=sys.stderr)
         return 2
@@ -195,10 +214,10 @@ def main(argv=None) -> int:
     rows = [bench(n, fmt, d, args, fused) for d in args.densities for fmt in args.formats for n in sizes]
     wrows = [bench_weights(n, fmt, args, fused) for fmt in args.weight_formats for n in sizes]
     machine = dict(device=args.device, threads=torch.get_num_threads(), cpu=platform.processor() or platform.machine(),
-                   torch=torch.__version__, simd=getattr(fused.op, "simd_info", lambda: "n/a")(),
+                   torch=torch.__version__, simd=getattr(fused.op, "simd_info", lambda: "n/a")(), warm_allocator=warm,
                    gpu=torch.cuda.get_device_name() if args.device == "cuda" else None)
     print(f"# bench_kernels: {args.device}, {machine['threads']} threads, group 128, {args.world} owners, "
-          f"median of {args.repeats}")
+          f"median of {args.repeats}, {'freed memory reused' if warm else 'fresh pages'}")
     print("| format | density | n | reference ms | fused ms | fused reused ms | decode ref ms | decode fused ms "
           "| clone ms | fused GB/s | fused speed-up | fused / clone | decode speed-up | same bytes |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")

@@ -115,6 +115,13 @@ struct Kept {
   std::shared_ptr<float[]> whole;  // uninitialised: every element is written by the dense pass
   float* ext = nullptr;
   int64_t n_all = 0;
+  // A row sent whole and coded by the dense pass itself (`pre`): each scale group's scale and whether it mixes
+  // zeros and non-zeros, and one code byte per value (bit 7 set where the value is non-zero, for INT2/INT1's zero
+  // bitmaps); ext then holds the new residual (acc - sent) instead of acc.
+  bool pre = false;
+  std::vector<float> gscale;
+  std::vector<uint8_t> gmixed;
+  std::shared_ptr<uint8_t[]> codes;
   int64_t size() const { return all ? n_all : static_cast<int64_t>(acc.size()); }
   int64_t col(int64_t x) const { return all ? x : j[x]; }
   const float* values() const { return all ? ext : acc.data(); }
@@ -161,11 +168,109 @@ void accumulate_block(const Spec& t, const Params& p, int64_t r, int64_t j0, int
     for (int64_t x = 0; x < len; ++x) buf[x] = static_cast<float>(s[x]) + res[x];
 }
 
+// How the dense pass codes a row sent whole while its block is in cache: value format and scale group size.
+struct PreEncode {
+  int fmt;
+  int64_t group_size;
+};
+
+// Codes the scale groups of a[0, len) (columns j0 + x of a row sent whole; j0 a multiple of the group size):
+// the group statistics and scale as step 4 of compress_bucket computes them, one code byte per value, and
+// a[x] -= what the code decodes to (the new residual). Same arithmetic in the same order as step 4.
+// Value at scale 1 of every FP8 code of format F (exact: the code decodes to unit[code] * scale).
+template <int F>
+const float* fp8_units() {
+  static const std::vector<float> units = [] {
+    std::vector<float> u(256);
+    for (int c = 0; c < 256; ++c) u[c] = dgc::decode_unit(F, static_cast<uint8_t>(c));
+    return u;
+  }();
+  return units.data();
+}
+
+template <int F>
+void encode_block(float* __restrict a, int64_t len, int64_t j0, int64_t gs, Kept& dst) {
+  constexpr bool masked = F == dgc::kInt2 || F == dgc::kInt1;
+  uint8_t* __restrict codes = dst.codes.get() + j0;
+  for (int64_t g0 = 0; g0 < len; g0 += gs) {
+    const int64_t g1 = std::min(g0 + gs, len);
+    // the block is finite (checked by the caller), so a max in any order is the same max; INT1's sum of
+    // magnitudes stays in value order (its scale must equal the reference's bit for bit)
+    float m[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    int64_t x = g0;
+    for (; x + 4 <= g1; x += 4)
+      for (int l = 0; l < 4; ++l) m[l] = std::max(m[l], std::fabs(a[x + l]));
+    for (; x < g1; ++x) m[0] = std::max(m[0], std::fabs(a[x]));
+    const float absmax = std::max(std::max(m[0], m[1]), std::max(m[2], m[3]));
+    float mag_sum = 0.0f;
+    int64_t nonzero = g1 - g0;
+    if (masked) {
+      int64_t zeros = 0;
+      for (int64_t y = g0; y < g1; ++y) zeros += a[y] == 0.0f;
+      nonzero -= zeros;
+    }
+    if (F == dgc::kInt1)
+      for (int64_t y = g0; y < g1; ++y) mag_sum += std::fabs(a[y]);
+    const float scale = dgc::group_scale(F, absmax, mag_sum, static_cast<float>(nonzero));
+    const int64_t g = (j0 + g0) / gs;
+    dst.gscale[g] = scale;
+    dst.gmixed[g] = masked && nonzero < g1 - g0 && scale > 0.0f;
+    if constexpr (F == dgc::kInt1) {  // encode_value's INT1 without branches (the loop vectorizes)
+      for (int64_t y = g0; y < g1; ++y) {
+        const float v = a[y];
+        const bool pos = v >= 0.0f, nz = v != 0.0f;
+        const float signed_scale = pos ? scale : -scale;
+        a[y] = v - (nz ? signed_scale : 0.0f);
+        codes[y] = static_cast<uint8_t>(static_cast<uint8_t>(pos) | (static_cast<uint8_t>(nz) << 7));
+      }
+    } else if constexpr (F == dgc::kFp8E4M3 || F == dgc::kFp8E5M2) {  // decoded through the unit table (exact)
+      const float* unit = fp8_units<F>();
+      for (int64_t y = g0; y < g1; ++y) {
+        const float v = a[y];
+        const float x = dgc::divide_by_scale(v, scale);
+        const uint8_t c = F == dgc::kFp8E4M3 ? c10::Float8_e4m3fn(x).x : c10::Float8_e5m2(x).x;
+        a[y] = v - unit[c] * scale;
+        codes[y] = c;
+      }
+    } else {
+      for (int64_t y = g0; y < g1; ++y) {
+        const float v = a[y];
+        uint8_t c;
+        const float decoded = dgc::encode_value(F, v, scale, &c);
+        a[y] = v - decoded;
+        codes[y] = masked ? static_cast<uint8_t>(c | ((v != 0.0f) << 7)) : c;
+      }
+    }
+  }
+}
+
+// Packs n codes of BITS bits (< 8) into bytes, the first code in the low bits (formats.pack_bits); bit 7 of a
+// code (the dense pass's zero mark) is dropped.
+template <int BITS>
+void pack_codes(const uint8_t* codes, uint8_t* values, int64_t n) {
+  constexpr int per = 8 / BITS;
+  constexpr uint8_t low = (1 << BITS) - 1;
+  const int64_t full = n / per;
+  at::parallel_for(0, full, kBlock, [&](int64_t b, int64_t e) {
+    for (int64_t k = b; k < e; ++k) {
+      uint8_t byte = 0;
+      for (int q = 0; q < per; ++q) byte |= static_cast<uint8_t>((codes[k * per + q] & low) << (q * BITS));
+      values[k] = byte;
+    }
+  });
+  if (full * per < n) {
+    uint8_t byte = 0;
+    for (int64_t x = full * per; x < n; ++x) byte |= static_cast<uint8_t>((codes[x] & low) << ((x - full * per) * BITS));
+    values[full] = byte;
+  }
+}
+
 // The dense pass over one block: acc, residual write (acc), compaction of |acc| >= thr.
-// With `direct` (every element kept): acc goes straight to direct[j0, j1), nothing is compacted.
+// With `direct` (every element kept): acc goes straight to direct[j0, j1), nothing is compacted; and with
+// `pre` (set for rows whose out.pre is on) the block is coded at once (encode_block) if it is finite.
 template <typename T>
 int64_t dense_block(const Spec& t, const Params& p, int64_t r, int64_t j0, int64_t j1, float thr, Kept& out,
-                    bool write_residual, float* direct) {
+                    bool write_residual, float* direct, const PreEncode* pre) {
   thread_local std::vector<float> buf;
   float* a = direct;
   if (a == nullptr) {
@@ -180,7 +285,18 @@ int64_t dense_block(const Spec& t, const Params& p, int64_t r, int64_t j0, int64
   for (int64_t x = 0; x < len; ++x) nonfinite += !(std::fabs(a[x]) <= FLT_MAX);  // Inf and NaN
   float* res = write_residual && t.residual_out ? t.residual_out + r * t.c + j0 : nullptr;
   if (res && res != a) std::memcpy(res, a, len * sizeof(float));
-  if (direct) return nonfinite;
+  if (direct) {
+    if (pre && nonfinite == 0) {
+      switch (pre->fmt) {
+        case dgc::kInt4: encode_block<dgc::kInt4>(a, len, j0, pre->group_size, out); break;
+        case dgc::kInt2: encode_block<dgc::kInt2>(a, len, j0, pre->group_size, out); break;
+        case dgc::kInt1: encode_block<dgc::kInt1>(a, len, j0, pre->group_size, out); break;
+        case dgc::kFp8E4M3: encode_block<dgc::kFp8E4M3>(a, len, j0, pre->group_size, out); break;
+        default: encode_block<dgc::kFp8E5M2>(a, len, j0, pre->group_size, out); break;
+      }
+    }
+    return nonfinite;
+  }
   // compaction: a vectorizable test of 16 elements at a time, the scalar one only where one is kept
   int64_t x0 = 0;
   for (; x0 + 16 <= len; x0 += 16) {
@@ -202,8 +318,11 @@ int64_t dense_block(const Spec& t, const Params& p, int64_t r, int64_t j0, int64
 }
 
 // Runs the dense pass over `tasks`, returns the non-finite count; kept[i][r] gets the candidates.
+// With `pre`, rows kept whole are coded in the same pass (their blocks must hold whole scale groups).
 int64_t dense_pass(std::vector<Spec>& specs, const Params& p, const std::vector<Task>& tasks,
-                   const std::vector<float>& thr, std::vector<std::vector<Kept>>& kept, bool write_residual) {
+                   const std::vector<float>& thr, std::vector<std::vector<Kept>>& kept, bool write_residual,
+                   const PreEncode* pre = nullptr) {
+  if (pre && kBlock % pre->group_size != 0) pre = nullptr;
   std::vector<Kept> parts(tasks.size());
   std::vector<int64_t> nonfinite(tasks.size(), 0);
   for (const Task& task : tasks)  // tensors keeping every real element: acc written in place, j implicit
@@ -218,6 +337,13 @@ int64_t dense_pass(std::vector<Spec>& specs, const Params& p, const std::vector<
         k.whole.reset(new float[std::max<int64_t>(k.n_all, 1)]);
         k.ext = k.whole.get();
       }
+      if (pre) {
+        k.pre = true;
+        const int64_t n_groups = (k.n_all + pre->group_size - 1) / pre->group_size;
+        k.gscale.assign(n_groups, 0.0f);
+        k.gmixed.assign(n_groups, 0);
+        k.codes.reset(new uint8_t[std::max<int64_t>(k.n_all, 1)]);
+      }
     }
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t b, int64_t e) {
     for (int64_t x = b; x < e; ++x) {
@@ -227,7 +353,8 @@ int64_t dense_pass(std::vector<Spec>& specs, const Params& p, const std::vector<
       float* direct = dst.all ? dst.ext : nullptr;
       dispatch_dtype(t.dtype, [&](auto tag) {
         using T = decltype(tag);
-        nonfinite[x] = dense_block<T>(t, p, task.r, task.j0, task.j1, thr[task.i], parts[x], write_residual, direct);
+        nonfinite[x] = dense_block<T>(t, p, task.r, task.j0, task.j1, thr[task.i], direct ? dst : parts[x],
+                                      write_residual, direct, direct && dst.pre ? pre : nullptr);
       });
     }
   });
@@ -394,7 +521,8 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
   std::vector<std::vector<Kept>> kept(T, std::vector<Kept>(R));
   std::vector<int64_t> all(T);
   for (size_t i = 0; i < T; ++i) all[i] = static_cast<int64_t>(i);
-  int64_t nonfinite = dense_pass(specs, p, make_tasks(specs, all), thr, kept, want_residual);
+  const PreEncode pre{static_cast<int>(fmt), group_size};
+  int64_t nonfinite = dense_pass(specs, p, make_tasks(specs, all), thr, kept, want_residual, &pre);
   if (nonfinite) {
     std::vector<at::Tensor> payloads;
     for (int64_t r = 0; r < R; ++r) payloads.push_back(header_only_payload(fingerprint));
@@ -478,7 +606,13 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
   at::parallel_for(0, static_cast<int64_t>(groups.size()), 256, [&](int64_t b, int64_t e) {
     for (int64_t gi = b; gi < e; ++gi) {
       Group& gr = groups[gi];
-      const float* acc = kept[gr.i][gr.r].values();
+      const Kept& kr = kept[gr.i][gr.r];
+      if (kr.pre) {  // coded by the dense pass
+        gr.scale = kr.gscale[gr.x0 / group_size];
+        gr.mixed = kr.gmixed[gr.x0 / group_size] != 0;
+        continue;
+      }
+      const float* acc = kr.values();
       float absmax = 0.0f, mag_sum = 0.0f, nonzero = 0.0f;
       bool has_zero = false;
       for (int64_t x = gr.x0; x < gr.x1; ++x) {
@@ -526,7 +660,14 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
       for (int64_t gi = first_group[r]; gi < first_group[r + 1]; ++gi) {
         const Group& gr = groups[gi];
         if (!gr.mixed) continue;
-        const float* acc = kept[gr.i][r].values();
+        const Kept& kr = kept[gr.i][r];
+        if (kr.pre) {
+          const uint8_t* codes = kr.codes.get();
+          for (int64_t x = gr.x0, mb = gr.mb0; x < gr.x1; ++x, ++mb)
+            mask[mb >> 3] |= static_cast<uint8_t>((codes[x] >> 7) << (mb & 7));
+          continue;
+        }
+        const float* acc = kr.values();
         for (int64_t x = gr.x0, mb = gr.mb0; x < gr.x1; ++x, ++mb)
           mask[mb >> 3] |= static_cast<uint8_t>((acc[x] != 0.0f) << (mb & 7));
       }
@@ -566,6 +707,12 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
         const Spec& t = specs[gr.i];
         const float* acc = kr.values();
         uint8_t* codes = (bits < 8 ? scratch[r].get() : values_of(r)) + gr.v0 - gr.x0;
+        if (kr.pre) {  // codes made by the dense pass (bit 7: its zero-bitmap mark), residual written there too
+          const uint8_t* pre_codes = kr.codes.get();
+          const uint8_t low = bits < 8 ? static_cast<uint8_t>((1 << bits) - 1) : static_cast<uint8_t>(0xFF);
+          for (int64_t x = gr.x0; x < gr.x1; ++x) codes[x] = pre_codes[x] & low;
+          continue;
+        }
         float* res = t.residual_out ? t.residual_out + r * t.c : nullptr;
         const float scale = gr.scale;
         if (res && kr.all)  // columns are x: a loop without indirection
@@ -589,20 +736,10 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
     case dgc::kFp8E4M3: encode_groups(std::integral_constant<int, dgc::kFp8E4M3>()); break;
     default: encode_groups(std::integral_constant<int, dgc::kFp8E5M2>()); break;
   }
-  if (bits < 8) {
-    const int per = 8 / bits;
-    for (int64_t r = 0; r < R; ++r) {
-      const uint8_t* codes = scratch[r].get();
-      uint8_t* values = values_of(r);
-      const int64_t n = n_kept[r];
-      at::parallel_for(0, (n + per - 1) / per, kBlock, [&](int64_t b, int64_t e) {
-        for (int64_t k = b; k < e; ++k) {
-          uint8_t byte = 0;
-          for (int q = 0; q < per && k * per + q < n; ++q) byte |= static_cast<uint8_t>(codes[k * per + q] << (q * bits));
-          values[k] = byte;
-        }
-      });
-    }
+  for (int64_t r = 0; r < R && bits < 8; ++r) {
+    if (bits == 4) pack_codes<4>(scratch[r].get(), values_of(r), n_kept[r]);
+    else if (bits == 2) pack_codes<2>(scratch[r].get(), values_of(r), n_kept[r]);
+    else pack_codes<1>(scratch[r].get(), values_of(r), n_kept[r]);
   }
   std::vector<double> used(T, -1.0);
   for (size_t i = 0; i < T; ++i)
@@ -773,16 +910,22 @@ std::tuple<at::Tensor, at::Tensor> quantize_weights(at::Tensor x, int64_t wfmt, 
   uint8_t* out = codes.data_ptr<uint8_t>();
   const float qmax = dgc::weight_qmax(static_cast<int>(wfmt));
   const bool int4 = wfmt == dgc::kWInt4;
-  std::vector<uint8_t> nibbles(int4 ? n : 0);  // INT4: unpacked first (a byte may hold two groups' codes)
-  uint8_t* dst = int4 ? nibbles.data() : out;
+  // INT4: unpacked first (a byte may hold two groups' codes); every element written
+  std::unique_ptr<uint8_t[]> nibbles(int4 ? new uint8_t[std::max<int64_t>(n, 1)] : nullptr);
+  uint8_t* dst = int4 ? nibbles.get() : out;
   dispatch_dtype(x.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     const T* v = static_cast<const T*>(x.data_ptr());
     const int64_t grain = std::max<int64_t>(1, kBlock / std::max<int64_t>(group_size, 1));
     at::parallel_for(0, G, grain, [&](int64_t b, int64_t e) {  // per group: absmax, scale, codes
       for (int64_t g = b; g < e; ++g) {
-        float absmax = 0.0f;
-        for (int64_t i = starts[g]; i < starts[g + 1]; ++i) absmax = std::max(absmax, std::fabs(static_cast<float>(v[i])));
+        // four running maxima (the same max in any order: std::max never picks a NaN, as the serial loop)
+        float m[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        int64_t i = starts[g];
+        for (; i + 4 <= starts[g + 1]; i += 4)
+          for (int l = 0; l < 4; ++l) m[l] = std::max(m[l], std::fabs(static_cast<float>(v[i + l])));
+        for (; i < starts[g + 1]; ++i) m[0] = std::max(m[0], std::fabs(static_cast<float>(v[i])));
+        const float absmax = std::max(std::max(m[0], m[1]), std::max(m[2], m[3]));
         const float scale = absmax / qmax;
         sc[g] = scale;
         auto encode = [&](auto w) {  // the format a constant in each loop
