@@ -71,8 +71,10 @@ class DGCConfig(BaseModel):
 
     enabled: bool = Field(False, description="replace ZeRO-3's gradient reduce-scatter")
     density: Density = Field(
-        0.01, description="fraction of each tensor's elements kept by top-k selection each micro-step (DGC, Lin et "
-        "al., ICLR 2018, section 2); `1.0` sends every element (dense). `\"auto\"`: per bucket, the smallest "
+        1.0, description="fraction of each tensor's elements kept by top-k selection each micro-step (DGC, Lin et "
+        "al., ICLR 2018, section 2); `1.0` (the default) sends every element, quantized, with error feedback: "
+        "stock's loss with any optimizer (dense INT4: 7.5x fewer bytes, -0.06% on the main job with Adam), while "
+        "top-k below 1 is lossy with Adam at short horizons (0.01: +16%). `\"auto\"`: per bucket, the smallest "
         "density that leaves at most `energy_budget` of the accumulated gradient's energy unsent (estimated on "
         "DGC's 1% sample), within `[density_min, density_max]`; the ranks take the largest of their choices (one "
         "all-reduce of one float per bucket), so all agree")

@@ -59,7 +59,8 @@ class HybridTrainer:
         precision_policy: ``"int4"`` or ``"fp8"`` (FP8 e4m3 with group scales) for the gradient values sent.
         topology: ``"flat"`` or ``"hybrid_ring"`` (the hierarchical topology).
         sparse_threshold: fraction of each tensor's elements sent per step, float in (0, 1], or ``"auto"``
-            (``dgc.density = "auto"``: chosen per bucket from the gradient distribution).
+            (``dgc.density = "auto"``: chosen per bucket from the gradient distribution). The default, 1.0, sends
+            every element quantized with error feedback (stock's loss); below 1 is top-k, lossy with Adam.
         **deepspeed_config_overrides: top-level DeepSpeed config keys, merged into the base config.
 
     Raises:
@@ -69,7 +70,7 @@ class HybridTrainer:
 
     Example::
 
-        trainer = HybridTrainer(precision_policy="int4", topology="flat", sparse_threshold=0.01,
+        trainer = HybridTrainer(precision_policy="int4", topology="flat", sparse_threshold=1.0,
                                 train_micro_batch_size_per_gpu=16,
                                 optimizer={"type": "Adam", "params": {"lr": 3e-3, "torch_adam": True}})
         engine = trainer.init_model(model)
@@ -80,7 +81,7 @@ class HybridTrainer:
     def __init__(self,
                  precision_policy: str = "int4",
                  topology: str = "flat",
-                 sparse_threshold: Union[str, float] = 0.01,
+                 sparse_threshold: Union[str, float] = 1.0,
                  **deepspeed_config_overrides: Any):
         if precision_policy not in PRECISION_POLICIES:
             raise DGCConfigError(f"HybridTrainer: precision_policy must be one of {', '.join(PRECISION_POLICIES)}, got "

@@ -33,6 +33,7 @@ def test_hf_trainer_runs_with_dgc_compressing():
     # every parameter of every step went through our reduce-scatter: stock fp32's bytes for the model's size
     world = t["world_size"]
     assert t["dense_fp32_bytes_total"] == round(10 * (world - 1) / world * 4 * t["n_params"])
-    # density 0.1 + INT4 + varint positions: about 12.3 bits per kept element, 1.3 per parameter, so 20x to 30x
-    assert 15 < t["compression_ratio"] < 32, t
+    # dense INT4 (the config's density 1.0): 4 bits per value plus an fp32 scale per 128 values, 4.25 bits per
+    # parameter, so at most 32 / 4.25 = 7.53x; payload headers take a little of it (a sparse or raw payload is far off)
+    assert 7.0 < t["compression_ratio"] <= 7.53, t
     assert 0 < t["train_loss"] < 4.5  # finite, and below ln(65) = 4.17 plus slack at the start

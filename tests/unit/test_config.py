@@ -8,7 +8,7 @@ from deepspeed_dgc.config import DGCConfig, DGCConfigError, parse_dgc_config
 
 def test_config_defaults_and_lossless():
     cfg = parse_dgc_config({"dgc": {"enabled": True}})
-    assert (cfg.density, cfg.quantization, cfg.group_size, cfg.error_feedback) == (0.01, "int4", 128, True)
+    assert (cfg.density, cfg.quantization, cfg.group_size, cfg.error_feedback) == (1.0, "int4", 128, True)
     assert not cfg.lossless
     assert parse_dgc_config({"dgc": {"density": 1.0, "quantization": "none"}}).lossless
     assert parse_dgc_config({"train_batch_size": 8}) is None
@@ -77,4 +77,4 @@ def test_config_is_frozen():
     cfg = DGCConfig(enabled=True)
     with pytest.raises(pydantic.ValidationError, match="Instance is frozen"):
         cfg.density = 0.5
-    assert cfg.density == 0.01
+    assert cfg.density == 1.0

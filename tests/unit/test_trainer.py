@@ -14,6 +14,7 @@ def test_names_map_onto_dgc_keys():
     assert t.config["zero_optimization"] == {"stage": 3, "reduce_bucket_size": 1000}  # merged, not replaced
     assert t.config["train_micro_batch_size_per_gpu"] == 4
     assert HybridTrainer(topology="flat").config["dgc"]["topology"] == "flat"
+    assert HybridTrainer().config["dgc"]["density"] == 1.0  # the safe default: dense, quantized, error feedback
     fp8_auto = HybridTrainer(precision_policy="fp8", sparse_threshold="auto").config["dgc"]
     assert (fp8_auto["quantization"], fp8_auto["density"]) == ("fp8_e4m3", "auto")
 
