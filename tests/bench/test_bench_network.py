@@ -14,27 +14,12 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_network as bn  # noqa: E402
+import two_nodes as tn  # noqa: E402
 
 needs_root = pytest.mark.skipif(bn.check_privileges() is not None, reason=f"bench_network: {bn.check_privileges()}")
 
-SENDER = """
-import socket, sys, threading, time
-n = int(sys.argv[1])
-server = socket.socket(); server.bind(("127.0.0.1", 0)); server.listen()
-got = []
-def receive():
-    conn, _ = server.accept(); total = 0
-    while True:
-        data = conn.recv(1 << 20)
-        if not data:
-            break
-        total += len(data)
-    got.append(total)
-t = threading.Thread(target=receive); t.start()
-client = socket.create_connection(server.getsockname())
-start = time.perf_counter(); client.sendall(b"x" * n); client.close(); t.join()
-print(time.perf_counter() - start, got[0])
-"""
+# a TCP transfer between two addresses in one process, printing "seconds bytes" (benchmarks/two_nodes.py)
+SENDER = tn.TRANSFER
 
 
 def _namespaces() -> str:
@@ -45,7 +30,7 @@ def _transfer(ns: bn.Namespace, nbytes: int) -> tuple[float, int, int]:
     """(seconds, bytes received, loopback tx bytes) of one TCP transfer on 127.0.0.1 inside ``ns``."""
     counter = ns.prefix() + ["cat", "/sys/class/net/lo/statistics/tx_bytes"]
     before = int(subprocess.run(counter, capture_output=True, text=True, check=True).stdout)
-    out = subprocess.run(ns.prefix() + [sys.executable, "-c", SENDER, str(nbytes)], capture_output=True, text=True,
+    out = subprocess.run(ns.prefix() + [sys.executable, "-c", SENDER, "127.0.0.1", "127.0.0.1", str(nbytes)], capture_output=True, text=True,
                          check=True, timeout=60).stdout.split()
     after = int(subprocess.run(counter, capture_output=True, text=True, check=True).stdout)
     return float(out[0]), int(out[1]), after - before
