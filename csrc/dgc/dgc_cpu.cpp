@@ -3,9 +3,10 @@
 // the same selection, the same payload bytes and the same residual bits.
 //
 // compress_bucket: one read of every gradient and residual element and one write of the new
-//   residual (residual += grad, threshold compare, compaction of the kept elements); then, on the
-//   kept elements only (about density * n), group absmax, INT4 codes, nibble packing, varint
-//   index gaps, the payload of every owner row and the residual's quantization error.
+//   residual (residual += grad, threshold compare, compaction of the kept elements; a tensor sent
+//   whole is coded in the same pass); then, on the kept elements only (about density * n), group
+//   scales, codes, bit packing, varint index gaps, the payload of every owner row and the residual's
+//   quantization error.
 // decode_add: parse one payload body and scatter-add its dequantized values into a dense
 //   fp32 partition.
 // topk_threshold: DGC's sampled top-k threshold (Lin et al., ICLR 2018, section 3 and appendix).
@@ -174,9 +175,6 @@ struct PreEncode {
   int64_t group_size;
 };
 
-// Codes the scale groups of a[0, len) (columns j0 + x of a row sent whole; j0 a multiple of the group size):
-// the group statistics and scale as step 4 of compress_bucket computes them, one code byte per value, and
-// a[x] -= what the code decodes to (the new residual). Same arithmetic in the same order as step 4.
 // Value at scale 1 of every FP8 code of format F (exact: the code decodes to unit[code] * scale).
 template <int F>
 const float* fp8_units() {
@@ -188,6 +186,9 @@ const float* fp8_units() {
   return units.data();
 }
 
+// Codes the scale groups of a[0, len) (columns j0 + x of a row sent whole; j0 a multiple of the group size):
+// the group statistics and scale as step 4 of compress_bucket computes them, one code byte per value, and
+// a[x] -= what the code decodes to (the new residual). The same results, bit for bit, as step 4's loops.
 template <int F>
 void encode_block(float* __restrict a, int64_t len, int64_t j0, int64_t gs, Kept& dst) {
   constexpr bool masked = F == dgc::kInt2 || F == dgc::kInt1;
