@@ -22,15 +22,17 @@ Usage (as root)::
 import argparse
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Dict, List, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_network  # noqa: E402  (its Namespace, rate parsing and privilege check)
 
 NODE_ADDRESSES = {"A": "127.0.1.1", "B": "127.0.2.1"}
 NODE_RANGES = {"A": "127.0.1.0/24", "B": "127.0.2.0/24"}
@@ -77,13 +79,11 @@ if rank == 0:
 
 
 def check_privileges() -> Optional[str]:
-    """Why two nodes cannot be made here, or None if they can."""
-    if os.geteuid() != 0:
-        return "needs root (it creates a network namespace, veth interfaces and tc qdiscs)"
-    missing = [tool for tool in ("ip", "tc", "cc") if shutil.which(tool) is None]
-    if missing:
-        return f"needs {' and '.join(missing)} on PATH (iproute2, a C compiler)"
-    return None
+    """Why two nodes cannot be made here, or None if they can: bench_network's needs (root, iproute2) and ``cc``."""
+    why = bench_network.check_privileges()
+    if why is None and shutil.which("cc") is None:
+        why = "needs cc on PATH (it builds benchmarks/bindsrc.c)"
+    return why
 
 
 SHIM_SOURCE = Path(__file__).resolve().parent / "bindsrc.c"
@@ -104,21 +104,15 @@ def build_shim(out_dir: str) -> str:
 
 
 def parse_rate_bits(rate: str) -> float:
-    """Bits per second of a tc rate (``100mbit``, ``1gbit``, ``500kbit``).
+    """Bits per second of a tc rate (``100mbit``, ``1gbit``, ``500kbit``): :func:`bench_network.parse_rate_bits`.
 
     Raises:
         ValueError: not such a rate.
     """
-    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
-    for unit, mult in units.items():
-        if rate.lower().endswith(unit):
-            try:
-                value = float(rate[:-len(unit)])
-            except ValueError:
-                break
-            if value > 0:
-                return value * mult
-    raise ValueError(f"{rate!r} is not a tc rate like 100mbit, 1gbit or 500kbit")
+    bits = bench_network.parse_rate_bits(rate)
+    if bits is None:
+        raise ValueError(f"{rate!r} is not a tc rate like 100mbit, 1gbit or 500kbit")
+    return bits
 
 
 @dataclass
@@ -134,7 +128,7 @@ class Transfer:
         return 8 * self.nbytes / self.seconds
 
 
-class TwoNodeLink:
+class TwoNodeLink(bench_network.Namespace):
     """A namespace holding two nodes whose only path between them is shaped to ``rate`` in each direction.
 
     Args:
@@ -152,8 +146,8 @@ class TwoNodeLink:
     def __init__(self, rate: Optional[str], name: Optional[str] = None):
         if rate is not None:
             parse_rate_bits(rate)
+        super().__init__(name or f"dgc2n-{uuid.uuid4().hex[:8]}")
         self.rate = rate
-        self.name = name or f"dgc2n-{uuid.uuid4().hex[:8]}"
 
     def _run(self, *cmd: str) -> None:
         subprocess.run(list(cmd), check=True, capture_output=True, text=True)
@@ -161,10 +155,12 @@ class TwoNodeLink:
     def __enter__(self) -> "TwoNodeLink":
         self._tmp = tempfile.TemporaryDirectory(prefix="dgc2n-")
         self.shim = build_shim(self._tmp.name)
-        self._run("ip", "netns", "add", self.name)
-        self._old_term = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         try:
-            self._run("ip", "-n", self.name, "link", "set", "lo", "up")
+            super().__enter__()  # the namespace, its loopback up, SIGTERM -> exit
+        except BaseException:
+            self._tmp.cleanup()
+            raise
+        try:
             for node, iface in NODE_IFACES.items():
                 self._run("ip", "-n", self.name, "link", "add", iface, "type", "veth", "peer", "name", iface + "p")
                 self._run("ip", "-n", self.name, "addr", "add", f"{NODE_ADDRESSES[node]}/32", "dev", iface)
@@ -177,8 +173,7 @@ class TwoNodeLink:
         return self
 
     def __exit__(self, *exc) -> bool:
-        subprocess.run(["ip", "netns", "del", self.name], check=False, capture_output=True)
-        signal.signal(signal.SIGTERM, self._old_term)
+        super().__exit__(*exc)
         self._tmp.cleanup()
         return False
 
@@ -213,10 +208,6 @@ class TwoNodeLink:
                 out[current] = int(words[1])
                 current = None
         return out
-
-    def prefix(self) -> List[str]:
-        """Command prefix that runs a command inside the namespace."""
-        return ["ip", "netns", "exec", self.name]
 
     def node_env(self, node: str) -> Dict[str, str]:
         """Environment of a rank on ``node`` (``"A"`` or ``"B"``): gloo listens on that node's address, and its
