@@ -13,6 +13,9 @@ of 0.8M parameters, Adam, 16 x 64 characters per rank per step) and a ``"dgc"`` 
   dense INT4 gradients for ``--freeze-step`` steps, then the momentum, preconditioned by the frozen
   ``sqrt(v_hat)``, at the same densities with INT4 values, and dense at INT2 and at 1 bit (``adam_int1_w2``:
   the 1-bit setting with dense INT2 gradients in the warm-up);
+- *decoupled* (``decoupled_momentum``, DeMo, see ``deepspeed_dgc/codec/dct.py``): every rank's own momentum, a DCT
+  top-1/2/4 of each 64-column chunk in INT4 or INT2, the sign update; and the same with the owners' Adam instead of
+  the sign, without the DCT, and with the momentum stored in bf16;
 - ``*_zlib``: a setting with ``entropy_coding: "zlib"`` (lossless: the same losses, fewer bytes);
 - the residual stored in fp8 instead of fp32 for the two best settings.
 
@@ -74,6 +77,19 @@ def settings(freeze_step: int) -> dict:
         dgc = out["adam_int2_zlib"][2]
         out[f"adam_int2_zlib_g{g}"] = ("Adam-aware", f"compressed momentum, dense INT2 in groups of {g}, zlib-coded",
                                        dict(dgc, compressed_momentum=dict(dgc["compressed_momentum"], group_size=g)))
+    demo = {"enabled": True, "stats_interval": 1000000}  # decoupled_momentum has its own codec: no top-level codec keys
+    for k in (1, 2, 4):
+        out[f"demo_k{k}"] = ("decoupled", f"decoupled momentum (DeMo), DCT top-{k} of 64, INT4, sign update",
+                             dict(demo, decoupled_momentum={"topk": k}))
+    for k in (1, 2):
+        out[f"demo_k{k}_int2"] = ("decoupled", f"decoupled momentum (DeMo), DCT top-{k} of 64, INT2, sign update",
+                                  dict(demo, decoupled_momentum={"topk": k, "quantization": "int2"}))
+    out["demo_k2_int2_bf16"] = ("decoupled", "decoupled momentum (DeMo), DCT top-2 of 64, INT2, sign update, bf16 "
+                                "momentum", dict(demo, decoupled_momentum={"quantization": "int2", "storage": "bf16"}))
+    out["demo_k2_adam"] = ("decoupled", "decoupled momentum, DCT top-2 of 64, INT4, the owners' Adam on the sum",
+                           dict(demo, decoupled_momentum={"update": "adam"}))
+    out["demo_k2_none"] = ("decoupled", "decoupled momentum, top-2 of 64 without the DCT, INT4, sign update",
+                           dict(demo, decoupled_momentum={"transform": "none"}))
     return out
 
 
@@ -237,7 +253,7 @@ def plot(rows: list[dict], path: Path, steps: int) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(15, 6.5), gridspec_kw={"width_ratios": [1, 1.3]})
-    markers = {"stock": "k*", "plain EF": "o", "Adam-aware": "s"}
+    markers = {"stock": "k*", "plain EF": "o", "Adam-aware": "s", "decoupled": "^"}
     at_steps = [r for r in rows if r["steps"] == steps]
     zoom = {"x": (-1.5, 4.0), "y": (10.0, 32.0)}
     for ax, window in zip(axes, (None, zoom)):

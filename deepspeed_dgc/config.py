@@ -60,6 +60,49 @@ class CompressedMomentumConfig(BaseModel):
                                "parameter); else `m`, divided by the owner")
 
 
+class DecoupledMomentumConfig(BaseModel):
+    """DeMo's decoupled momentum for Adam-family jobs (``"dgc": {"decoupled_momentum": {...}}``).
+
+    Peng, Quesnelle and Kingma, "DeMo: Decoupled Momentum Optimization", arXiv 2411.19870, section 3, Algorithm 1
+    (bloc97/DeMo), inside ZeRO-3's per-owner reduce-scatter: every rank keeps its own momentum
+    ``delta = decay delta + g / W``, sends the ``topk`` largest coefficients of the DCT of each ``chunk`` of it (chunks
+    cut inside the owners' partitions), and subtracts what it sent (the error feedback). The owners step with the
+    sum: DeMo's sign update at the optimizer's learning rate (`update: "sign"`), or the optimizer's own Adam step
+    on it (`update: "adam"`). From the first step; the top-level `density`, `quantization` and `group_size` do not
+    apply. Needs an Adam-family optimizer (its learning rate and weight decay are used), the flat topology, fp32
+    or bf16. Bytes per parameter per step: `topk * (bits(quantization) + log2(chunk)) / chunk / 8` plus the scales.
+    """
+
+    model_config = _MODEL
+
+    chunk: int = Field(64, ge=2, le=4096, description="columns per DCT chunk (a power of two; DeMo's 64); chunks "
+                       "never span two owners' partitions")
+    topk: int = Field(2, ge=1, description="coefficients sent per chunk (at most `chunk`): density `topk / chunk`")
+    decay: float = Field(0.999, ge=0.0, lt=1.0, allow_inf_nan=False,
+                         description="decay of the local momentum per micro-step (DeMo's `compression_decay`)")
+    transform: Literal["dct", "none"] = Field("dct", description="`\"dct\"`: top-k of each chunk's orthonormal "
+                                              "DCT-II (DeMo); `\"none\"`: top-k of the momentum itself (SparseLoCo's "
+                                              "chunked top-k, arXiv 2508.15706)")
+    quantization: Literal["int4", "int2", "int1", "fp8_e4m3", "fp8_e5m2", "none"] = Field(
+        "int4", description="format of the sent coefficients (INT1: ternary; `\"none\"`: fp32)")
+    group_size: int = Field(128, ge=2, le=1 << 20, multiple_of=2, description="sent values per fp32 scale")
+    update: Literal["sign", "adam"] = Field(
+        "sign", description="the owners' step: `\"sign\"`, DeMo's `p <- p (1 - lr wd) - lr sign(u)` with the "
+        "optimizer's learning rate and decoupled weight decay (`gradient_clipping` cannot change a sign); "
+        "`\"adam\"`: the job's optimizer steps on `u` as its gradient")
+    storage: Literal["fp32", "bf16"] = Field("fp32", description="storage of the local momentum between steps "
+                                             "(4 or 2 bytes per parameter per rank)")
+
+    @model_validator(mode="after")
+    def _sizes(self):
+        if self.chunk & (self.chunk - 1):
+            raise ValueError(f"'dgc.decoupled_momentum.chunk' must be a power of two, got {self.chunk}")
+        if self.topk > self.chunk:
+            raise ValueError(f"'dgc.decoupled_momentum.topk' ({self.topk}) is above 'dgc.decoupled_momentum.chunk' "
+                             f"({self.chunk})")
+        return self
+
+
 class DGCConfig(BaseModel):
     """Settings of dynamic gradient compression for ZeRO-3, under the top-level ``"dgc"`` key of ds_config.
 
@@ -164,6 +207,9 @@ class DGCConfig(BaseModel):
     compressed_momentum: Optional[CompressedMomentumConfig] = Field(
         None, description="Adam only: 1-bit-Adam-style compressed momentum after a warm-up (`compressed_momentum.*` "
         "below)")
+    decoupled_momentum: Optional[DecoupledMomentumConfig] = Field(
+        None, description="Adam-family jobs: DeMo's decoupled momentum, a chunked DCT top-k of each rank's own "
+        "momentum (`decoupled_momentum.*` below)")
     momentum_correction: bool = Field(
         False, description="momentum SGD only: DGC's momentum correction (Lin et al. 2018, section 3.1): every rank "
         "keeps its velocity `u = m u + g / W`, error feedback accumulates and sends `u`, the owners step without "
@@ -256,8 +302,19 @@ class DGCConfig(BaseModel):
         if self.residual_dtype not in ("auto", "fp32"):
             raise ValueError(f"'dgc.residual_dtype' = \"{self.residual_dtype}\" is not supported with 'dgc.topology' = "
                              "\"hierarchical\" yet (its residuals are fp32: use \"auto\" or \"fp32\", or the flat topology)")
-        if self.compressed_momentum is not None:
-            raise ValueError("'dgc.compressed_momentum' needs 'dgc.topology' = \"flat\" (got \"hierarchical\")")
+        for key in ("compressed_momentum", "decoupled_momentum"):
+            if getattr(self, key) is not None:
+                raise ValueError(f"'dgc.{key}' needs 'dgc.topology' = \"flat\" (got \"hierarchical\")")
+        return self
+
+    @model_validator(mode="after")
+    def _decoupled_momentum_has_its_own_codec(self):
+        if self.decoupled_momentum is None:
+            return self
+        unused = sorted(set(_GRADIENT_CODEC_KEYS) & self.model_fields_set)
+        if unused:
+            raise ValueError(f"'dgc.{unused[0]}' is a setting of the gradient codec, which 'dgc.decoupled_momentum' "
+                             "replaces by its own (its 'chunk', 'topk', 'quantization' and 'group_size'): remove it")
         return self
 
     @model_validator(mode="after")
@@ -266,6 +323,12 @@ class DGCConfig(BaseModel):
             if key in self.model_fields_set and not self.momentum_correction:
                 raise ValueError(f"'dgc.{key}' is part of DGC's momentum correction: set 'dgc.momentum_correction' "
                                  "= true as well")
+        methods = [k for k in ("compressed_momentum", "decoupled_momentum") if getattr(self, k) is not None]
+        if self.momentum_correction:
+            methods.insert(0, "momentum_correction")
+        if len(methods) > 1:
+            raise ValueError(f"'dgc.{methods[0]}' and 'dgc.{methods[1]}' are two momentum methods and exclude each "
+                             "other: set one of them")
         if not self.momentum_correction:
             return self
         if self.compressed_momentum is not None:
@@ -298,7 +361,14 @@ class DGCConfig(BaseModel):
         return self.density == 1.0 and self.quantization == "none" and self.threshold is None
 
 
-SUBSECTIONS = {"weights": WeightsConfig, "compressed_momentum": CompressedMomentumConfig}
+# top-level keys of the gradient codec (what ``decoupled_momentum`` replaces)
+_GRADIENT_CODEC_KEYS = ("density", "density_min", "density_max", "energy_budget", "threshold", "threshold_reuse_steps",
+                        "warmup_dense_steps", "warmup_steps", "quantization", "stochastic_rounding", "index_coding",
+                        "entropy_coding", "group_size", "layout", "capacity_factor", "error_feedback",
+                        "residual_dtype", "residual_offload", "min_numel")
+
+SUBSECTIONS = {"weights": WeightsConfig, "compressed_momentum": CompressedMomentumConfig,
+               "decoupled_momentum": DecoupledMomentumConfig}
 
 
 def _format_validation_error(err: ValidationError) -> str:

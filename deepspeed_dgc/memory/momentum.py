@@ -5,6 +5,9 @@
   gradient, ``m_r = b1 m_r + (1 - b1) g_r / W``; after ``freeze_step`` steps Adam's second moment is frozen
   and the ranks send ``m_r`` (divided by the frozen ``sqrt(v_hat) + eps`` with ``precondition``) instead of
   the gradient, so the owners' update is linear in what was sent and error feedback corrects the compression.
+- :class:`DecoupledMomentum` (``dgc.decoupled_momentum``, for Adam-family jobs): DeMo's decoupled momentum (Peng et
+  al., arXiv 2411.19870, section 3, Algorithm 1). Every rank keeps ``delta_r = decay delta_r + g_r / W``, sends a
+  chunked top-k of its DCT (:mod:`deepspeed_dgc.codec.dct`) and keeps what it did not send.
 - :class:`MomentumCorrection` (``dgc.momentum_correction``, for momentum SGD): DGC's momentum correction,
   momentum factor masking and local gradient clipping (Lin et al., ICLR 2018, sections 3.1-3.3). Every rank
   keeps its velocity ``u_r = m u_r + clip(g_r) / W`` and error feedback accumulates and sends ``u_r``.
@@ -19,7 +22,7 @@ from typing import Dict, Hashable, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
-from ..config import CompressedMomentumConfig, DGCConfig
+from ..config import CompressedMomentumConfig, DecoupledMomentumConfig, DGCConfig
 from .error_feedback import ErrorFeedback
 
 Codec = Tuple[float, str, int]  # (density, quantization, group_size)
@@ -86,8 +89,8 @@ class _LocalMomentum:
     """What both states share: momenta per key in an :class:`~deepspeed_dgc.memory.error_feedback.ErrorFeedback`
     store (fp32, staged and committed like residuals) and the count of applied steps."""
 
-    def __init__(self):
-        self.store = ErrorFeedback()
+    def __init__(self, storage: str = "fp32"):
+        self.store = ErrorFeedback(storage)
         self.steps_done = 0
 
     def committed(self, key: Hashable) -> Optional[torch.Tensor]:
@@ -183,6 +186,67 @@ class CompressedMomentum(_LocalMomentum):
         """Bytes held between steps: committed momentum plus the frozen preconditioner."""
         pre = list(self.inv_denominator.values()) + list(self.owner_inv)
         return self.store.state_bytes() + sum(t.numel() * t.element_size() for t in pre)
+
+
+class DecoupledMomentum(_LocalMomentum):
+    """DeMo's decoupled momentum on ZeRO-3's partitions: each rank's own momentum, sent as a chunked DCT top-k.
+
+    Peng, Quesnelle and Kingma, "DeMo: Decoupled Momentum Optimization", arXiv 2411.19870, section 3,
+    Algorithm 1 (bloc97/DeMo ``demo.py``). Every rank r keeps, per parameter, ``delta_r`` (full parameter shape,
+    in unscaled gradient units divided by W, stored in ``storage``)::
+
+        delta_r <- decay delta_r + g_r / W              (every micro-step; :meth:`sources`)
+        q_r     = top-k per chunk of DCT(delta_r)       (codec.dct: chunks inside each owner's partition)
+        delta_r <- delta_r - IDCT(deq(q_r))             (what was sent, quantization error included, leaves;
+                                                         the rest stays: DeMo's subtraction is the error feedback)
+
+    and the owners step with ``u = sum_r IDCT(deq(q_r))``: DeMo's ``p <- p (1 - lr wd) - lr sign(u)``
+    (``update: "sign"``, :func:`deepspeed_dgc.zero3.optimizer.sign_step`) or the job's own Adam on ``u``
+    (``update: "adam"``). With gradient accumulation each micro-step sends its top-k and the owners' step sees the
+    window's sum; the decay then applies per micro-step.
+
+    Args:
+        cfg: the ``decoupled_momentum`` section.
+    """
+
+    sending = True
+
+    def __init__(self, cfg: DecoupledMomentumConfig):
+        super().__init__(cfg.storage)
+        self.cfg = cfg
+
+    @staticmethod
+    def codec() -> Optional[Codec]:
+        return None  # its own codec (codec.dct), not the top-level keys
+
+    @staticmethod
+    def freeze_due() -> bool:
+        """Never: nothing is frozen."""
+        return False
+
+    def sources(self, keys, grads, divisor):
+        """Stage ``delta = decay delta + grad / divisor`` per key (the latest, so micro-steps of a window add up);
+        return them."""
+        out = []
+        for key, grad in zip(keys, grads):
+            g = grad.reshape(-1).float() / divisor
+            d = self.store.get(key)
+            d_new = g if d is None else d.mul(self.cfg.decay).add_(g)
+            self.store.stage(key, d_new)
+            out.append(d_new)
+        return out
+
+    def after_exchange(self, keys, sources, residuals_before, residuals_after, sparse) -> None:
+        """Nothing: the reducer stages what was not sent itself (:meth:`keep_rest`)."""
+
+    def keep_rest(self, keys: Sequence[Hashable], rests: Sequence[torch.Tensor]) -> None:
+        """Stage what each key's momentum keeps after the exchange (``delta - sent``)."""
+        for key, rest in zip(keys, rests):
+            self.store.stage(key, rest)
+
+    def state_bytes(self) -> int:
+        """Bytes held between steps: the committed momenta, in ``storage``."""
+        return self.store.state_bytes()
 
 
 class MomentumCorrection(_LocalMomentum):

@@ -8,6 +8,8 @@ with the sum:
 - ``compressed_momentum`` (1-bit Adam, Tang et al., ICML 2021, sections 3.1-3.3): at the freeze, the owners'
   ``1 / (sqrt(v_hat) + eps)`` (:func:`frozen_preconditioner`), then :func:`frozen_variance_step`
   ``p <- p (1 - lr wd) - lr u`` with ``u`` the sum of what the ranks sent;
+- ``decoupled_momentum`` (DeMo, Peng et al., arXiv 2411.19870, section 3): :func:`sign_step`,
+  ``p <- p (1 - lr wd) - lr sign(u)`` with ``u`` the sum of the ranks' chunked DCT top-k, or the job's Adam on ``u``;
 - ``momentum_correction`` (DGC, Lin et al., ICLR 2018, section 3.1): :func:`dgc_sgd_step`, SGD without momentum
   on the velocities the ranks sent, plus the momentum of the weight-decay term alone.
 
@@ -145,6 +147,15 @@ def frozen_variance_step(optimizer, owner_inv: Dict[int, torch.Tensor], decouple
     (``owner_inv[id(p)]``). Adam's state (``exp_avg``, ``exp_avg_sq``, ``step``) stays as at the freeze.
     Returns the closure's loss, or None.
     """
+    if owner_inv:
+        return _owners_step(optimizer, closure, decoupled, lambda p, u, l2: u * owner_inv[id(p)])
+    return _owners_step(optimizer, closure, decoupled, lambda p, u, l2: u)
+
+
+def _owners_step(optimizer, closure, decoupled: bool, direction: Callable):
+    """What the owners' steps share: ``p <- p (1 - lr wd) - lr direction(p, u, l2)`` for every param with a gradient
+    ``u`` (decoupled weight decay; ``l2`` is the weight decay when it is not decoupled, else 0). Returns the
+    closure's loss, or None."""
     loss = None
     if closure is not None:
         with torch.enable_grad():
@@ -154,13 +165,41 @@ def frozen_variance_step(optimizer, owner_inv: Dict[int, torch.Tensor], decouple
         for p in group["params"]:
             if p.grad is None:
                 continue
-            u = p.grad
-            if owner_inv:
-                u = u * owner_inv[id(p)]
             if wd and decoupled:
                 p.mul_(1.0 - lr * wd)
-            p.add_(u, alpha=-lr)
+            p.add_(direction(p, p.grad, 0.0 if decoupled else wd), alpha=-lr)
     return loss
+
+
+def check_decoupled_optimizer(optimizer, fp16: bool = False, offload: bool = False) -> None:
+    """Check that the owners' optimizer fits ``decoupled_momentum``.
+
+    Raises:
+        DGCConfigError: not an Adam-family optimizer (naming it), fp16 (the sign update times the loss scale is not
+            a gradient DeepSpeed can unscale safely) or optimizer offload.
+    """
+    name = type(optimizer).__name__
+    if name not in ADAM_TYPES:
+        raise DGCConfigError(f"'dgc.decoupled_momentum' needs an Adam optimizer ({', '.join(ADAM_TYPES)}): its learning "
+                             f"rate, weight decay (and with update \"adam\" its step) are used; got {name}")
+    if fp16:
+        raise DGCConfigError("'dgc.decoupled_momentum' does not support 'fp16' engines; use bf16 or fp32")
+    if offload:
+        raise DGCConfigError("'dgc.decoupled_momentum' does not support 'zero_optimization.offload_optimizer' (the "
+                             "owners' step runs beside the gradients)")
+
+
+@torch.no_grad()
+def sign_step(optimizer, decoupled: bool, closure=None):
+    """DeMo's owners' step: ``p <- p (1 - lr wd) - lr sign(u)`` for every param with a gradient.
+
+    Peng et al., arXiv 2411.19870, Algorithm 1 (bloc97/DeMo ``DeMo.step``: sign-SGD on the decoded sum, decoupled
+    weight decay). ``p.grad`` holds ``u``, the sum over ranks of their decoded chunked DCT top-k (any scale: only
+    its sign is used, so DeepSpeed's gradient clipping does not change the step). With L2 weight decay (Adam
+    without ``decoupled_weight_decay``) ``wd p`` is added to ``u`` before the sign. Adam's state is not touched.
+    Returns the closure's loss, or None.
+    """
+    return _owners_step(optimizer, closure, decoupled, lambda p, u, l2: torch.sign(u.add(p, alpha=l2) if l2 else u))
 
 
 def check_sgd_optimizer(optimizer, gradient_accumulation_steps: int, fp16: bool = False, offload: bool = False) -> float:

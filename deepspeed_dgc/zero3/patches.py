@@ -44,7 +44,7 @@ from ..comm.agreement import check_agreement, ranks_failing
 from ..comm.communicators import DGCBackendError, check_mpi_world
 from ..comm.topology import resolve_ranks_per_node
 from ..config import DGCConfig, DGCConfigError, check_engine_compatible, parse_dgc_config
-from ..memory.momentum import CompressedMomentum, MomentumCorrection
+from ..memory.momentum import CompressedMomentum, DecoupledMomentum, MomentumCorrection
 from . import checkpoint
 from . import optimizer as owners
 from .allgather import QuantizedAllGather, check_layout_seam
@@ -285,8 +285,10 @@ def _check_job(engine, cfg: DGCConfig) -> int:
         raise DGCConfigError(f"'zero_optimization.zero_hpz_partition_size' = {hpz} but 'dgc.topology' = \"hierarchical\" "
                              f"uses {ranks_per_node} ranks per node (from {source}): both must describe the same node; "
                              f"set 'dgc.ranks_per_node' = {hpz} or the hpZ size to {ranks_per_node}")
-    if (cfg.compressed_momentum is not None or cfg.momentum_correction) and engine.torch_autocast_enabled():
-        raise DGCConfigError("'dgc.compressed_momentum' and 'dgc.momentum_correction' do not support 'torch_autocast' "
+    if ((cfg.compressed_momentum is not None or cfg.decoupled_momentum is not None or cfg.momentum_correction)
+            and engine.torch_autocast_enabled()):
+        raise DGCConfigError("the momentum methods ('dgc.compressed_momentum', 'dgc.decoupled_momentum', "
+                             "'dgc.momentum_correction') do not support 'torch_autocast' "
                              "(its loss scaling skips steps the extension does not see); use 'bf16' or fp32")
     return ranks_per_node
 
@@ -298,6 +300,9 @@ def _momentum_state(engine, opt, cfg: DGCConfig):
         beta1 = owners.check_optimizer(opt.optimizer, engine.gradient_accumulation_steps(), engine.fp16_enabled(),
                                           offload)
         return CompressedMomentum(cfg.compressed_momentum, beta1)
+    if cfg.decoupled_momentum is not None:
+        owners.check_decoupled_optimizer(opt.optimizer, engine.fp16_enabled(), offload)
+        return DecoupledMomentum(cfg.decoupled_momentum)
     if cfg.momentum_correction:
         m = owners.check_sgd_optimizer(opt.optimizer, engine.gradient_accumulation_steps(), engine.fp16_enabled(),
                                           offload)
@@ -337,6 +342,10 @@ def _patch_instance(engine, opt, state: DGCState) -> None:
                            "(it would clip the summed velocity); DGC clips each rank's gradient instead: "
                            "'dgc.local_clip_norm' (now %s)", opt.clip_grad, cfg.local_clip_norm)
         _replace(opt, "clip_grad", 0.0)
+    if isinstance(state.momentum, DecoupledMomentum) and state.momentum.cfg.update == "sign":
+        decoupled = owners.decoupled_weight_decay(opt.optimizer)
+        _replace(opt.optimizer, "step", types.MethodType(lambda basic, closure=None: owners.sign_step(
+            basic, decoupled, closure), opt.optimizer))
     _install_allgather(cfg, state)
     setattr(opt, STATE_ATTR, state)
     setattr(engine, STATE_ATTR, state)

@@ -29,7 +29,7 @@ from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..codec import wire
+from ..codec import dct, wire
 from ..codec.entropy import deflate, inflate
 from ..codec.job import CompressJob, real_count
 from ..codec.kernels import get_ops
@@ -37,7 +37,7 @@ from ..codec.selection import draw_samples, sample_indices
 from ..comm.topology import ReduceComms, build_reduce_comms, resolve_ranks_per_node
 from ..config import DGCConfig
 from ..memory.error_feedback import ErrorFeedback
-from ..memory.momentum import MomentumState
+from ..memory.momentum import DecoupledMomentum, MomentumState
 from ..telemetry import ReduceResult
 
 
@@ -146,9 +146,12 @@ class CompressedReduceScatter:
             intra_bytes = comms.intra.wire_bytes - intra_before
             inter_bytes = comms.inter.wire_bytes - inter_before
         else:
-            job = self._job(bucket, bucket.srcs, [0] * len(bucket.srcs), bucket.chunks,
-                            list(range(comms.world_size)), bucket.numels, bucket.divisor)
-            out, finite, kept = self._compress_exchange(bucket, job, comms.flat, comms.rank)
+            if isinstance(self.momentum, DecoupledMomentum):
+                out, finite, kept = self._decoupled_exchange(bucket, comms.flat)
+            else:
+                job = self._job(bucket, bucket.srcs, [0] * len(bucket.srcs), bucket.chunks,
+                                list(range(comms.world_size)), bucket.numels, bucket.divisor)
+                out, finite, kept = self._compress_exchange(bucket, job, comms.flat, comms.rank)
             sent = comms.flat.last_sent_bytes
             intra_bytes = sum(b for d, b in enumerate(sent) if comms.dest_nodes[d] == comms.dest_nodes[comms.rank])
             inter_bytes = sum(sent) - intra_bytes
@@ -257,6 +260,28 @@ class CompressedReduceScatter:
         out = wire.decode_sum(received, job.row_layout(my_row), ops.decode_add)
         self._stage(bucket, job, result.residuals, result.thresholds if result.finite else None)
         return out, result.finite, result.kept
+
+    def _decoupled_exchange(self, bucket: Bucket, comm) -> Tuple[torch.Tensor, bool, int]:
+        """Steps 3-6 of ``decoupled_momentum``: each rank's momenta (``bucket.srcs``) as a chunked DCT top-k per owner
+        (:mod:`deepspeed_dgc.codec.dct`), one all-to-all of equal rows, this rank's row summed over senders, and
+        what was not sent staged back into the momenta. Nothing is read on the host (as the fixed layout).
+
+        Returns:
+            ``(out, True, kept)``: fp32 ``(C,)``, the sum over senders of this rank's row, unscaled (NaN when a payload
+            does not match this rank's plan); values sent.
+        """
+        cfg = self.momentum.cfg
+        plan = dct.ChunkPlan(tuple(bucket.chunks), cfg.chunk, cfg.topk, cfg.transform, cfg.quantization,
+                             cfg.group_size)
+        fingerprint = wire.fingerprint([bucket.fingerprint, "decoupled", plan.chunk, plan.topk, plan.transform,
+                                        plan.value_format, plan.group_size])
+        if self._first_step:
+            self._check_same_bucket(comm, fingerprint)
+        payloads, sent, kept = dct.encode(bucket.srcs, bucket.numels, plan, comm.world_size, fingerprint)
+        out, bad = dct.decode_sum(comm.all_to_all_fixed(payloads), plan, fingerprint)
+        self._bad_senders.append((comm, bad))
+        self.momentum.keep_rest(bucket.keys, [d.sub_(x) for d, x in zip(bucket.srcs, sent)])
+        return out, True, kept
 
     def _exchange(self, comm, payloads: List[torch.Tensor]) -> List[torch.Tensor]:
         """Step 4: one uneven all-to-all of the payloads (entropy-coded around it with ``entropy_coding``)."""

@@ -24,6 +24,8 @@ MOMENTUM = {"dgc": dict(SPARSE, compressed_momentum={"freeze_step": 3, "quantiza
 MC = {"dgc": dict(SPARSE, momentum_correction=True, local_clip_norm=1.0, threshold_reuse_steps=3),
       "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.01}},
       "zero_allow_untested_optimizer": True}
+DEMO = {"dgc": {"enabled": True, "decoupled_momentum": {"chunk": 16, "topk": 3, "quantization": "int2",
+                                                       "storage": "bf16"}}}
 _SHARED = {}
 
 
@@ -174,10 +176,12 @@ def test_world_size_2_saved_loaded_at_3():
         assert torch.equal(loaded[0][k], loaded[2][k])  # an even split
 
 
-@pytest.mark.parametrize("config", [MOMENTUM, MC], ids=["compressed_momentum", "momentum_correction"])
+@pytest.mark.parametrize("config", [MOMENTUM, MC, DEMO], ids=["compressed_momentum", "momentum_correction",
+                                                               "decoupled_momentum"])
 def test_resume_with_local_momentum_is_bit_identical(config):
     """Saved at step 5, resumed in new processes: losses, parameters, residuals and the local momenta equal the
     uninterrupted run's bit for bit. compressed_momentum: frozen after step 3, and the resumed run is frozen again.
+    decoupled_momentum: INT2 coefficients, the momentum stored in bf16 (the sign update in the owners' step).
     momentum_correction: SGD (density 0.1, INT4, masking, local clipping, weight decay, thresholds reused for 3
     steps): the velocities and the thresholds being reused are in the side-car, the weight-decay momentum in the
     optimizer state."""
@@ -194,5 +198,5 @@ def test_resume_with_local_momentum_is_bit_identical(config):
         assert res_a.keys() == res_b.keys() and all(torch.equal(res_a[k], res_b[k]) for k in res_b)
         if config is MOMENTUM:
             assert second[r]["frozen"] and full[r]["frozen"]
-        else:  # momentum factor masking happened
+        elif config is MC:  # momentum factor masking happened
             assert any(bool((v == 0).any()) for v in mom_b.values())

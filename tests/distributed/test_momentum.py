@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from deepspeed_dgc.zero3.optimizer import V_FLOOR
+from deepspeed_dgc.config import DGCConfigError
+from deepspeed_dgc.zero3.optimizer import V_FLOOR, check_decoupled_optimizer
 
 from .test_engine import LOSSLESS, SPARSE, run_engine
 
@@ -137,3 +138,105 @@ def test_momentum_correction_masks_the_sent_velocity_and_the_owner_applies_only_
             after = ranks[0]["params"][t + 1][i].double().reshape(-1)
             torch.testing.assert_close(after, before[i] - lr * (sent_sum[i] + wd_buf[i]), rtol=1e-5, atol=2e-6)
     assert clipped > 0 and kept_total > 0
+
+
+def _dct64(s):
+    n = torch.arange(s, dtype=torch.float64)
+    d = torch.cos(math.pi * (2 * n[None, :] + 1) * n[:, None] / (2 * s))
+    return d * torch.where(n[:, None] == 0, math.sqrt(1.0 / s), math.sqrt(2.0 / s))
+
+
+def _chunked_dct_top_k(delta, world, s, k):
+    """float64 oracle of one rank's send: the owner matrix of ``delta`` cut in chunks of s, the k largest |DCT| per
+    chunk; returns what the receivers decode (the kept coefficients transformed back), shape ``delta``'s."""
+    n = delta.numel()
+    c = -(-n // world)
+    m = -(-c // s)
+    rows = torch.nn.functional.pad(delta, (0, world * c - n)).view(world, c)
+    x = torch.nn.functional.pad(rows, (0, m * s - c)).view(world, m, s)
+    d = _dct64(s)
+    coef = x @ d.T
+    idx = coef.abs().topk(k, dim=2).indices
+    kept = torch.zeros_like(coef).scatter_(2, idx, coef.gather(2, idx))
+    return (kept @ d).view(world, m * s)[:, :c].reshape(-1)[:n]
+
+
+DEMO_LOSSLESS = {"enabled": True, "decoupled_momentum": {"update": "adam", "decay": 0.0, "transform": "none",
+                                                         "chunk": 8, "topk": 8, "quantization": "none"}}
+ADAMW = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1, "torch_adam": True}}}
+
+
+def test_decoupled_momentum_needs_an_adam_optimizer():
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
+    with pytest.raises(DGCConfigError, match="'dgc.decoupled_momentum' needs an Adam optimizer .* got SGD"):
+        check_decoupled_optimizer(sgd)
+    adam = torch.optim.Adam([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
+    check_decoupled_optimizer(adam)
+    with pytest.raises(DGCConfigError, match="'fp16'"):
+        check_decoupled_optimizer(adam, fp16=True)
+    with pytest.raises(DGCConfigError, match="offload_optimizer"):
+        check_decoupled_optimizer(adam, offload=True)
+
+
+@pytest.mark.parametrize("gas", [1, 2])
+def test_decoupled_momentum_lossless_is_stock_adam_bit_for_bit(gas):
+    """decoupled_momentum with decay 0, every coordinate of every chunk sent raw, no transform and the owners' own
+    Adam: the same parameters as stock ZeRO-3 Adam at every step, bit for bit (2 ranks, with gradient accumulation
+    2 as well: each micro-step sends, the owners accumulate)."""
+    stock = run_engine(timeout_s=300, steps=4, gas=gas)
+    ours = run_engine(timeout_s=300, steps=4, gas=gas, config={"dgc": DEMO_LOSSLESS})
+    for r in range(2):
+        assert ours[r]["losses"] == stock[r]["losses"]
+        for t in range(5):
+            assert all(torch.equal(a, b) for a, b in zip(stock[r]["params"][t], ours[r]["params"][t])), (r, t)
+    assert ours[0]["stats"]["compression_ratio"] < 1.0  # raw fp32 plus positions: more bytes than stock's
+
+
+@pytest.mark.parametrize("fmt,bf16", [("none", False), ("int4", False), ("int4", True)], ids=["raw", "int4", "int4-bf16"])
+def test_decoupled_momentum_against_a_float64_replay(fmt, bf16):
+    """DeMo's method, 2 ranks, 6 steps, AdamW (weight decay 0.1), chunks of 16, 3 coefficients each, decay 0.9:
+    every rank's momentum is delta = 0.9 delta + g / 2 minus what it sent, and every parameter moves by
+    p <- p (1 - lr wd) - lr sign(u) with u the sum over ranks of what their momenta lost (sign checked where
+    |u| is not at rounding level). Raw values: what was sent is the float64 top-3 of each chunk's DCT, and the
+    momenta equal the float64 replay. INT4: the sum the owner applies includes the quantization, and what a
+    momentum lost is exactly what was sent (the rest stays); also with a bf16 engine (bf16 gradients, the fp32
+    master partitions step)."""
+    lr, wd, decay = 1e-2, 0.1, 0.9
+    ranks = run_engine(timeout_s=300, steps=6, local_grads=True, lr_scheduler=True, config=dict(ADAMW, dgc={
+        "enabled": True, "decoupled_momentum": {"chunk": 16, "topk": 3, "decay": decay, "quantization": fmt}},
+        **({"bf16": {"enabled": True}} if bf16 else {})))
+    assert ranks[0]["optimizer"]["type"] == "AdamW"
+    keys = ranks[0]["keys"]
+    shapes = [p.shape for p in ranks[0]["params"][0]]
+    delta64 = [[torch.zeros(math.prod(s), dtype=torch.float64) for s in shapes] for _ in range(2)]
+    checked = 0
+    for t in range(6):
+        u = [torch.zeros(math.prod(s), dtype=torch.float64) for s in shapes]
+        for r in range(2):
+            rec = ranks[r]
+            for i, key in enumerate(keys):
+                g = rec["local_grads"][t][i].double().reshape(-1)
+                prev = rec["momenta"][t - 1][key].double() if t else torch.zeros_like(g)
+                pre = decay * prev + g / 2
+                now = rec["momenta"][t][key].double()
+                sent = pre - now  # what this rank's momentum lost
+                if fmt == "none":
+                    pre64 = decay * delta64[r][i] + g / 2
+                    sent64 = _chunked_dct_top_k(pre64, 2, 16, 3)
+                    delta64[r][i] = pre64 - sent64
+                    torch.testing.assert_close(sent, sent64, rtol=1e-4, atol=1e-6 * float(pre64.abs().max()))
+                    torch.testing.assert_close(now, delta64[r][i], rtol=1e-4, atol=1e-6 * float(pre64.abs().max()))
+                else:  # INT4 codes sent: the momentum kept more than a raw top-k leaves, and lost something
+                    assert float(sent.abs().max()) > 0
+                u[i] += sent
+        for i in range(len(keys)):
+            before = ranks[0]["params"][t][i].double().reshape(-1)
+            after = ranks[0]["params"][t + 1][i].double().reshape(-1)
+            clear = u[i].abs() > 1e-4 * float(u[i].abs().max())
+            want = before * (1 - lr * wd) - lr * torch.sign(u[i])
+            torch.testing.assert_close(after[clear], want[clear], rtol=1e-6, atol=1e-6)
+            checked += int(clear.sum())
+            assert torch.equal(ranks[1]["params"][t + 1][i], ranks[0]["params"][t + 1][i])
+    assert checked > 0.9 * 6 * sum(math.prod(s) for s in shapes)
+    # the momentum is stored in fp32: 4 bytes per parameter; a 16-column chunk sends 3 values
+    assert ranks[0]["stats"]["state_bytes_per_param"] == pytest.approx(4.0, rel=0.01)

@@ -61,6 +61,22 @@ def test_config_defaults_and_lossless():
     ({"kernels": "fused", "quantization": "none"}, "'dgc.kernels' = \"fused\" cannot code 'dgc.quantization' = \"none\""),
     ({"kernels": "fused", "stochastic_rounding": True}, "cannot code 'dgc.stochastic_rounding' = true"),
     ({"kernels": "fused", "index_coding": "bitmap"}, "cannot code 'dgc.index_coding' = \"bitmap\""),
+    ({"decoupled_momentum": {"chunk": 48}}, "'dgc.decoupled_momentum.chunk' must be a power of two, got 48"),
+    ({"decoupled_momentum": {"chunk": 8192}}, "'dgc.decoupled_momentum.chunk'"),
+    ({"decoupled_momentum": {"topk": 9, "chunk": 8}}, "'dgc.decoupled_momentum.topk' \\(9\\) is above"),
+    ({"decoupled_momentum": {"topk": 0}}, "'dgc.decoupled_momentum.topk'"),
+    ({"decoupled_momentum": {"decay": 1.0}}, "'dgc.decoupled_momentum.decay'"),
+    ({"decoupled_momentum": {"update": "lion"}}, "'dgc.decoupled_momentum.update'"),
+    ({"decoupled_momentum": {"transform": "fft"}}, "'dgc.decoupled_momentum.transform'"),
+    ({"decoupled_momentum": {"topk": 2, "sparsity": 0.9}}, "unknown key 'dgc.decoupled_momentum.sparsity'"),
+    ({"decoupled_momentum": {}, "density": 0.01}, "'dgc.density' is a setting of the gradient codec, which "
+     "'dgc.decoupled_momentum' replaces"),
+    ({"decoupled_momentum": {}, "quantization": "int2"}, "'dgc.quantization' is a setting of the gradient codec"),
+    ({"decoupled_momentum": {}, "topology": "hierarchical"}, "'dgc.decoupled_momentum' needs 'dgc.topology' = \"flat\""),
+    ({"decoupled_momentum": {}, "compressed_momentum": {"freeze_step": 3}},
+     "'dgc.compressed_momentum' and 'dgc.decoupled_momentum' are two momentum methods"),
+    ({"decoupled_momentum": {}, "momentum_correction": True},
+     "'dgc.momentum_correction' and 'dgc.decoupled_momentum' are two momentum methods"),
 ])
 def test_config_errors_name_the_key(section, needle):
     with pytest.raises(DGCConfigError, match=needle.replace(".", r"\.")):
