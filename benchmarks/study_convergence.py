@@ -16,6 +16,9 @@ of 0.8M parameters, Adam, 16 x 64 characters per rank per step) and a ``"dgc"`` 
 - *decoupled* (``decoupled_momentum``, DeMo, see ``deepspeed_dgc/codec/dct.py``): every rank's own momentum, a DCT
   top-1/2/4 of each 64-column chunk in INT4 or INT2, the sign update; and the same with the owners' Adam instead of
   the sign, without the DCT, and with the momentum stored in bf16;
+- *shared mask* (``shared_mask``, after SCAPE): the owners choose the coordinates from Adam's state, every rank
+  sends values only there, at densities 0.2, 0.05, 0.01, and at 0.05 chosen by ``|exp_avg|`` or without the moving
+  window;
 - ``*_zlib``: a setting with ``entropy_coding: "zlib"`` (lossless: the same losses, fewer bytes);
 - the residual stored in fp8 instead of fp32 for the two best settings.
 
@@ -90,6 +93,13 @@ def settings(freeze_step: int) -> dict:
                            dict(demo, decoupled_momentum={"update": "adam"}))
     out["demo_k2_none"] = ("decoupled", "decoupled momentum, top-2 of 64 without the DCT, INT4, sign update",
                            dict(demo, decoupled_momentum={"transform": "none"}))
+    for d in (0.2, 0.05, 0.01):
+        out[f"mask_d{d}"] = ("shared mask", f"owner-chosen shared masks (SCAPE), density {d}, INT4, Adam step sizes",
+                             dict(demo, shared_mask={"density": d}))
+    out["mask_d0.05_m"] = ("shared mask", "owner-chosen shared masks (SCAPE), density 0.05, INT4, |exp_avg|",
+                           dict(demo, shared_mask={"density": 0.05, "score": "exp_avg"}))
+    out["mask_d0.05_e0"] = ("shared mask", "owner-chosen shared masks (SCAPE), density 0.05, INT4, no moving window",
+                            dict(demo, shared_mask={"density": 0.05, "explore": 0.0}))
     return out
 
 
@@ -253,7 +263,7 @@ def plot(rows: list[dict], path: Path, steps: int) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(15, 6.5), gridspec_kw={"width_ratios": [1, 1.3]})
-    markers = {"stock": "k*", "plain EF": "o", "Adam-aware": "s", "decoupled": "^"}
+    markers = {"stock": "k*", "plain EF": "o", "Adam-aware": "s", "decoupled": "^", "shared mask": "D"}
     at_steps = [r for r in rows if r["steps"] == steps]
     zoom = {"x": (-1.5, 4.0), "y": (10.0, 32.0)}
     for ax, window in zip(axes, (None, zoom)):

@@ -103,6 +103,34 @@ class DecoupledMomentumConfig(BaseModel):
         return self
 
 
+class SharedMaskConfig(BaseModel):
+    """Owner-chosen shared masks for Adam (``"dgc": {"shared_mask": {...}}``), after SCAPE (arXiv 2607.01678,
+    section 3): after every optimizer step each owner picks, in its partition of every parameter, the ``density``
+    share of coordinates with the largest score from its Adam state, and sends those positions to every rank
+    (``ceil(log2 c)`` bits each). In the next step every rank sends its error-feedback accumulator at exactly those
+    coordinates, values only (no per-sender positions), and the owner sums the compacted buffers densely; error
+    feedback keeps the rest. An ``explore`` share of each mask is a window that moves through the partition, so every
+    coordinate is sent at least every ``1 / (explore * density)`` steps (a coordinate whose Adam state decayed
+    while it was not sent would otherwise never be chosen again). The first ``warmup_steps`` steps are sent dense
+    (INT4 with error feedback: Adam has no state yet). Needs an Adam-family optimizer, the flat topology, fp32 or
+    bf16; the top-level codec keys do not apply (`residual_dtype` and `residual_offload` do).
+    """
+
+    model_config = _MODEL
+
+    density: float = Field(0.05, gt=0.0, lt=1.0, allow_inf_nan=False,
+                           description="share of each owner's partition of every parameter sent per step")
+    score: Literal["update", "exp_avg"] = Field(
+        "update", description="what chooses: `\"update\"`, Adam's step size `|exp_avg| / (sqrt(exp_avg_sq) + eps)`; "
+        "`\"exp_avg\"`, the first moment's magnitude")
+    explore: float = Field(0.25, ge=0.0, lt=1.0, allow_inf_nan=False,
+                           description="share of each mask taken by the moving window instead of the score")
+    quantization: Literal["int4", "int2", "int1", "fp8_e4m3", "fp8_e5m2"] = Field(
+        "int4", description="format of the sent values")
+    group_size: int = Field(128, ge=2, le=1 << 20, multiple_of=2, description="sent values per fp32 scale")
+    warmup_steps: int = Field(1, ge=1, description="first optimizer steps sent dense (INT4, error feedback)")
+
+
 class DGCConfig(BaseModel):
     """Settings of dynamic gradient compression for ZeRO-3, under the top-level ``"dgc"`` key of ds_config.
 
@@ -210,6 +238,8 @@ class DGCConfig(BaseModel):
     decoupled_momentum: Optional[DecoupledMomentumConfig] = Field(
         None, description="Adam-family jobs: DeMo's decoupled momentum, a chunked DCT top-k of each rank's own "
         "momentum (`decoupled_momentum.*` below)")
+    shared_mask: Optional[SharedMaskConfig] = Field(
+        None, description="Adam-family jobs: owner-chosen shared masks, after SCAPE (`shared_mask.*` below)")
     momentum_correction: bool = Field(
         False, description="momentum SGD only: DGC's momentum correction (Lin et al. 2018, section 3.1): every rank "
         "keeps its velocity `u = m u + g / W`, error feedback accumulates and sends `u`, the owners step without "
@@ -302,19 +332,20 @@ class DGCConfig(BaseModel):
         if self.residual_dtype not in ("auto", "fp32"):
             raise ValueError(f"'dgc.residual_dtype' = \"{self.residual_dtype}\" is not supported with 'dgc.topology' = "
                              "\"hierarchical\" yet (its residuals are fp32: use \"auto\" or \"fp32\", or the flat topology)")
-        for key in ("compressed_momentum", "decoupled_momentum"):
+        for key in ("compressed_momentum", "decoupled_momentum", "shared_mask"):
             if getattr(self, key) is not None:
                 raise ValueError(f"'dgc.{key}' needs 'dgc.topology' = \"flat\" (got \"hierarchical\")")
         return self
 
     @model_validator(mode="after")
-    def _decoupled_momentum_has_its_own_codec(self):
-        if self.decoupled_momentum is None:
-            return self
-        unused = sorted(set(_GRADIENT_CODEC_KEYS) & self.model_fields_set)
-        if unused:
-            raise ValueError(f"'dgc.{unused[0]}' is a setting of the gradient codec, which 'dgc.decoupled_momentum' "
-                             "replaces by its own (its 'chunk', 'topk', 'quantization' and 'group_size'): remove it")
+    def _methods_with_their_own_codec(self):
+        for method, kept in (("decoupled_momentum", ()), ("shared_mask", ("residual_dtype", "residual_offload"))):
+            if getattr(self, method) is None:
+                continue
+            unused = sorted((set(_GRADIENT_CODEC_KEYS) - set(kept)) & self.model_fields_set)
+            if unused:
+                raise ValueError(f"'dgc.{unused[0]}' is a setting of the gradient codec, which 'dgc.{method}' "
+                                 "replaces by its own (its 'quantization', 'group_size' and sizes): remove it")
         return self
 
     @model_validator(mode="after")
@@ -323,11 +354,11 @@ class DGCConfig(BaseModel):
             if key in self.model_fields_set and not self.momentum_correction:
                 raise ValueError(f"'dgc.{key}' is part of DGC's momentum correction: set 'dgc.momentum_correction' "
                                  "= true as well")
-        methods = [k for k in ("compressed_momentum", "decoupled_momentum") if getattr(self, k) is not None]
+        methods = [k for k in ("compressed_momentum", "decoupled_momentum", "shared_mask") if getattr(self, k) is not None]
         if self.momentum_correction:
             methods.insert(0, "momentum_correction")
         if len(methods) > 1:
-            raise ValueError(f"'dgc.{methods[0]}' and 'dgc.{methods[1]}' are two momentum methods and exclude each "
+            raise ValueError(f"'dgc.{methods[0]}' and 'dgc.{methods[1]}' both change what is sent and exclude each "
                              "other: set one of them")
         if not self.momentum_correction:
             return self
@@ -368,7 +399,7 @@ _GRADIENT_CODEC_KEYS = ("density", "density_min", "density_max", "energy_budget"
                         "residual_dtype", "residual_offload", "min_numel")
 
 SUBSECTIONS = {"weights": WeightsConfig, "compressed_momentum": CompressedMomentumConfig,
-               "decoupled_momentum": DecoupledMomentumConfig}
+               "decoupled_momentum": DecoupledMomentumConfig, "shared_mask": SharedMaskConfig}
 
 
 def _format_validation_error(err: ValidationError) -> str:

@@ -16,6 +16,7 @@ with the sum:
 :mod:`deepspeed_dgc.zero3.patches` installs the steps on the optimizer.
 """
 
+import math
 from typing import Callable, Dict, Hashable, List, Tuple
 
 import torch
@@ -171,22 +172,68 @@ def _owners_step(optimizer, closure, decoupled: bool, direction: Callable):
     return loss
 
 
-def check_decoupled_optimizer(optimizer, fp16: bool = False, offload: bool = False) -> None:
-    """Check that the owners' optimizer fits ``decoupled_momentum``.
+def check_adam_method(optimizer, method: str, fp16: bool = False, offload: bool = False) -> None:
+    """Check that the owners' optimizer fits ``decoupled_momentum`` or ``shared_mask`` (``method``).
 
     Raises:
-        DGCConfigError: not an Adam-family optimizer (naming it), fp16 (the sign update times the loss scale is not
-            a gradient DeepSpeed can unscale safely) or optimizer offload.
+        DGCConfigError: not an Adam-family optimizer (naming it), fp16 or optimizer offload (the owners' state is
+            read beside the gradients).
     """
     name = type(optimizer).__name__
     if name not in ADAM_TYPES:
-        raise DGCConfigError(f"'dgc.decoupled_momentum' needs an Adam optimizer ({', '.join(ADAM_TYPES)}): its learning "
-                             f"rate, weight decay (and with update \"adam\" its step) are used; got {name}")
+        raise DGCConfigError(f"'dgc.{method}' needs an Adam optimizer ({', '.join(ADAM_TYPES)}): its learning rate, "
+                             f"weight decay and state are used; got {name}")
     if fp16:
-        raise DGCConfigError("'dgc.decoupled_momentum' does not support 'fp16' engines; use bf16 or fp32")
+        raise DGCConfigError(f"'dgc.{method}' does not support 'fp16' engines; use bf16 or fp32")
     if offload:
-        raise DGCConfigError("'dgc.decoupled_momentum' does not support 'zero_optimization.offload_optimizer' (the "
-                             "owners' step runs beside the gradients)")
+        raise DGCConfigError(f"'dgc.{method}' does not support 'zero_optimization.offload_optimizer' (the owners' "
+                             "state is read beside the gradients)")
+
+
+def choose_masks(opt, density: float, score: str, explore: float, step: int, world: int,
+                 key_of: Callable[[torch.nn.Parameter], Hashable]) -> Tuple[List[Hashable], List[int], List[torch.Tensor]]:
+    """This owner's shared mask of every parameter: SCAPE's owner-side choice (arXiv 2607.01678, section 3).
+
+    In this owner's partition of each parameter (``c = ceil(n / W)`` columns, real ones first) the
+    ``k = ceil(density c)`` coordinates of largest score are chosen: Adam's step size ``|exp_avg| / (sqrt(exp_avg_sq)
+    + eps)`` (``score`` "update") or ``|exp_avg|``; ``floor(explore k)`` of them are instead a window of consecutive
+    columns starting at ``(step floor(explore k)) mod c``, so that every column is chosen at least every
+    ``ceil(c / floor(explore k))`` steps. Everything stays on the device; the sizes are host numbers.
+
+    Args:
+        opt: the ZeRO-3 optimizer, its basic optimizer an Adam with state.
+        step: the applied steps so far (moves the window); world: W; key_of: a parameter's stable key.
+
+    Returns:
+        ``(keys, chunks, masks)``: per parameter in the optimizer's order (the same on every rank), its key, ``c``
+        and int64 ``(k,)`` columns inside this owner's partition.
+
+    Raises:
+        DGCConfigError: a sub-group has no Adam state (``exp_avg``) yet.
+    """
+    basic = opt.optimizer
+    keys, chunks, masks = [], [], []
+    for i, sub_group in enumerate(opt.fp16_groups):
+        st = basic.state.get(opt.fp32_partitioned_groups_flat[i], {})
+        if "exp_avg" not in st:
+            raise DGCConfigError(f"'dgc.shared_mask': sub-group {i} has no Adam state ('exp_avg') to choose masks from")
+        mag = st["exp_avg"].abs()
+        if score == "update":
+            eps = basic.param_groups[opt.sub_group_to_group_id[i]]["eps"]
+            mag = mag / (st["exp_avg_sq"].sqrt() + eps)
+        for p in sub_group:
+            _, offset, count = opt.grad_position[opt.get_param_id(p)]
+            c = -(-p.ds_numel // world)
+            k = min(c, math.ceil(density * c))
+            s = mag.new_full((c, ), -1.0)  # padding columns last
+            s[:count] = mag.narrow(0, offset, count)
+            k_window = int(explore * k)
+            if k_window:
+                s[(step * k_window + torch.arange(k_window, device=s.device)) % c] = float("inf")
+            keys.append(key_of(p))
+            chunks.append(c)
+            masks.append(torch.topk(s, k).indices)
+    return keys, chunks, masks
 
 
 @torch.no_grad()

@@ -48,6 +48,7 @@ from ..memory.momentum import CompressedMomentum, DecoupledMomentum, MomentumCor
 from . import checkpoint
 from . import optimizer as owners
 from .allgather import QuantizedAllGather, check_layout_seam
+from ..telemetry import ReduceResult
 from .state import STATE_ATTR, DGCState
 
 logger = logging.getLogger("deepspeed_dgc")
@@ -301,8 +302,10 @@ def _momentum_state(engine, opt, cfg: DGCConfig):
                                           offload)
         return CompressedMomentum(cfg.compressed_momentum, beta1)
     if cfg.decoupled_momentum is not None:
-        owners.check_decoupled_optimizer(opt.optimizer, engine.fp16_enabled(), offload)
+        owners.check_adam_method(opt.optimizer, "decoupled_momentum", engine.fp16_enabled(), offload)
         return DecoupledMomentum(cfg.decoupled_momentum)
+    if cfg.shared_mask is not None:  # no local momentum: the owners' Adam state chooses (share_masks)
+        owners.check_adam_method(opt.optimizer, "shared_mask", engine.fp16_enabled(), offload)
     if cfg.momentum_correction:
         m = owners.check_sgd_optimizer(opt.optimizer, engine.gradient_accumulation_steps(), engine.fp16_enabled(),
                                           offload)
@@ -416,6 +419,8 @@ def _step(opt, state: DGCState) -> Callable:
         out = step(*args, **kwargs)
         applied = not opt.overflow
         state.commit_step(applied)
+        if applied:
+            share_masks(opt, state)
         momentum = state.momentum
         if isinstance(momentum, CompressedMomentum) and momentum.freeze_due():
             state.start_momentum_phase()
@@ -427,6 +432,21 @@ def _step(opt, state: DGCState) -> Callable:
         return out
 
     return dgc_step
+
+
+def share_masks(opt, state: DGCState) -> None:
+    """``shared_mask``, after an applied step past the warm-up: every owner chooses its masks from its Adam state
+    (:func:`~deepspeed_dgc.zero3.optimizer.choose_masks`) and sends them to every rank, for the next step (collective
+    over the data-parallel group; the bytes count in this step's gradient traffic). Nothing otherwise."""
+    cfg = state.cfg.shared_mask
+    if cfg is None or state.reducer.steps_applied < cfg.warmup_steps:
+        return
+    comm = state.reducer.comms_for(opt.dp_process_group).flat
+    keys, chunks, own = owners.choose_masks(opt, cfg.density, cfg.score, cfg.explore, state.reducer.steps_applied,
+                                            comm.world_size, state.key_of)
+    sent = state.reducer.set_masks(comm, keys, chunks, own)
+    state.stats.record(ReduceResult(wire_bytes=sent, dense_fp32_bytes=0.0, kept=0, numel=0, finite=True,
+                                    intra_node_wire_bytes=sent))
 
 
 def freeze(opt, state: DGCState) -> None:
@@ -504,6 +524,8 @@ def _load_checkpoint(engine, state: DGCState) -> Callable:
                                     engine.device)
         if isinstance(m, CompressedMomentum) and m.freeze_due():  # every rank loads: collective
             freeze(engine.optimizer, state)
+        state.reducer.masks = {}
+        share_masks(engine.optimizer, state)  # shared_mask: chosen again from the loaded Adam state (collective)
         routine = msg.startswith("restored") and "IGNORED" not in msg and "rounded once" not in msg
         (logger.info if routine else logger.warning)(f"[deepspeed_dgc] rank {state.global_rank}: {msg}")
         return load_path, client_state

@@ -29,7 +29,7 @@ from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..codec import dct, wire
+from ..codec import dct, masked, wire
 from ..codec.entropy import deflate, inflate
 from ..codec.job import CompressJob, real_count
 from ..codec.kernels import get_ops
@@ -110,6 +110,7 @@ class CompressedReduceScatter:
         self._comms = {}
         self._bad_senders: List[Tuple[object, torch.Tensor]] = []  # fixed layout: (communicator, bad flags) this step
         self._first_step = True  # fixed layout: every bucket's shape is checked across ranks until the first step ends
+        self.masks: Dict[Hashable, torch.Tensor] = {}  # shared_mask: key -> int64 (W, k), owner o's columns in row o
         self.density = cfg.density if isinstance(cfg.density, float) else cfg.density_max
 
     # ---- the bucket path ------------------------------------------------------------------------
@@ -148,6 +149,8 @@ class CompressedReduceScatter:
         else:
             if isinstance(self.momentum, DecoupledMomentum):
                 out, finite, kept = self._decoupled_exchange(bucket, comms.flat)
+            elif self.masks and all(k in self.masks for k in bucket.keys):
+                out, finite, kept = self._masked_exchange(bucket, comms.flat)
             else:
                 job = self._job(bucket, bucket.srcs, [0] * len(bucket.srcs), bucket.chunks,
                                 list(range(comms.world_size)), bucket.numels, bucket.divisor)
@@ -282,6 +285,45 @@ class CompressedReduceScatter:
         self._bad_senders.append((comm, bad))
         self.momentum.keep_rest(bucket.keys, [d.sub_(x) for d, x in zip(bucket.srcs, sent)])
         return out, True, kept
+
+    def _masked_exchange(self, bucket: Bucket, comm) -> Tuple[torch.Tensor, bool, int]:
+        """Steps 2-6 of ``shared_mask``: every rank's error-feedback accumulator at the owners' shared masks
+        (:attr:`masks`), values only (:mod:`deepspeed_dgc.codec.masked`), one all-to-all of equal rows, the compacted
+        buffers summed densely, the rest staged as the new residuals. Nothing is read on the host.
+
+        Returns:
+            ``(out, True, kept)``: fp32 ``(C,)``, unscaled (NaN when a payload does not match); values sent.
+        """
+        cfg, W = self.cfg.shared_mask, comm.world_size
+        masks = [self.masks[k] for k in bucket.keys]
+        plan = masked.value_plan([m.shape[1] for m in masks], cfg.quantization, cfg.group_size)
+        fingerprint = wire.fingerprint([bucket.fingerprint, "masked", list(plan.counts), cfg.quantization,
+                                        cfg.group_size])
+        rows = []
+        for key, src, n, c in zip(bucket.keys, bucket.srcs, bucket.numels, bucket.chunks):
+            acc = src.float() / bucket.divisor
+            residual = self.memory.get(key) if self.cfg.error_feedback else None
+            if residual is not None:
+                acc += residual
+            rows.append(torch.nn.functional.pad(acc, (0, W * c - n)).view(W, c))
+        payloads, sent = masked.encode(rows, masks, plan, fingerprint)
+        out, bad = masked.decode_sum(comm.all_to_all_fixed(payloads), [m[comm.rank] for m in masks], bucket.chunks,
+                                     plan, fingerprint)
+        self._bad_senders.append((comm, bad))
+        if self.cfg.error_feedback:
+            for key, row, x, n in zip(bucket.keys, rows, sent, bucket.numels):
+                self.memory.stage(key, row.sub_(x).view(-1)[:n])
+        return out, True, W * plan.values
+
+    def set_masks(self, comm, keys: Sequence[Hashable], chunks: Sequence[int], own: Sequence[torch.Tensor]) -> int:
+        """Every owner's shared masks to every rank (``shared_mask``): this owner's positions ``own[i]`` (``(k_i,)``
+        below ``chunks[i]``) packed (:func:`~deepspeed_dgc.codec.masked.pack_masks`), one all-to-all of the same row to
+        everyone (an all-gather of fixed size, bounded by ``timeout_s``); :attr:`masks` becomes key -> int64
+        ``(W, k_i)``. Collective over ``comm``; returns the bytes this rank sent."""
+        local = masked.pack_masks(own, chunks)
+        received = comm.all_to_all_fixed(local.expand(comm.world_size, -1).contiguous())
+        self.masks = dict(zip(keys, masked.unpack_masks(received, chunks, [m.numel() for m in own])))
+        return sum(comm.last_sent_bytes)
 
     def _exchange(self, comm, payloads: List[torch.Tensor]) -> List[torch.Tensor]:
         """Step 4: one uneven all-to-all of the payloads (entropy-coded around it with ``entropy_coding``)."""

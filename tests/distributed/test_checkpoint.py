@@ -26,6 +26,7 @@ MC = {"dgc": dict(SPARSE, momentum_correction=True, local_clip_norm=1.0, thresho
       "zero_allow_untested_optimizer": True}
 DEMO = {"dgc": {"enabled": True, "decoupled_momentum": {"chunk": 16, "topk": 3, "quantization": "int2",
                                                        "storage": "bf16"}}}
+MASK = {"dgc": {"enabled": True, "residual_dtype": "bf16", "shared_mask": {"density": 0.1, "quantization": "int2"}}}
 _SHARED = {}
 
 
@@ -176,12 +177,13 @@ def test_world_size_2_saved_loaded_at_3():
         assert torch.equal(loaded[0][k], loaded[2][k])  # an even split
 
 
-@pytest.mark.parametrize("config", [MOMENTUM, MC, DEMO], ids=["compressed_momentum", "momentum_correction",
-                                                               "decoupled_momentum"])
+@pytest.mark.parametrize("config", [MOMENTUM, MC, DEMO, MASK], ids=["compressed_momentum", "momentum_correction",
+                                                                     "decoupled_momentum", "shared_mask"])
 def test_resume_with_local_momentum_is_bit_identical(config):
     """Saved at step 5, resumed in new processes: losses, parameters, residuals and the local momenta equal the
     uninterrupted run's bit for bit. compressed_momentum: frozen after step 3, and the resumed run is frozen again.
     decoupled_momentum: INT2 coefficients, the momentum stored in bf16 (the sign update in the owners' step).
+    shared_mask: the masks are not saved but chosen again from the loaded Adam state, as after step 5.
     momentum_correction: SGD (density 0.1, INT4, masking, local clipping, weight decay, thresholds reused for 3
     steps): the velocities and the thresholds being reused are in the side-car, the weight-decay momentum in the
     optimizer state."""
@@ -191,11 +193,14 @@ def test_resume_with_local_momentum_is_bit_identical(config):
     for r in range(2):
         assert second[r]["losses"] == full[r]["losses"][5:]
         assert all(torch.equal(a, b) for a, b in zip(second[r]["params"][-1], full[r]["params"][-1]))
+        res_a, res_b = second[r]["residuals"][-1], full[r]["residuals"][-1]
+        assert res_a.keys() == res_b.keys() and all(torch.equal(res_a[k], res_b[k]) for k in res_b)
+        if config is MASK:  # no local momentum; the residuals hold what the masks left
+            assert not second[r]["momenta"] and not full[r]["momenta"] and res_b
+            continue
         mom_a, mom_b = second[r]["momenta"][-1], full[r]["momenta"][-1]
         assert mom_a.keys() == mom_b.keys() and mom_a
         assert all(torch.equal(mom_a[k], mom_b[k]) for k in mom_b)
-        res_a, res_b = second[r]["residuals"][-1], full[r]["residuals"][-1]
-        assert res_a.keys() == res_b.keys() and all(torch.equal(res_a[k], res_b[k]) for k in res_b)
         if config is MOMENTUM:
             assert second[r]["frozen"] and full[r]["frozen"]
         elif config is MC:  # momentum factor masking happened

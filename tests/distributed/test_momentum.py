@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from deepspeed_dgc.config import DGCConfigError
-from deepspeed_dgc.zero3.optimizer import V_FLOOR, check_decoupled_optimizer
+from deepspeed_dgc.zero3.optimizer import V_FLOOR, check_adam_method
 
 from .test_engine import LOSSLESS, SPARSE, run_engine
 
@@ -169,13 +169,13 @@ ADAMW = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0
 def test_decoupled_momentum_needs_an_adam_optimizer():
     sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
     with pytest.raises(DGCConfigError, match="'dgc.decoupled_momentum' needs an Adam optimizer .* got SGD"):
-        check_decoupled_optimizer(sgd)
+        check_adam_method(sgd, "decoupled_momentum")
     adam = torch.optim.Adam([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
-    check_decoupled_optimizer(adam)
+    check_adam_method(adam, "decoupled_momentum")
     with pytest.raises(DGCConfigError, match="'fp16'"):
-        check_decoupled_optimizer(adam, fp16=True)
+        check_adam_method(adam, "decoupled_momentum", fp16=True)
     with pytest.raises(DGCConfigError, match="offload_optimizer"):
-        check_decoupled_optimizer(adam, offload=True)
+        check_adam_method(adam, "decoupled_momentum", offload=True)
 
 
 @pytest.mark.parametrize("gas", [1, 2])
@@ -240,3 +240,41 @@ def test_decoupled_momentum_against_a_float64_replay(fmt, bf16):
     assert checked > 0.9 * 6 * sum(math.prod(s) for s in shapes)
     # the momentum is stored in fp32: 4 bytes per parameter; a 16-column chunk sends 3 values
     assert ranks[0]["stats"]["state_bytes_per_param"] == pytest.approx(4.0, rel=0.01)
+
+
+def test_shared_mask_ranks_send_the_owners_coordinates_and_the_owners_step_on_their_sum():
+    """shared_mask (density 0.1, INT4, fp32 residuals), 2 ranks, 6 steps, checked in float64 from what each rank
+    recorded: what a rank sent is what its residual lost, sent = residual + g / 2 - residual'; the averaged gradient
+    ZeRO-3's Adam stepped on is the sum over ranks of what they sent; step 1 is sent dense (the warm-up), and from
+    step 2 on, in each owner's partition of each parameter, both ranks sent values only inside one common set of at
+    most k = ceil(0.1 c) coordinates (the owner's mask)."""
+    ranks = run_engine(timeout_s=300, steps=6, local_grads=True, config={"dgc": {
+        "enabled": True, "residual_dtype": "fp32", "shared_mask": {"density": 0.1, "group_size": 32}}})
+    keys = ranks[0]["keys"]
+    masked_slices = 0
+    for t in range(6):
+        for i, key in enumerate(keys):
+            sent, used_by = [], []
+            for r in range(2):
+                rec = ranks[r]
+                g = rec["local_grads"][t][i].double().reshape(-1)
+                before = rec["residuals"][t - 1][key].double() if t else torch.zeros_like(g)
+                acc = before + g / 2
+                sent.append(acc - rec["residuals"][t][key].double())
+                used_by.append(sent[-1].abs() > 1e-6 * acc.abs())  # not fp32 rounding of the accumulation
+            total = sent[0] + sent[1]
+            got = ranks[0]["grads"][t][i].double().reshape(-1)
+            torch.testing.assert_close(got, total, rtol=1e-5, atol=1e-6 * float(total.abs().max()))
+            n = total.numel()
+            c = -(-n // 2)
+            k = math.ceil(0.1 * c)
+            for o in range(2):
+                used = used_by[0][o * c:(o + 1) * c] | used_by[1][o * c:(o + 1) * c]
+                if t == 0:
+                    assert int(used.sum()) > min(k, int(used.numel()) - 1) or used.numel() <= 1
+                else:
+                    assert int(used.sum()) <= k, (t, key, o, int(used.sum()), k)
+                    masked_slices += 1
+    assert masked_slices >= 5 * len(keys)
+    stats = ranks[0]["stats"]
+    assert stats["compression_ratio"] > 3.0  # dense INT4 step 1, then 10% of the values and the masks

@@ -74,9 +74,9 @@ def test_config_defaults_and_lossless():
     ({"decoupled_momentum": {}, "quantization": "int2"}, "'dgc.quantization' is a setting of the gradient codec"),
     ({"decoupled_momentum": {}, "topology": "hierarchical"}, "'dgc.decoupled_momentum' needs 'dgc.topology' = \"flat\""),
     ({"decoupled_momentum": {}, "compressed_momentum": {"freeze_step": 3}},
-     "'dgc.compressed_momentum' and 'dgc.decoupled_momentum' are two momentum methods"),
+     "'dgc.compressed_momentum' and 'dgc.decoupled_momentum' both change what is sent"),
     ({"decoupled_momentum": {}, "momentum_correction": True},
-     "'dgc.momentum_correction' and 'dgc.decoupled_momentum' are two momentum methods"),
+     "'dgc.momentum_correction' and 'dgc.decoupled_momentum' both change what is sent"),
 ])
 def test_config_errors_name_the_key(section, needle):
     with pytest.raises(DGCConfigError, match=needle.replace(".", r"\.")):
