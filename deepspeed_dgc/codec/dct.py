@@ -124,6 +124,22 @@ class ChunkPlan:
         return n + (-n % 4)
 
 
+_HEADERS = {}
+MAX_HEADERS = 1024
+
+
+def header_rows(magic: int, fingerprint: int, world: int, device) -> torch.Tensor:
+    """uint8 ``(W, 12)``: the header ``int32[magic, fingerprint, 0]`` of every row, made once per bucket shape and
+    device (no host data copied to the device per bucket)."""
+    key = (magic, fingerprint, world, str(device))
+    if key not in _HEADERS:
+        while len(_HEADERS) >= MAX_HEADERS:
+            _HEADERS.pop(next(iter(_HEADERS)))
+        _HEADERS[key] = torch.tensor([magic, fingerprint, 0], dtype=torch.int32).expand(world, 3).contiguous().view(
+            torch.uint8).to(device)
+    return _HEADERS[key]
+
+
 def pack_uint(x: torch.Tensor, bits: int) -> torch.Tensor:
     """Non-negative integers below ``2^bits`` ``(R, n)`` as little-endian bit strings: uint8 ``(R, ceil(n bits / 8))``."""
     R, n = x.shape
@@ -186,8 +202,7 @@ def encode(srcs: Sequence[torch.Tensor], numels: Sequence[int], plan: ChunkPlan,
     else:
         decoded = vals
         value_bytes = [vals.contiguous().view(torch.uint8)]
-    header = torch.tensor([MAGIC, fingerprint, 0], dtype=torch.int32, device=device).expand(world, 3)
-    parts = [header.contiguous().view(torch.uint8)] + value_bytes + [pack_uint(pos, plan.position_bits)]
+    parts = [header_rows(MAGIC, fingerprint, world, device)] + value_bytes + [pack_uint(pos, plan.position_bits)]
     payload = torch.cat(parts, dim=1)
     payload = torch.nn.functional.pad(payload, (0, plan.payload_bytes - payload.shape[1]))
     sent, at = [], 0

@@ -19,7 +19,7 @@ from typing import List, Sequence, Tuple
 
 import torch
 
-from .dct import pack_uint, unpack_uint
+from .dct import header_rows, pack_uint, unpack_uint
 from .fixed import FixedPlan, dequantize_rows, pack_rows, quantize_rows, unpack_rows
 
 MAGIC = 0x4447434D  # "DGCM"
@@ -80,8 +80,7 @@ def encode(rows: Sequence[torch.Tensor], masks: Sequence[torch.Tensor], plan: Fi
     W, device = rows[0].shape[0], rows[0].device
     vals = torch.cat([r.gather(1, m) for r, m in zip(rows, masks)], dim=1)
     scales, codes, decoded = quantize_rows(vals, plan)
-    header = torch.tensor([MAGIC, fingerprint, 0], dtype=torch.int32, device=device).expand(W, 3)
-    payload = torch.cat([header.contiguous().view(torch.uint8), scales.contiguous().view(torch.uint8),
+    payload = torch.cat([header_rows(MAGIC, fingerprint, W, device), scales.contiguous().view(torch.uint8),
                          pack_rows(codes, plan)], dim=1)
     payload = torch.nn.functional.pad(payload, (0, payload_bytes(plan) - payload.shape[1]))
     sent, at = [], 0

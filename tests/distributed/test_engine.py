@@ -397,6 +397,9 @@ DEVICE_PATH = {
                                      compressed_momentum={"freeze_step": 2, "quantization": "int1"}),
     "hierarchical_sparse_fp8_weights_int8": dict(SPARSE, topology="hierarchical", ranks_per_node=1,
                                                  weights={"quantization": "int8"}),
+    # their own fixed-size codecs (no "layout" key); shared_mask's warm-up step is step 1
+    "decoupled_momentum_int2": dict(enabled=True, decoupled_momentum={"chunk": 16, "topk": 2, "quantization": "int2"}),
+    "shared_mask_int4_weights_int4": dict(enabled=True, shared_mask={"density": 0.1}, weights={"quantization": "int4"}),
 }
 
 
@@ -407,7 +410,8 @@ def test_the_fixed_layout_reads_nothing_back_on_the_host(case):
     (deepspeed_dgc.syncs counts item, tolist, nonzero, bool/int/float of a tensor, boolean masks, torch.tensor of
     host data on a device, ...) but the one read-back of the residual norm at a logged step; so a step holds at most
     that and stock's own (its gradient-norm or overflow check). The run also trains: losses finite, weights moved."""
-    cfg = dict(DEVICE_PATH[case], layout="fixed", kernels="reference", stats_interval=2)
+    own_codec = "decoupled_momentum" in DEVICE_PATH[case] or "shared_mask" in DEVICE_PATH[case]
+    cfg = dict(DEVICE_PATH[case], kernels="reference", stats_interval=2, **({} if own_codec else {"layout": "fixed"}))
     ranks = run_engine(steps=6, count_syncs=True, config={"dgc": cfg})
     for r, rec in enumerate(ranks):
         for step, sites in enumerate(rec["host_syncs"][2:], 3):
