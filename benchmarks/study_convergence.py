@@ -49,6 +49,7 @@ TRAIN_SCRIPT = ROOT / "examples" / "train_char_gpt.py"
 BASE_CONFIG = ROOT / "configs" / "zero3_baseline.json"
 DENSITIES = (0.3, 0.1, 0.03, 0.01, "auto")
 GAP_TARGET_PCT = 1.0
+BENCH_MODEL = {"n_layer": 6, "n_embd": 384, "n_head": 6, "block_size": 128, "micro_batch": 8}  # bench_network.py's
 
 
 def settings(freeze_step: int) -> dict:
@@ -120,6 +121,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--fp8-residual", nargs="+", metavar="SETTING",
                         help="run these with residual_dtype fp8 instead of the best")
     parser.add_argument("--bf16-residual", nargs="+", metavar="SETTING", help="also run these with residual_dtype bf16")
+    parser.add_argument("--model", choices=("main", "bench"), default="main",
+                        help="main: the main job's char GPT (0.8M parameters, 16 x 64 characters per rank); bench: the "
+                        "network benchmark's (10.7M: 6 layers x 384, 6 heads, 8 x 128 characters per rank)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--num-gpus", type=int, default=2)
     parser.add_argument("--out-dir", type=Path, default=Path("runs/study"))
@@ -170,6 +174,11 @@ def run(name: str, dgc: dict | None, steps: int, args: argparse.Namespace, port:
     ds = json.loads(BASE_CONFIG.read_text())
     if dgc is not None:
         ds["dgc"] = dgc
+    model_args = []
+    if args.model == "bench":
+        ds["train_micro_batch_size_per_gpu"] = BENCH_MODEL["micro_batch"]
+        model_args = [a for k in ("n_layer", "n_embd", "n_head", "block_size")
+                      for a in ("--" + k.replace("_", "-"), str(BENCH_MODEL[k]))]
     tag = f"{name}_{steps}"
     config_path = args.out_dir / "configs" / f"{tag}.json"
     summary_path = args.out_dir / f"{tag}.json"
@@ -184,7 +193,7 @@ def run(name: str, dgc: dict | None, steps: int, args: argparse.Namespace, port:
     summary_path.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.num_gpus), "--master_port", str(port),
            str(TRAIN_SCRIPT), "--deepspeed_config", str(config_path), "--max-steps", str(steps), "--seed", str(args.seed),
-           "--eval-interval", str(max(1, steps // 10)), "--summary-json", str(summary_path)]
+           "--eval-interval", str(max(1, steps // 10)), "--summary-json", str(summary_path)] + model_args
     log_path = args.out_dir / "logs" / f"{tag}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     started = time.time()
