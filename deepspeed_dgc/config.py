@@ -334,7 +334,9 @@ class DGCConfig(BaseModel):
                              "\"hierarchical\" yet (its residuals are fp32: use \"auto\" or \"fp32\", or the flat topology)")
         for key in ("compressed_momentum", "decoupled_momentum", "shared_mask"):
             if getattr(self, key) is not None:
-                raise ValueError(f"'dgc.{key}' needs 'dgc.topology' = \"flat\" (got \"hierarchical\")")
+                raise ValueError(f"'dgc.{key}' needs 'dgc.topology' = \"flat\" (got \"hierarchical\"): its state is "
+                                 "kept for the full gradient of each rank, and this version does not keep it for the "
+                                 "node-level sums the hierarchical topology compresses")
         return self
 
     @model_validator(mode="after")

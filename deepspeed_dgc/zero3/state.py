@@ -53,7 +53,9 @@ class DGCState:
         reducer = CompressedReduceScatter(cfg, memory, seed=SEED_BASE + global_rank, ranks_per_node=ranks_per_node,
                                           momentum=momentum)
         params = list(module.parameters()) if module is not None else []
-        stats = DGCStats(residual_storage=cfg.residual_storage, world_size=dp_world_size,
+        # decoupled_momentum keeps no residual (its momentum is the error feedback): its storage is the momentum's
+        storage = cfg.residual_storage if cfg.decoupled_momentum is None else f"none (momentum {cfg.decoupled_momentum.storage})"
+        stats = DGCStats(residual_storage=storage, world_size=dp_world_size,
                          n_params=sum(getattr(p, "ds_numel", p.numel()) for p in params))
         state = cls(cfg=cfg, global_rank=global_rank, memory=memory, reducer=reducer, stats=stats, momentum=momentum,
                     dp_rank=dp_rank, params=params, monitor=monitor, samples_seen=samples_seen)

@@ -242,6 +242,41 @@ def test_decoupled_momentum_against_a_float64_replay(fmt, bf16):
     assert ranks[0]["stats"]["state_bytes_per_param"] == pytest.approx(4.0, rel=0.01)
 
 
+def test_decoupled_momentum_with_gradient_accumulation_against_a_float64_replay():
+    """Gradient accumulation 2, raw DCT coefficients, DeepSpeed's "Adam" (AdamW mode, weight decay 0.01), 4 steps:
+    every micro-step adds g / 2 to each rank's momentum (after the decay) and sends its top-3 of each chunk; the
+    owners step once per window with the sign of the sum over ranks and micro-steps, and decoupled weight decay."""
+    decay = 0.9
+    ranks = run_engine(timeout_s=300, steps=4, gas=2, local_grads=True, config={"dgc": {
+        "enabled": True, "decoupled_momentum": {"chunk": 16, "topk": 3, "decay": decay, "quantization": "none"}}})
+    opt = ranks[0]["optimizer"]
+    assert opt["type"] == "AdamW" and opt["weight_decay"] > 0
+    lr, wd = opt["lr"], opt["weight_decay"]
+    shapes = [p.shape for p in ranks[0]["params"][0]]
+    delta = [[torch.zeros(math.prod(s), dtype=torch.float64) for s in shapes] for _ in range(2)]
+    for t in range(4):
+        u = [torch.zeros(math.prod(s), dtype=torch.float64) for s in shapes]
+        for r in range(2):
+            micros = ranks[r]["local_grads_micro"][t]
+            assert len(micros) == 2
+            for grads in micros:
+                for i, g in enumerate(grads):
+                    pre = decay * delta[r][i] + g.double().reshape(-1) / 2
+                    sent = _chunked_dct_top_k(pre, 2, 16, 3)
+                    delta[r][i] = pre - sent
+                    u[i] += sent
+        for i, key in enumerate(ranks[0]["keys"]):
+            for r in range(2):
+                scale = float(delta[r][i].abs().max()) + 1e-30
+                torch.testing.assert_close(ranks[r]["momenta"][t][key].double(), delta[r][i], rtol=1e-4, atol=1e-5 * scale)
+            before = ranks[0]["params"][t][i].double().reshape(-1)
+            after = ranks[0]["params"][t + 1][i].double().reshape(-1)
+            clear = u[i].abs() > 1e-4 * float(u[i].abs().max())
+            want = before * (1 - lr * wd) - lr * torch.sign(u[i])
+            torch.testing.assert_close(after[clear], want[clear], rtol=1e-6, atol=1e-6)
+            assert int(clear.sum()) > 0.9 * u[i].numel()
+
+
 def test_shared_mask_ranks_send_the_owners_coordinates_and_the_owners_step_on_their_sum():
     """shared_mask (density 0.1, INT4, fp32 residuals), 2 ranks, 6 steps, checked in float64 from what each rank
     recorded: what a rank sent is what its residual lost, sent = residual + g / 2 - residual'; the averaged gradient

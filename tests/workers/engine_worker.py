@@ -4,7 +4,8 @@ Usage: engine_worker.py --out DIR [options]. The ds_config is BASE with ``--conf
 objects key by key, ``"optimizer"`` replaced whole; a ``null`` removes the key); the inputs are in the engine's dtype (fp16 or bf16 when enabled).
 Writes DIR/rank<r>.pt: losses, DeepSpeed's full gradients after the last micro-step and the fp32 parameters of
 every step, skipped steps, loss scales, the extension's committed residuals and momenta, its telemetry, the
-optimizer's settings, and with ``--local-grads`` each rank's own full local gradients.
+optimizer's settings, and with ``--local-grads`` each rank's own full local gradients (of the last micro-step, and of
+every micro-step in ``local_grads_micro``).
 
 Options:
   --model net|embed          Net (default) or EmbedNet (an embedding of which the inputs use a quarter of the rows)
@@ -188,7 +189,7 @@ def run(args, rank):
     basic = getattr(engine.optimizer, "optimizer", None) or torch.optim.SGD([torch.zeros(1)], lr=0.0)
     state = getattr(engine, "_dgc_state", None)
     record = dict(losses=[], grads=[], params=[full_params(engine)], skipped=[], residuals=[], loss_scale=[],
-                  local_grads=[], momenta=[], keys=[], stats=None,
+                  local_grads=[], local_grads_micro=[], momenta=[], keys=[], stats=None,
                   loaded_residuals=None if state is None or args.resume_at is None else state.memory.residuals(),
                   optimizer=dict(type=type(basic).__name__, gradient_clipping=engine.gradient_clipping(),
                                  **{k: basic.param_groups[0].get(k) for k in ("lr", "betas", "eps", "weight_decay",
@@ -217,6 +218,10 @@ def run(args, rank):
                 loss = engine(x, y)
                 engine.backward(loss)
                 record["losses"].append(float(loss))
+                if args.local_grads:  # every micro-step's (the hooks fire in each backward)
+                    if m == 0:
+                        record["local_grads_micro"].append([])
+                    record["local_grads_micro"][-1].append([local[i].clone() for i in range(len(local))])
                 if m == args.gas - 1:
                     grads = [safe_get_full_grad(p) for p in engine.module.parameters()]
                     record["grads"].append([None if g is None else g.float().clone() for g in grads])
