@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 DEFAULT_CONFIGS = [
-    "configs/zero3_baseline.json", "configs/zero3_int4.json", "configs/zero3_dgc_int4_d01.json", "configs/zero3_dgc_int4.json"
+    "configs/zero3_baseline.json", "configs/zero3_int4.json", "configs/zero3_dgc_int4_d01.json", "configs/zero3_dgc_adam.json"
 ]
 TRAIN_SCRIPT = "examples/train_char_gpt.py"
 
