@@ -69,8 +69,8 @@ class DecoupledMomentumConfig(BaseModel):
     cut inside the owners' partitions), and subtracts what it sent (the error feedback). The owners step with the
     sum: DeMo's sign update at the optimizer's learning rate (`update: "sign"`), or the optimizer's own Adam step
     on it (`update: "adam"`). From the first step; the top-level `density`, `quantization` and `group_size` do not
-    apply. Needs an Adam-family optimizer (its learning rate and weight decay are used), the flat topology, fp32
-    or bf16. Bytes per parameter per step: `topk * (bits(quantization) + log2(chunk)) / chunk / 8` plus the scales.
+    apply. Needs an Adam-family optimizer (its learning rate and weight decay are used), fp32 or bf16. On the
+    hierarchical topology the momentum is of the node-level sums a rank compresses (1/L of full size). Bytes per parameter per step: `topk * (bits(quantization) + log2(chunk)) / chunk / 8` plus the scales.
     """
 
     model_config = _MODEL
@@ -332,7 +332,7 @@ class DGCConfig(BaseModel):
         if self.residual_dtype not in ("auto", "fp32"):
             raise ValueError(f"'dgc.residual_dtype' = \"{self.residual_dtype}\" is not supported with 'dgc.topology' = "
                              "\"hierarchical\" yet (its residuals are fp32: use \"auto\" or \"fp32\", or the flat topology)")
-        for key in ("compressed_momentum", "decoupled_momentum", "shared_mask"):
+        for key in ("compressed_momentum", "shared_mask"):
             if getattr(self, key) is not None:
                 raise ValueError(f"'dgc.{key}' needs 'dgc.topology' = \"flat\" (got \"hierarchical\"): its state is "
                                  "kept for the full gradient of each rank, and this version does not keep it for the "

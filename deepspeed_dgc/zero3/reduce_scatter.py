@@ -148,7 +148,7 @@ class CompressedReduceScatter:
             inter_bytes = comms.inter.wire_bytes - inter_before
         else:
             if isinstance(self.momentum, DecoupledMomentum):
-                out, finite, kept = self._decoupled_exchange(bucket, comms.flat)
+                out, finite, kept = self._decoupled_exchange(bucket, comms.flat, bucket.srcs, bucket.numels)
             elif self.masks and all(k in self.masks for k in bucket.keys):
                 out, finite, kept = self._masked_exchange(bucket, comms.flat)
             else:
@@ -178,7 +178,9 @@ class CompressedReduceScatter:
         # stock casts to the communication dtype and pre-divides by W; the loss scale goes with the division
         srcs = [g.reshape(-1).to(comm_dtype) for g in grads]
         divisor = float(world) * loss_scale
-        momenta = self.momentum.sources(keys, grads, divisor) if self.momentum is not None else None
+        # decoupled_momentum on the hierarchical topology keeps its momenta of the node-level sums (_two_hops)
+        later = isinstance(self.momentum, DecoupledMomentum) and comms.hierarchical
+        momenta = self.momentum.sources(keys, grads, divisor) if self.momentum is not None and not later else None
         if momenta is not None:
             srcs, divisor = momenta, 1.0
         override = self.momentum.codec() if self.momentum is not None else None
@@ -264,10 +266,13 @@ class CompressedReduceScatter:
         self._stage(bucket, job, result.residuals, result.thresholds if result.finite else None)
         return out, result.finite, result.kept
 
-    def _decoupled_exchange(self, bucket: Bucket, comm) -> Tuple[torch.Tensor, bool, int]:
-        """Steps 3-6 of ``decoupled_momentum``: each rank's momenta (``bucket.srcs``) as a chunked DCT top-k per owner
-        (:mod:`deepspeed_dgc.codec.dct`), one all-to-all of equal rows, this rank's row summed over senders, and
-        what was not sent staged back into the momenta. Nothing is read on the host (as the fixed layout).
+    def _decoupled_exchange(self, bucket: Bucket, comm, deltas: List[torch.Tensor],
+                            numels: List[int]) -> Tuple[torch.Tensor, bool, int]:
+        """Steps 3-6 of ``decoupled_momentum``: each rank's momenta ``deltas`` (``numels[i]`` elements: the full
+        tensor, or on the hierarchical topology its node-level rows, ``N * c_i``) as a chunked DCT top-k per owner
+        row of ``comm`` (:mod:`deepspeed_dgc.codec.dct`), one all-to-all of equal rows, this rank's row summed over
+        senders, and what was not sent staged back into the momenta. Nothing is read on the host (as the fixed
+        layout).
 
         Returns:
             ``(out, True, kept)``: fp32 ``(C,)``, the sum over senders of this rank's row, unscaled (NaN when a payload
@@ -280,10 +285,10 @@ class CompressedReduceScatter:
                                         plan.value_format, plan.group_size])
         if self._first_step:
             self._check_same_bucket(comm, fingerprint)
-        payloads, sent, kept = dct.encode(bucket.srcs, bucket.numels, plan, comm.world_size, fingerprint)
+        payloads, sent, kept = dct.encode(deltas, numels, plan, comm.world_size, fingerprint)
         out, bad = dct.decode_sum(comm.all_to_all_fixed(payloads), plan, fingerprint)
         self._bad_senders.append((comm, bad))
-        self.momentum.keep_rest(bucket.keys, [d.sub_(x) for d, x in zip(bucket.srcs, sent)])
+        self.momentum.keep_rest(bucket.keys, [d.sub_(x) for d, x in zip(deltas, sent)])
         return out, True, kept
 
     def _masked_exchange(self, bucket: Bucket, comm) -> Tuple[torch.Tensor, bool, int]:
@@ -391,6 +396,10 @@ class CompressedReduceScatter:
                 row.div_(bucket.loss_scale)  # _exit restores it
             return row, True, sum(real_count(n, owners[0], c) for n, c in zip(bucket.numels, chunks))
         starts = [sum(chunks[:i]) for i in range(len(chunks))]
+        if isinstance(self.momentum, DecoupledMomentum):  # momenta of the N node-level rows: 1/L of full size
+            rows = [node_sum[:, start:start + c].reshape(-1) for start, c in zip(starts, chunks)]
+            deltas = self.momentum.sources(bucket.keys, rows, bucket.loss_scale)
+            return self._decoupled_exchange(bucket, comms.inter, deltas, [N * c for c in chunks])
         job = self._job(bucket, [node_sum.view(-1)] * len(srcs), starts, [C] * len(srcs), owners,
                         [N * c for c in chunks], bucket.loss_scale)
         return self._compress_exchange(bucket, job, comms.inter, comms.node)

@@ -398,7 +398,8 @@ DEVICE_PATH = {
     "hierarchical_sparse_fp8_weights_int8": dict(SPARSE, topology="hierarchical", ranks_per_node=1,
                                                  weights={"quantization": "int8"}),
     # their own fixed-size codecs (no "layout" key); shared_mask's warm-up step is step 1
-    "decoupled_momentum_int2": dict(enabled=True, decoupled_momentum={"chunk": 16, "topk": 2, "quantization": "int2"}),
+    "decoupled_momentum_int2_hierarchical": dict(enabled=True, topology="hierarchical", ranks_per_node=1,
+                                                 decoupled_momentum={"chunk": 16, "topk": 2, "quantization": "int2"}),
     "shared_mask_int4_weights_int4": dict(enabled=True, shared_mask={"density": 0.1}, weights={"quantization": "int4"}),
 }
 
