@@ -380,7 +380,8 @@ class CompressedReduceScatter:
         ]
         acc_m = torch.cat(cols, dim=1)
         payloads = [wire.as_bytes(acc_m[j::L].to(bucket.comm_dtype)) for j in range(L)]  # rows of owners k*L + j
-        if self.layout(device.type) == "fixed":  # equal sizes: no size exchange
+        # equal sizes: no size exchange (decoupled_momentum's codec has fixed sizes on every device)
+        if self.layout(device.type) == "fixed" or isinstance(self.momentum, DecoupledMomentum):
             if self._first_step:
                 self._check_same_bucket(comms.intra, bucket.fingerprint)
             received = list(comms.intra.all_to_all_fixed(torch.stack(payloads)))
