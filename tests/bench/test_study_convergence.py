@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from deepspeed_dgc.config import parse_dgc_config
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent / "benchmarks"))
 import study_convergence as sc  # noqa: E402
 
@@ -21,7 +23,16 @@ def test_settings_hold_what_their_names_say():
     assert known["ef_d0.1"][2]["density"] == 0.1 and "compressed_momentum" not in known["ef_d0.1"][2]
     assert known["adam_int2_zlib"][2] == dict(known["adam_int2"][2], entropy_coding="zlib")
     assert known["ef_d0.1_r8"][2] == dict(known["ef_d0.1"][2], threshold_reuse_steps=8)
-    assert all(dgc is None or dgc["residual_dtype"] == "fp32" for _, _, dgc in known.values())  # as measured
+    own_codec = ("decoupled_momentum", "shared_mask")  # their own codecs: no top-level codec keys
+    assert all(dgc is None or any(k in dgc for k in own_codec) or dgc["residual_dtype"] == "fp32"
+               for _, _, dgc in known.values())  # as measured
+    assert known["demo_k2_int2_bf16"][2]["decoupled_momentum"] == {"quantization": "int2", "storage": "bf16"}
+    assert known["demo_k1"][2]["decoupled_momentum"] == {"topk": 1}
+    assert known["demo_k2_adam"][2]["decoupled_momentum"]["update"] == "adam"
+    assert known["mask_d0.05_e0"][2]["shared_mask"] == {"density": 0.05, "explore": 0.0}
+    for name, (_, _, dgc) in known.items():  # every setting is a valid "dgc" section
+        if dgc is not None:
+            parse_dgc_config({"dgc": dgc})
     g512 = known["adam_int2_zlib_g512"][2]
     assert g512["compressed_momentum"]["group_size"] == 512 and g512["group_size"] == 128  # the warm-up keeps 128
 
