@@ -15,6 +15,11 @@ runs these steps in order (GRACE's ``step``, Xu et al., ICDCS 2021):
 6. stage: the new residuals (committed after an applied step), reused thresholds, momentum masking;
 7. exit: the loss scale is restored once, and this rank's slice of each tensor is handed back.
 
+Two Adam methods bring their own codec to steps 2-6, with every size fixed by the shapes: ``decoupled_momentum``
+(DeMo: each rank's momentum as a chunked DCT top-k, :mod:`deepspeed_dgc.codec.dct`; the subtraction of what was sent
+is its error feedback) and ``shared_mask`` (after SCAPE: the residual-corrected gradient at the owners' shared masks,
+values only, :mod:`deepspeed_dgc.codec.masked`).
+
 Hierarchical topology (N nodes of L ranks): step 1 is preceded by a dense reduce-scatter inside the node
 (ZeRO++ qgZ's two hops, arXiv 2306.10209, section 4.2); steps 2-6 then run on the node-level sums of this
 rank's owners, between the ranks of the same local rank on every node.
