@@ -91,7 +91,9 @@ class DecoupledMomentumConfig(BaseModel):
         "optimizer's learning rate and decoupled weight decay (`gradient_clipping` cannot change a sign); "
         "`\"adam\"`: the job's optimizer steps on `u` as its gradient")
     storage: Literal["fp32", "bf16"] = Field("fp32", description="storage of the local momentum between steps "
-                                             "(4 or 2 bytes per parameter per rank)")
+                                             "(4 or 2 bytes per parameter per rank); bf16 drops increments below 2^-9 "
+                                             "of the momentum (main job, DCT top-2 INT2: -0.48% at 300 steps, but "
+                                             "+1.11% at 1000, against +0.76% in fp32)")
 
     @model_validator(mode="after")
     def _sizes(self):
