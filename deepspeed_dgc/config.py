@@ -69,15 +69,16 @@ class DecoupledMomentumConfig(BaseModel):
     cut inside the owners' partitions), and subtracts what it sent (the error feedback). The owners step with the
     sum: DeMo's sign update at the optimizer's learning rate (`update: "sign"`), or the optimizer's own Adam step
     on it (`update: "adam"`). From the first step; the top-level `density`, `quantization` and `group_size` do not
-    apply. Needs an Adam-family optimizer (its learning rate and weight decay are used), fp32 or bf16. On the
-    hierarchical topology the momentum is of the node-level sums a rank compresses (1/L of full size). Bytes per parameter per step: `topk * (bits(quantization) + log2(chunk)) / chunk / 8` plus the scales.
+    apply. Needs Adam, AdamW, FusedAdam or DeepSpeedCPUAdam (their learning rate and weight decay are used), fp32 or
+    bf16. On the hierarchical topology the momentum is of the node-level sums a rank compresses (1/L of full size). Bytes per parameter per step: `topk * (bits(quantization) + log2(chunk)) / chunk / 8` plus the scales.
     """
 
     model_config = _MODEL
 
     chunk: int = Field(64, ge=2, le=4096, description="columns per DCT chunk (a power of two; DeMo's 64); chunks "
                        "never span two owners' partitions")
-    topk: int = Field(2, ge=1, description="coefficients sent per chunk (at most `chunk`): density `topk / chunk`")
+    topk: int = Field(2, ge=1, description="coefficients sent per chunk (at most `chunk`): density `topk / chunk` "
+                      "(a partition shorter than a chunk is padded to one and still sends `topk`)")
     decay: float = Field(0.999, ge=0.0, lt=1.0, allow_inf_nan=False,
                          description="decay of the local momentum per micro-step (DeMo's `compression_decay`)")
     transform: Literal["dct", "none"] = Field("dct", description="`\"dct\"`: top-k of each chunk's orthonormal "
@@ -114,8 +115,8 @@ class SharedMaskConfig(BaseModel):
     feedback keeps the rest. An ``explore`` share of each mask is a window that moves through the partition, so every
     coordinate is sent at least every ``1 / (explore * density)`` steps (a coordinate whose Adam state decayed
     while it was not sent would otherwise never be chosen again). The first ``warmup_steps`` steps are sent dense
-    (INT4 with error feedback: Adam has no state yet). Needs an Adam-family optimizer, the flat topology, fp32 or
-    bf16; the top-level codec keys do not apply (`residual_dtype` and `residual_offload` do).
+    (INT4 with error feedback: Adam has no state yet). Needs Adam, AdamW, FusedAdam or DeepSpeedCPUAdam, the flat
+    topology, fp32 or bf16; the top-level codec keys do not apply (`residual_dtype` and `residual_offload` do).
     """
 
     model_config = _MODEL
@@ -343,13 +344,16 @@ class DGCConfig(BaseModel):
 
     @model_validator(mode="after")
     def _methods_with_their_own_codec(self):
-        for method, kept in (("decoupled_momentum", ()), ("shared_mask", ("residual_dtype", "residual_offload"))):
+        for method, kept, own in (
+                ("decoupled_momentum", (), "its 'chunk', 'topk', 'quantization' and 'group_size'; it keeps no residual: "
+                 "its momentum, stored in 'storage', is the error feedback"),
+                ("shared_mask", ("residual_dtype", "residual_offload"), "its 'density', 'quantization' and 'group_size'")):
             if getattr(self, method) is None:
                 continue
             unused = sorted((set(_GRADIENT_CODEC_KEYS) - set(kept)) & self.model_fields_set)
             if unused:
                 raise ValueError(f"'dgc.{unused[0]}' is a setting of the gradient codec, which 'dgc.{method}' "
-                                 "replaces by its own (its 'quantization', 'group_size' and sizes): remove it")
+                                 f"replaces by its own ({own}): remove it")
         return self
 
     @model_validator(mode="after")
@@ -412,7 +416,8 @@ def _format_validation_error(err: ValidationError) -> str:
         # a union (density: float or "auto") reports one error per member, tagged in the location
         loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and (p.startswith("constrained-") or "[" in p)))
         key = ".".join(str(p) for p in (DGC_SECTION, ) + loc)
-        if e["type"] == "value_error" and not loc:  # a rule across keys: its own message names them
+        # a rule across keys (of the section or of a subsection): its own message names them
+        if e["type"] == "value_error" and (not loc or (len(loc) == 1 and loc[0] in SUBSECTIONS)):
             lines.append(e["msg"].removeprefix("Value error, "))
         elif e["type"] == "extra_forbidden":
             model = SUBSECTIONS.get(loc[0], DGCConfig) if len(loc) > 1 else DGCConfig

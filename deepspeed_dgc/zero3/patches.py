@@ -207,7 +207,9 @@ def install(engine, opt, cfg: DGCConfig) -> DGCState:
     if comms.hierarchical and comms.n_nodes == 1 and engine.global_rank == 0:
         logger.warning("deepspeed_dgc: 'dgc.topology' is \"hierarchical\" but all %d ranks are on one node "
                        "(%d ranks per node): gradients are reduced densely inside the node and nothing is "
-                       "compressed", comms.world_size, comms.ranks_per_node)
+                       "compressed%s", comms.world_size, comms.ranks_per_node,
+                       " (decoupled_momentum still extracts its top-k from each rank's momentum of the node's sums, so "
+                       "the owners' step stays DeMo's)" if cfg.decoupled_momentum is not None else "")
     _patch_instance(engine, opt, state)
     return state
 

@@ -277,7 +277,7 @@ class CompressedReduceScatter:
         tensor, or on the hierarchical topology its node-level rows, ``N * c_i``) as a chunked DCT top-k per owner
         row of ``comm`` (:mod:`deepspeed_dgc.codec.dct`), one all-to-all of equal rows, this rank's row summed over
         senders, and what was not sent staged back into the momenta. Nothing is read on the host (as the fixed
-        layout).
+        layout). ``comm`` None: one row, extracted and decoded locally (the hierarchical topology on one node).
 
         Returns:
             ``(out, True, kept)``: fp32 ``(C,)``, the sum over senders of this rank's row, unscaled (NaN when a payload
@@ -288,11 +288,15 @@ class CompressedReduceScatter:
                              cfg.group_size)
         fingerprint = wire.fingerprint([bucket.fingerprint, "decoupled", plan.chunk, plan.topk, plan.transform,
                                         plan.value_format, plan.group_size])
-        if self._first_step:
-            self._check_same_bucket(comm, fingerprint)
-        payloads, sent, kept = dct.encode(deltas, numels, plan, comm.world_size, fingerprint)
-        out, bad = dct.decode_sum(comm.all_to_all_fixed(payloads), plan, fingerprint)
-        self._bad_senders.append((comm, bad))
+        if comm is None:  # a single row (the hierarchical topology on one node): decoded here, nothing sent
+            payloads, sent, kept = dct.encode(deltas, numels, plan, 1, fingerprint)
+            out, _ = dct.decode_sum(payloads, plan, fingerprint)
+        else:
+            if self._first_step:
+                self._check_same_bucket(comm, fingerprint)
+            payloads, sent, kept = dct.encode(deltas, numels, plan, comm.world_size, fingerprint)
+            out, bad = dct.decode_sum(comm.all_to_all_fixed(payloads), plan, fingerprint)
+            self._bad_senders.append((comm, bad))
         self.momentum.keep_rest(bucket.keys, [d.sub_(x) for d, x in zip(deltas, sent)])
         return out, True, kept
 
@@ -396,16 +400,17 @@ class CompressedReduceScatter:
         for buf in received:  # in local-rank order, the same on every rank
             node_sum.add_(buf.view(bucket.comm_dtype).view(N, C).float())
         owners = [k * L + comms.local_rank for k in range(N)]
+        starts = [sum(chunks[:i]) for i in range(len(chunks))]
+        if isinstance(self.momentum, DecoupledMomentum):  # momenta of the N node-level rows: 1/L of full size
+            rows = [node_sum[:, start:start + c].reshape(-1) for start, c in zip(starts, chunks)]
+            deltas = self.momentum.sources(bucket.keys, rows, bucket.loss_scale)
+            # one node: the same extraction (DeMo's step needs it), nothing crosses a node
+            return self._decoupled_exchange(bucket, comms.inter if N > 1 else None, deltas, [N * c for c in chunks])
         if N == 1:
             row = node_sum[0]
             if bucket.loss_scale != 1:
                 row.div_(bucket.loss_scale)  # _exit restores it
             return row, True, sum(real_count(n, owners[0], c) for n, c in zip(bucket.numels, chunks))
-        starts = [sum(chunks[:i]) for i in range(len(chunks))]
-        if isinstance(self.momentum, DecoupledMomentum):  # momenta of the N node-level rows: 1/L of full size
-            rows = [node_sum[:, start:start + c].reshape(-1) for start, c in zip(starts, chunks)]
-            deltas = self.momentum.sources(bucket.keys, rows, bucket.loss_scale)
-            return self._decoupled_exchange(bucket, comms.inter, deltas, [N * c for c in chunks])
         job = self._job(bucket, [node_sum.view(-1)] * len(srcs), starts, [C] * len(srcs), owners,
                         [N * c for c in chunks], bucket.loss_scale)
         return self._compress_exchange(bucket, job, comms.inter, comms.node)
