@@ -70,8 +70,9 @@ class DecoupledMomentumConfig(BaseModel):
     sum: DeMo's sign update at the optimizer's learning rate (`update: "sign"`), or the optimizer's own Adam step
     on it (`update: "adam"`). From the first step; the top-level `density`, `quantization` and `group_size` do not
     apply. Needs Adam, AdamW, FusedAdam or DeepSpeedCPUAdam (their learning rate and weight decay are used), fp32 or
-    bf16. On the hierarchical topology the momentum is of the node-level sums a rank compresses (1/L of full size). Bytes per parameter per step: `topk * (bits(quantization) + log2(chunk)) / chunk / 8` plus the scales
-    (a partition shorter than `chunk` is padded to one chunk and still sends `topk` values).
+    bf16. On the hierarchical topology the momentum is of the node-level sums a rank compresses (1/L of full size).
+    Bytes per parameter per step: `topk * (bits(quantization) + log2(chunk)) / chunk / 8` plus the scales (a partition
+    shorter than `chunk` is padded to one chunk and still sends `topk` values).
     """
 
     model_config = _MODEL
