@@ -97,7 +97,7 @@ def settings(freeze_step: int) -> dict:
     for d in (0.2, 0.05, 0.01):
         out[f"mask_d{d}"] = ("shared mask", f"owner-chosen shared masks (SCAPE), density {d}, INT4, Adam step sizes",
                              dict(demo, shared_mask={"density": d}))
-    out["mask_d0.05_m"] = ("shared mask", "owner-chosen shared masks (SCAPE), density 0.05, INT4, |exp_avg|",
+    out["mask_d0.05_m"] = ("shared mask", "owner-chosen shared masks (SCAPE), density 0.05, INT4, first-moment magnitudes",
                            dict(demo, shared_mask={"density": 0.05, "score": "exp_avg"}))
     out["mask_d0.05_e0"] = ("shared mask", "owner-chosen shared masks (SCAPE), density 0.05, INT4, no moving window",
                             dict(demo, shared_mask={"density": 0.05, "explore": 0.0}))
