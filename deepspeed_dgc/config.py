@@ -119,6 +119,8 @@ class SharedMaskConfig(BaseModel):
     while it was not sent would otherwise never be chosen again). The first ``warmup_steps`` steps are sent dense
     (INT4 with error feedback: Adam has no state yet). Needs Adam, AdamW, FusedAdam or DeepSpeedCPUAdam, the flat
     topology, fp32 or bf16; the top-level codec keys do not apply (`residual_dtype` and `residual_offload` do).
+    Measured on the main job with Adam: +29% to +49% validation loss after 300 steps at densities 0.2 to 0.01
+    (docs/study_convergence.md): not a setting to train with; `decoupled_momentum` is.
     """
 
     model_config = _MODEL
