@@ -167,6 +167,10 @@ OVERFLOW = {
                                  "csv_monitor": {"enabled": True, "job_name": "monitor"}}),
     "bf16_momentum": dict(config={"dgc": dict(SPARSE, compressed_momentum={"freeze_step": 1, "quantization": "int2"}),
                                   "bf16": {"enabled": True}}),
+    # decoupled_momentum keeps no residual: its momenta roll back
+    "bf16_decoupled": dict(config={"dgc": {"enabled": True, "decoupled_momentum": {"chunk": 16, "topk": 3,
+                                                                                    "quantization": "int2"}},
+                                   "bf16": {"enabled": True}}),
     # gradient accumulation over 4 micro-steps, the Inf in the second: the whole window's residual updates roll back
     "bf16_gas4_micro1": dict(config={"dgc": SPARSE, "bf16": {"enabled": True}}, gas=4, inf_micro=1),
 }
@@ -179,7 +183,8 @@ def test_inf_on_one_rank_skips_step_everywhere(case):
     DeepSpeed's CSV monitor. ``bf16_momentum``: compressed_momentum frozen after step 1 (step 2 sends momentum): the
     local momenta also roll back and stay finite (fp16 engines are refused with compressed_momentum).
     ``bf16_gas4_micro1``: 4 micro-steps per step, the Inf in the second only: the residuals the other three staged
-    roll back too."""
+    roll back too. ``bf16_decoupled``: decoupled momentum (no residual; the sign step would turn NaN into NaN
+    weights): its momenta roll back and stay finite."""
     out = tempfile.mkdtemp()
     options = dict(OVERFLOW[case])
     if "csv_monitor" in options["config"]:
@@ -191,12 +196,13 @@ def test_inf_on_one_rank_skips_step_everywhere(case):
         for x, y in zip(rec["params"][2], rec["params"][3]):  # params before / after step 2
             assert torch.equal(x, y)
         assert not all(torch.equal(x, y) for x, y in zip(rec["params"][3], rec["params"][4]))  # step 3 applied
-        assert rec["residuals"][1], "sparse compression left no residuals"
-        for res in rec["residuals"]:
+        kept = rec["momenta"] if case == "bf16_decoupled" else rec["residuals"]  # what error feedback holds
+        assert kept[1], "sparse compression left no residuals"
+        for res in kept:
             assert all(bool(torch.isfinite(v).all()) for v in res.values())
-        for k in rec["residuals"][1]:
-            assert torch.equal(rec["residuals"][1][k], rec["residuals"][2][k])
-        assert not all(torch.equal(rec["residuals"][2][k], rec["residuals"][3][k]) for k in rec["residuals"][2])
+        for k in kept[1]:
+            assert torch.equal(kept[1][k], kept[2][k])
+        assert not all(torch.equal(kept[2][k], kept[3][k]) for k in kept[2])
         assert rec["stats"]["skipped_steps"] == 1
         gas, micro = options.get("gas", 1), options.get("inf_micro")
         poisoned = {2 * gas + m for m in (range(gas) if micro is None else [micro])} if r == 1 else set()
