@@ -45,10 +45,10 @@ from ..comm.communicators import DGCBackendError, check_mpi_world
 from ..comm.topology import resolve_ranks_per_node
 from ..config import DGCConfig, DGCConfigError, check_engine_compatible, parse_dgc_config
 from ..memory.momentum import CompressedMomentum, DecoupledMomentum, MomentumCorrection
+from ..telemetry import ReduceResult
 from . import checkpoint
 from . import optimizer as owners
 from .allgather import QuantizedAllGather, check_layout_seam
-from ..telemetry import ReduceResult
 from .state import STATE_ATTR, DGCState
 
 logger = logging.getLogger("deepspeed_dgc")

@@ -54,7 +54,8 @@ class DGCState:
                                           momentum=momentum)
         params = list(module.parameters()) if module is not None else []
         # decoupled_momentum keeps no residual (its momentum is the error feedback): its storage is the momentum's
-        storage = cfg.residual_storage if cfg.decoupled_momentum is None else f"none (momentum {cfg.decoupled_momentum.storage})"
+        dm = cfg.decoupled_momentum
+        storage = cfg.residual_storage if dm is None else f"none (momentum {dm.storage})"
         stats = DGCStats(residual_storage=storage, world_size=dp_world_size,
                          n_params=sum(getattr(p, "ds_numel", p.numel()) for p in params))
         state = cls(cfg=cfg, global_rank=global_rank, memory=memory, reducer=reducer, stats=stats, momentum=momentum,
