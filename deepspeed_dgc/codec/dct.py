@@ -37,7 +37,7 @@ from typing import List, Sequence, Tuple
 
 import torch
 
-from .fixed import FixedPlan, dequantize_rows, pack_rows, quantize_rows, unpack_rows
+from .fixed import FixedPlan, decode_values, encode_values, header_mismatch
 
 MAGIC = 0x44474344  # "DGCD"
 HEADER_BYTES = 12
@@ -118,9 +118,14 @@ class ChunkPlan:
                                self.value_format if quantize else "int4", self.group_size, torch.float32)
 
     @property
+    def position_bytes(self) -> int:
+        """Bytes of a row's positions, ``log2(s)`` bits each."""
+        return -(-self.values * self.position_bits // 8)
+
+    @property
     def payload_bytes(self) -> int:
         vp = self.value_plan
-        n = HEADER_BYTES + 4 * vp.n_groups + vp.value_bytes + -(-self.values * self.position_bits // 8)
+        n = HEADER_BYTES + 4 * vp.n_groups + vp.value_bytes + self.position_bytes
         return n + (-n % 4)
 
 
@@ -196,12 +201,7 @@ def encode(srcs: Sequence[torch.Tensor], numels: Sequence[int], plan: ChunkPlan,
         positions.append(idx.view(world, -1))
     vals = torch.cat(values, dim=1)
     pos = torch.cat(positions, dim=1)
-    if vp.quantize:
-        scales, codes, decoded = quantize_rows(vals, vp)
-        value_bytes = [scales.contiguous().view(torch.uint8), pack_rows(codes, vp)]
-    else:
-        decoded = vals
-        value_bytes = [vals.contiguous().view(torch.uint8)]
+    value_bytes, decoded = encode_values(vals, vp)
     parts = [header_rows(MAGIC, fingerprint, world, device)] + value_bytes + [pack_uint(pos, plan.position_bits)]
     payload = torch.cat(parts, dim=1)
     payload = torch.nn.functional.pad(payload, (0, plan.payload_bytes - payload.shape[1]))
@@ -232,19 +232,10 @@ def decode_sum(received: torch.Tensor, plan: ChunkPlan, fingerprint: int) -> Tup
         raise ValueError(f"decode_sum: expected uint8 (W, {plan.payload_bytes}) payloads, got {received.dtype} of shape "
                          f"{tuple(received.shape)}")
     W, device = received.shape[0], received.device
-    s, k, vp = plan.chunk, plan.topk, plan.value_plan
-    header = received[:, :HEADER_BYTES].contiguous().view(torch.int32)
-    bad = (header[:, 0] != MAGIC) | (header[:, 1] != fingerprint)
-    at = HEADER_BYTES
-    K = plan.values
-    if vp.quantize:
-        scales = received[:, at:at + 4 * vp.n_groups].contiguous().view(torch.float32)
-        at += 4 * vp.n_groups
-        vals = dequantize_rows(scales, unpack_rows(received[:, at:at + vp.value_bytes], vp), vp)
-    else:
-        vals = received[:, at:at + vp.value_bytes].contiguous().view(torch.float32)
-    at += vp.value_bytes
-    pos = unpack_uint(received[:, at:at + -(-K * plan.position_bits // 8)], plan.position_bits, K)
+    s, k = plan.chunk, plan.topk
+    bad = header_mismatch(received, MAGIC, fingerprint)
+    vals, at = decode_values(received, HEADER_BYTES, plan.value_plan)
+    pos = unpack_uint(received[:, at:at + plan.position_bytes], plan.position_bits, plan.values)
     outs, col = [], 0
     for c, m, cnt in zip(plan.chunks, plan.n_chunks, plan.counts):
         index = (torch.arange(m, device=device)[None, :, None] * s + pos[:, col:col + cnt].view(W, m, k)).reshape(-1)

@@ -447,6 +447,48 @@ def decode_positions(data: torch.Tensor, plan: FixedPlan) -> Tuple[torch.Tensor,
     return torch.cat(positions, dim=1), torch.cat(valid, dim=1), bad
 
 
+def encode_values(values: torch.Tensor, plan: FixedPlan, raw_scale: float = 1.0,
+                  generator: Optional[torch.Generator] = None) -> Tuple[List[torch.Tensor], torch.Tensor]:
+    """The value section of every row's payload (this layout's, and the equal-size payloads of
+    :mod:`~deepspeed_dgc.codec.dct` and :mod:`~deepspeed_dgc.codec.masked`).
+
+    Args:
+        values: fp32 ``(R, K)``; plan: their codec (quantized, or raw ``value_dtype`` times ``raw_scale``).
+        generator: stochastic rounding (INT4/INT2).
+
+    Returns:
+        ``(parts, decoded)``: uint8 ``(R, .)`` sections (fp32 scales then packed codes, or the raw values) and fp32
+        ``(R, K)``, what the receivers decode.
+    """
+    from .wire import raw_decode, raw_encode
+    if plan.quantize:
+        scales, codes, decoded = quantize_rows(values, plan, generator)
+        return [scales.contiguous().view(torch.uint8), pack_rows(codes, plan)], decoded
+    raw = raw_encode(values, plan.value_dtype, raw_scale)
+    return [raw.contiguous().view(torch.uint8).view(values.shape[0], -1)], raw_decode(raw, raw_scale)
+
+
+def decode_values(received: torch.Tensor, offset: int, plan: FixedPlan,
+                  raw_scale: float = 1.0) -> Tuple[torch.Tensor, int]:
+    """Inverse of :func:`encode_values` for W payloads whose value section starts at byte ``offset``: fp32
+    ``(W, K)`` and the offset past the section."""
+    if plan.quantize:
+        scales = received[:, offset:offset + 4 * plan.n_groups].contiguous().view(torch.float32)
+        offset += 4 * plan.n_groups
+        values = dequantize_rows(scales, unpack_rows(received[:, offset:offset + plan.value_bytes], plan), plan)
+    else:
+        from .wire import raw_decode
+        values = raw_decode(received[:, offset:offset + plan.value_bytes].contiguous().view(plan.value_dtype),
+                            raw_scale)
+    return values, offset + plan.value_bytes
+
+
+def header_mismatch(received: torch.Tensor, magic: int, fingerprint: int) -> torch.Tensor:
+    """Bool ``(W,)``: the payloads whose ``int32`` header does not start with ``magic, fingerprint`` (on the device)."""
+    header = received[:, :HEADER_BYTES].contiguous().view(torch.int32)
+    return (header[:, 0] != magic) | (header[:, 1] != fingerprint)
+
+
 def encode_rows(values: torch.Tensor, positions: torch.Tensor, plan: FixedPlan, fingerprint: int,
                 not_finite: torch.Tensor, raw_scale: float = 1.0,
                 generator: Optional[torch.Generator] = None) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -461,20 +503,13 @@ def encode_rows(values: torch.Tensor, positions: torch.Tensor, plan: FixedPlan, 
     Returns:
         ``(payloads, decoded)``: uint8 ``(R, payload_bytes)`` and fp32 ``(R, K)`` (0 in empty slots).
     """
-    from .wire import raw_decode, raw_encode
     R, device = values.shape[0], values.device
     header = torch.empty(R, 3, dtype=torch.int32, device=device)
     header[:, 0] = MAGIC
     header[:, 1] = fingerprint
     header[:, 2] = not_finite.to(torch.int32) * FLAG_NOT_FINITE
-    parts = [header.view(torch.uint8)]
-    if plan.quantize:
-        scales, codes, decoded = quantize_rows(values, plan, generator)
-        parts += [scales.contiguous().view(torch.uint8), pack_rows(codes, plan)]
-    else:
-        raw = raw_encode(values, plan.value_dtype, raw_scale)
-        decoded = raw_decode(raw, raw_scale)
-        parts.append(raw.contiguous().view(torch.uint8).view(R, -1))
+    value_parts, decoded = encode_values(values, plan, raw_scale, generator)
+    parts = [header.view(torch.uint8)] + value_parts
     parts.append(encode_positions(positions, plan))
     n = sum(p.shape[1] for p in parts)
     if n % 4:
@@ -508,17 +543,9 @@ def decode_sum_rows(received: torch.Tensor, plan: FixedPlan, fingerprint: int, r
     """
     W, device = received.shape[0], received.device
     header = received[:, :HEADER_BYTES].contiguous().view(torch.int32)
-    off = HEADER_BYTES
-    if plan.quantize:
-        scales = received[:, off:off + 4 * plan.n_groups].contiguous().view(torch.float32)
-        off += 4 * plan.n_groups
-        values = dequantize_rows(scales, unpack_rows(received[:, off:off + plan.value_bytes], plan), plan)
-    else:
-        from .wire import raw_decode
-        values = raw_decode(received[:, off:off + plan.value_bytes].contiguous().view(plan.value_dtype), raw_scale)
-    off += plan.value_bytes
+    values, off = decode_values(received, HEADER_BYTES, plan, raw_scale)
     positions, valid, bad = decode_positions(received[:, off:off + plan.count_bytes + plan.position_bytes], plan)
-    bad |= (header[:, 0] != MAGIC) | (header[:, 1] != fingerprint)
+    bad |= header_mismatch(received, MAGIC, fingerprint)
     if positions.shape[1]:  # an empty slot adds nothing, whatever its value says
         values[:, constants(plan, device).indexed] *= valid
     cols = columns(positions, plan)

@@ -20,7 +20,7 @@ from typing import List, Sequence, Tuple
 import torch
 
 from .dct import header_rows, pack_uint, unpack_uint
-from .fixed import FixedPlan, dequantize_rows, pack_rows, quantize_rows, unpack_rows
+from .fixed import FixedPlan, decode_values, encode_values, header_mismatch
 
 MAGIC = 0x4447434D  # "DGCM"
 HEADER_BYTES = 12
@@ -79,9 +79,8 @@ def encode(rows: Sequence[torch.Tensor], masks: Sequence[torch.Tensor], plan: Fi
     """
     W, device = rows[0].shape[0], rows[0].device
     vals = torch.cat([r.gather(1, m) for r, m in zip(rows, masks)], dim=1)
-    scales, codes, decoded = quantize_rows(vals, plan)
-    payload = torch.cat([header_rows(MAGIC, fingerprint, W, device), scales.contiguous().view(torch.uint8),
-                         pack_rows(codes, plan)], dim=1)
+    value_bytes, decoded = encode_values(vals, plan)
+    payload = torch.cat([header_rows(MAGIC, fingerprint, W, device)] + value_bytes, dim=1)
     payload = torch.nn.functional.pad(payload, (0, payload_bytes(plan) - payload.shape[1]))
     sent, at = [], 0
     for r, m in zip(rows, masks):
@@ -103,12 +102,8 @@ def decode_sum(received: torch.Tensor, masks: Sequence[torch.Tensor], chunks: Se
         ``(out, bad)``: fp32 ``(sum_i c_i,)`` (NaN everywhere when a payload does not match the plan); bool ``(W,)``.
     """
     W = received.shape[0]
-    header = received[:, :HEADER_BYTES].contiguous().view(torch.int32)
-    bad = (header[:, 0] != MAGIC) | (header[:, 1] != fingerprint)
-    at = HEADER_BYTES
-    scales = received[:, at:at + 4 * plan.n_groups].contiguous().view(torch.float32)
-    at += 4 * plan.n_groups
-    vals = dequantize_rows(scales, unpack_rows(received[:, at:at + plan.value_bytes], plan), plan)
+    bad = header_mismatch(received, MAGIC, fingerprint)
+    vals, _ = decode_values(received, HEADER_BYTES, plan)
     total = vals[0].clone()
     for s in range(1, W):  # senders in rank order, the same on every rank
         total += vals[s]
