@@ -86,12 +86,27 @@ class MomentumState(Protocol):
 
 
 class _LocalMomentum:
-    """What both states share: momenta per key in an :class:`~deepspeed_dgc.memory.error_feedback.ErrorFeedback`
+    """What the states share: momenta per key in an :class:`~deepspeed_dgc.memory.error_feedback.ErrorFeedback`
     store (fp32, staged and committed like residuals) and the count of applied steps."""
 
     def __init__(self, storage: str = "fp32"):
         self.store = ErrorFeedback(storage)
         self.steps_done = 0
+
+    @staticmethod
+    def codec() -> Optional[Codec]:
+        """None: the top-level keys apply (momentum correction), or the state has its own codec outside them
+        (decoupled momentum: :mod:`deepspeed_dgc.codec.dct`)."""
+        return None
+
+    @staticmethod
+    def freeze_due() -> bool:
+        """Never, unless a state freezes something (compressed momentum)."""
+        return False
+
+    def state_bytes(self) -> int:
+        """Bytes held between steps: the committed momenta, in the store's storage."""
+        return self.store.state_bytes()
 
     def committed(self, key: Hashable) -> Optional[torch.Tensor]:
         """This key's momentum as of the last applied step (None before the first)."""
@@ -215,15 +230,6 @@ class DecoupledMomentum(_LocalMomentum):
         super().__init__(cfg.storage)
         self.cfg = cfg
 
-    @staticmethod
-    def codec() -> Optional[Codec]:
-        return None  # its own codec (codec.dct), not the top-level keys
-
-    @staticmethod
-    def freeze_due() -> bool:
-        """Never: nothing is frozen."""
-        return False
-
     def sources(self, keys, grads, divisor):
         """Stage ``delta = decay delta + grad / divisor`` per key (the latest, so micro-steps of a window add up);
         return them."""
@@ -243,10 +249,6 @@ class DecoupledMomentum(_LocalMomentum):
         """Stage what each key's momentum keeps after the exchange (``delta - sent``)."""
         for key, rest in zip(keys, rests):
             self.store.stage(key, rest)
-
-    def state_bytes(self) -> int:
-        """Bytes held between steps: the committed momenta, in ``storage``."""
-        return self.store.state_bytes()
 
 
 class MomentumCorrection(_LocalMomentum):
@@ -279,14 +281,6 @@ class MomentumCorrection(_LocalMomentum):
         self.momentum = momentum
         self.world = world
 
-    @staticmethod
-    def codec() -> Optional[Codec]:
-        return None  # the top-level keys throughout
-
-    @staticmethod
-    def freeze_due() -> bool:
-        """Never: nothing is frozen."""
-        return False
 
     def sources(self, keys, grads, divisor):
         """Stage ``u = m u + clip(g / divisor)`` per key (the divisor holds W: the clipping bound is
@@ -319,7 +313,3 @@ class MomentumCorrection(_LocalMomentum):
                 continue
             acc = u if before is None else u + before
             self.store.stage(key, self.store.get(key).masked_fill(after.ne(acc), 0.0))
-
-    def state_bytes(self) -> int:
-        """Bytes held between steps: the committed velocities."""
-        return self.store.state_bytes()
