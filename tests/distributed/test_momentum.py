@@ -9,6 +9,7 @@ import torch
 from deepspeed_dgc.config import DGCConfigError
 from deepspeed_dgc.zero3.optimizer import V_FLOOR, check_adam_method
 
+from ..unit.codec.jobs import dct64
 from .test_engine import LOSSLESS, SPARSE, run_engine
 
 SGD = {"optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.01}},
@@ -140,12 +141,6 @@ def test_momentum_correction_masks_the_sent_velocity_and_the_owner_applies_only_
     assert clipped > 0 and kept_total > 0
 
 
-def _dct64(s):
-    n = torch.arange(s, dtype=torch.float64)
-    d = torch.cos(math.pi * (2 * n[None, :] + 1) * n[:, None] / (2 * s))
-    return d * torch.where(n[:, None] == 0, math.sqrt(1.0 / s), math.sqrt(2.0 / s))
-
-
 def _chunked_dct_top_k(delta, world, s, k):
     """float64 oracle of one rank's send: the owner matrix of ``delta`` cut in chunks of s, the k largest |DCT| per
     chunk; returns what the receivers decode (the kept coefficients transformed back), shape ``delta``'s."""
@@ -154,7 +149,7 @@ def _chunked_dct_top_k(delta, world, s, k):
     m = -(-c // s)
     rows = torch.nn.functional.pad(delta, (0, world * c - n)).view(world, c)
     x = torch.nn.functional.pad(rows, (0, m * s - c)).view(world, m, s)
-    d = _dct64(s)
+    d = dct64(s)
     coef = x @ d.T
     idx = coef.abs().topk(k, dim=2).indices
     kept = torch.zeros_like(coef).scatter_(2, idx, coef.gather(2, idx))

@@ -1,5 +1,7 @@
 """Random buckets (:class:`~deepspeed_dgc.codec.job.CompressJob`) for the codec tests, and comparisons of outputs."""
 
+import math
+
 import torch
 
 from deepspeed_dgc.codec import wire
@@ -91,3 +93,11 @@ def acc64(job):
             a = a + torch.nn.functional.pad(r, (0, R * c - r.numel())).view(R, c)
         blocks.append(torch.where(job.real_mask(i, "cpu"), a, torch.zeros_like(a)))
     return torch.cat(blocks, dim=1)
+
+
+def dct64(s: int) -> torch.Tensor:
+    """The orthonormal DCT-II ``(s, s)`` in float64 from its definition (scipy's ``dct(norm="ortho")``): the oracle of
+    the decoupled-momentum codec and of its engine replays."""
+    n = torch.arange(s, dtype=torch.float64)
+    d = torch.cos(math.pi * (2 * n[None, :] + 1) * n[:, None] / (2 * s))
+    return d * torch.where(n[:, None] == 0, math.sqrt(1.0 / s), math.sqrt(2.0 / s))

@@ -2,13 +2,13 @@
 what the owners decode equals what the senders say they sent, exact conservation of what leaves the momentum, sizes
 from the plan alone, bad payloads flagged."""
 
-import math
-
 import pytest
 import torch
 
 from deepspeed_dgc.codec import dct
 from deepspeed_dgc.codec.formats import VALUE_BITS
+
+from .jobs import dct64
 
 FORMATS = list(VALUE_BITS) + ["none"]
 SIZES = [[3000, 96, 17], [70000], [5, 1, 300]]
@@ -16,14 +16,6 @@ SIZES = [[3000, 96, 17], [70000], [5, 1, 300]]
 
 def _seed():
     return int(torch.randint(0, 1 << 30, ()))
-
-
-def _dct64(s):
-    """The orthonormal DCT-II in float64 from its definition (scipy's dct(norm="ortho") convention)."""
-    n = torch.arange(s, dtype=torch.float64)
-    k = n[:, None]
-    d = torch.cos(math.pi * (2 * n[None, :] + 1) * k / (2 * s))
-    return d * torch.where(k == 0, math.sqrt(1.0 / s), math.sqrt(2.0 / s))
 
 
 def _senders(sizes, world, seed, scale_spread=True):
@@ -47,7 +39,7 @@ def _plan(sizes, world, chunk, topk, transform="dct", fmt="int4", gs=32):
 @pytest.mark.parametrize("s", [2, 8, 64, 512])
 def test_dct_matrix_is_the_orthonormal_dct_ii(s):
     d = dct.dct_matrix(s, "cpu").double()
-    assert torch.allclose(d, _dct64(s), atol=1e-7)
+    assert torch.allclose(d, dct64(s), atol=1e-7)
     assert torch.allclose(d @ d.T, torch.eye(s, dtype=torch.float64), atol=1e-6)
 
 
@@ -62,9 +54,9 @@ def test_top_k_of_each_chunk_against_float64(transform, chunk, topk):
     assert kept == world * plan.values
     for src, n, c, x in zip(srcs, sizes, plan.chunks, sent):
         chunks = dct.owner_chunks(src.double(), n, c, world, chunk).double()
-        coef = chunks @ _dct64(chunk).T if transform == "dct" else chunks
+        coef = chunks @ dct64(chunk).T if transform == "dct" else chunks
         chunks_sent = dct.owner_chunks(x.double(), n, c, world, chunk).double()
-        coef_sent = chunks_sent @ _dct64(chunk).T if transform == "dct" else chunks_sent
+        coef_sent = chunks_sent @ dct64(chunk).T if transform == "dct" else chunks_sent
         # padding columns past n are not part of `sent`: compare chunks whose columns are all real
         m_full = c // chunk
         for o in range(world):
