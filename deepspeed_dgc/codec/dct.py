@@ -32,7 +32,7 @@ only after a skipped step, as the fixed layout's).
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import List, Sequence, Tuple
 
 import torch
@@ -110,9 +110,10 @@ class ChunkPlan:
     def position_bits(self) -> int:
         return self.chunk.bit_length() - 1
 
-    @property
+    @cached_property
     def value_plan(self) -> FixedPlan:
-        """The value codec as a fixed-layout plan of tensors sent whole (one per tensor: groups restart)."""
+        """The value codec as a fixed-layout plan of tensors sent whole (one per tensor: groups restart); built once
+        per plan (a bucket's encode and decode read it several times)."""
         quantize = self.value_format != "none"
         return FixedPlan.build(self.counts, [False] * len(self.counts), 1.0, quantize,
                                self.value_format if quantize else "int4", self.group_size, torch.float32)
