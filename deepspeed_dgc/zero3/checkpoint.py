@@ -199,11 +199,9 @@ def _load_resharded(state: DGCState, sdir: str, head: dict, world_size: int, dev
 
 def _expected_numel(state: DGCState, kind: str) -> Dict[str, int]:
     """Elements of each parameter's saved residual or momentum in this run, by key: the full parameter (flat
-    topology, momenta), or the node-level sums this rank compresses, ``N * ceil(n / W)`` (hierarchical: residuals
-    and decoupled momenta)."""
-    # decoupled momenta are of the node-level sums too (the other momentum methods are flat only)
-    node_level = kind == "residual" or state.cfg.decoupled_momentum is not None
-    world, hierarchical = state.stats.world_size, state.cfg.topology == "hierarchical" and node_level
+    topology), or the node-level sums this rank compresses, ``N * ceil(n / W)`` (hierarchical: residuals and every
+    local momentum). ``kind``: ``"residual"`` or ``"momentum"`` (the same sizes; named in errors)."""
+    world, hierarchical = state.stats.world_size, state.cfg.topology == "hierarchical"
     nodes = world // (state.reducer.ranks_per_node or world)
     out = {}
     for p in state.params:

@@ -122,6 +122,22 @@ def frozen_preconditioner(opt, precondition: bool, group, key_of: Callable[[torc
     return _gather(params, parts, group, key_of, timeout_s), []
 
 
+def node_rows(full: torch.Tensor, world: int, ranks_per_node: int, local_rank: int) -> torch.Tensor:
+    """The rows of the owners ``k L + local_rank`` (k = 0..N-1) of a full parameter-shaped tensor: what a rank of the
+    hierarchical topology compresses.
+
+    Args:
+        full: ``(n,)`` any dtype. world: W; ranks_per_node: L (W = N L); local_rank: 0 <= j < L.
+
+    Returns:
+        ``(N * ceil(n / W),)``, same dtype: owner ``kL + j``'s slice ``[(kL+j)c, (kL+j+1)c)`` of ``full`` zero-padded
+        to ``W c``, for k in order (a new tensor).
+    """
+    c = -(-full.numel() // world)
+    padded = torch.nn.functional.pad(full.reshape(-1), (0, world * c - full.numel()))
+    return padded.view(world, c)[local_rank::ranks_per_node].reshape(-1).clone()
+
+
 def _gather(params, parts, group, key_of, timeout_s: float) -> Dict[Hashable, torch.Tensor]:
     """Every owner's partitions of each parameter's preconditioner, concatenated, in bf16 (2 bytes per parameter)."""
     world = dist.get_world_size(group=group)

@@ -458,6 +458,10 @@ def freeze(opt, state: DGCState) -> None:
     momentum = state.momentum
     by_key, owner_inv = owners.frozen_preconditioner(opt, momentum.cfg.precondition, opt.dp_process_group,
                                                         state.key_of, state.cfg.timeout_s)
+    comms = state.reducer.comms_for(opt.dp_process_group)
+    if comms.hierarchical:  # the momenta are of the node-level rows this rank compresses: keep those rows only
+        by_key = {k: owners.node_rows(v, comms.world_size, comms.ranks_per_node, comms.local_rank)
+                  for k, v in by_key.items()}
     momentum.set_frozen(by_key, owner_inv)
     inv_by_flat = {id(opt.fp32_partitioned_groups_flat[i]): inv for i, inv in enumerate(owner_inv)}
     decoupled = owners.decoupled_weight_decay(opt.optimizer)

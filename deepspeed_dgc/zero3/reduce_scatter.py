@@ -60,6 +60,8 @@ class Bucket:
         density, quantization, group_size: the codec of this bucket; sparse: per tensor, top-k or sent whole.
         comm_dtype: of raw values and of the dense intra-node hop; fingerprint: written in every header.
         momentum_sources: the sources came from the momentum state (which then sees the exchange, step 6).
+        density_pending: ``density: "auto"`` on the hierarchical topology: estimated on the node-level sums after the
+            dense hop (until then ``density`` is 1 and the fingerprint says "auto").
     """
     keys: List[Hashable]
     numels: List[int]
@@ -74,6 +76,7 @@ class Bucket:
     comm_dtype: torch.dtype
     fingerprint: int
     momentum_sources: bool
+    density_pending: bool = False
 
 
 class CompressedReduceScatter:
@@ -145,7 +148,7 @@ class CompressedReduceScatter:
             DGCTimeoutError: an exchange did not finish within ``dgc.timeout_s``.
         """
         comms = self.comms_for(group)
-        bucket = self._enter(grads, keys, comms, comm_dtype, loss_scale, group)
+        bucket = self._enter(grads, keys, comms, comm_dtype, loss_scale)
         if comms.hierarchical:
             intra_before, inter_before = comms.intra.wire_bytes, comms.inter.wire_bytes
             out, finite, kept = self._two_hops(bucket, comms)
@@ -176,35 +179,45 @@ class CompressedReduceScatter:
                               inter_node_dense_fp32_bytes=sum(off_node / world * n * 4 for n in bucket.numels))
         return outputs, result
 
-    def _enter(self, grads, keys, comms: ReduceComms, comm_dtype, loss_scale: float, group) -> Bucket:
+    def _enter(self, grads, keys, comms: ReduceComms, comm_dtype, loss_scale: float) -> Bucket:
         """Step 1: what is compressed, divided by what, with which codec."""
         world = comms.world_size
         numels = [g.numel() for g in grads]
         # stock casts to the communication dtype and pre-divides by W; the loss scale goes with the division
         srcs = [g.reshape(-1).to(comm_dtype) for g in grads]
         divisor = float(world) * loss_scale
-        # decoupled_momentum on the hierarchical topology keeps its momenta of the node-level sums (_two_hops)
-        later = isinstance(self.momentum, DecoupledMomentum) and comms.hierarchical
+        # on the hierarchical topology a momentum state keeps the momenta of the node-level sums (_two_hops)
+        later = self.momentum is not None and comms.hierarchical
         momenta = self.momentum.sources(keys, grads, divisor) if self.momentum is not None and not later else None
         if momenta is not None:
             srcs, divisor = momenta, 1.0
         override = self.momentum.codec() if self.momentum is not None else None
         density = self.step_density() if override is None else override[0]
+        bucket = Bucket(keys=list(keys), numels=numels, chunks=[-(-n // world) for n in numels], srcs=srcs,
+                        divisor=divisor, loss_scale=loss_scale, density=1.0, quantization="none", group_size=0,
+                        sparse=[], comm_dtype=comm_dtype, fingerprint=0, momentum_sources=momenta is not None)
         if density == "auto" or density is None:
-            density = self._auto_density(srcs, keys, divisor, group)
-        self.density = density
-        codec = self.codec(density)
-        _, quantization, group_size = codec
+            # the hierarchical topology estimates it on the node-level sums, after the dense hop (_two_hops)
+            return self._set_codec(bucket, "auto") if comms.hierarchical else \
+                self._set_codec(bucket, self._auto_density(srcs, keys, numels, divisor, comms.flat))
+        return self._set_codec(bucket, density)
+
+    def _set_codec(self, bucket: Bucket, density) -> Bucket:
+        """Fix ``bucket``'s density, codec, per-tensor sparsity and fingerprint (``"auto"``: the density is not known
+        yet; the fingerprint of the hierarchical topology's dense hop then says so)."""
+        bucket.density_pending = density == "auto"
+        self.density = bucket.density = density if density != "auto" else 1.0
+        codec = self.codec(bucket.density)
+        _, bucket.quantization, bucket.group_size = codec
         threshold = self.threshold_active()
-        sparse = [(density < 1.0 or threshold) and n >= self.cfg.min_numel for n in numels]
-        description = [list(codec), self.cfg.stochastic_rounding, self.cfg.index_coding, self.cfg.min_numel,
-                       self.cfg.topology, self.ranks_per_node if self.cfg.topology == "hierarchical" else None,
-                       str(comm_dtype), list(numels), list(sparse), self.layout(srcs[0].device.type),
+        bucket.sparse = [(bucket.density < 1.0 or threshold) and n >= self.cfg.min_numel for n in bucket.numels]
+        description = [list(codec) if density != "auto" else "auto", self.cfg.stochastic_rounding,
+                       self.cfg.index_coding, self.cfg.min_numel, self.cfg.topology,
+                       self.ranks_per_node if self.cfg.topology == "hierarchical" else None, str(bucket.comm_dtype),
+                       list(bucket.numels), list(bucket.sparse), self.layout(bucket.srcs[0].device.type),
                        self.cfg.capacity_factor]
-        return Bucket(keys=list(keys), numels=numels, chunks=[-(-n // world) for n in numels], srcs=srcs,
-                      divisor=divisor, loss_scale=loss_scale, density=density, quantization=quantization,
-                      group_size=group_size, sparse=sparse, comm_dtype=comm_dtype,
-                      fingerprint=wire.fingerprint(description), momentum_sources=momenta is not None)
+        bucket.fingerprint = wire.fingerprint(description)
+        return bucket
 
     def _job(self, bucket: Bucket, srcs, offsets, strides, row_owner, residual_numels, divisor) -> CompressJob:
         """Step 2: the job of one exchange, with this rank's residuals and threshold samples (drawn from this
@@ -401,18 +414,34 @@ class CompressedReduceScatter:
             node_sum.add_(buf.view(bucket.comm_dtype).view(N, C).float())
         owners = [k * L + comms.local_rank for k in range(N)]
         starts = [sum(chunks[:i]) for i in range(len(chunks))]
-        if isinstance(self.momentum, DecoupledMomentum):  # momenta of the N node-level rows: 1/L of full size
+        row_numels = [N * c for c in chunks]
+        rows = None  # the node-level sums of each tensor, fp32 (N * c_i,), built when something needs them apart
+        if self.momentum is not None:  # momenta of the N node-level rows: 1/L of full size
             rows = [node_sum[:, start:start + c].reshape(-1) for start, c in zip(starts, chunks)]
-            deltas = self.momentum.sources(bucket.keys, rows, bucket.loss_scale)
-            # one node: the same extraction (DeMo's step needs it), nothing crosses a node
-            return self._decoupled_exchange(bucket, comms.inter if N > 1 else None, deltas, [N * c for c in chunks])
-        if N == 1:
+            momenta = self.momentum.sources(bucket.keys, rows, bucket.loss_scale)
+            if isinstance(self.momentum, DecoupledMomentum):
+                # one node: the same extraction (DeMo's step needs it), nothing crosses a node
+                return self._decoupled_exchange(bucket, comms.inter if N > 1 else None, momenta, row_numels)
+            if momenta is not None:
+                bucket.srcs, bucket.divisor, bucket.momentum_sources = momenta, 1.0, True
+        if N == 1:  # nothing crosses a node: the node's sum (or its momenta), sent whole
+            if bucket.momentum_sources:
+                return torch.cat(bucket.srcs), True, sum(row_numels)
             row = node_sum[0]
             if bucket.loss_scale != 1:
                 row.div_(bucket.loss_scale)  # _exit restores it
             return row, True, sum(real_count(n, owners[0], c) for n, c in zip(bucket.numels, chunks))
-        job = self._job(bucket, [node_sum.view(-1)] * len(srcs), starts, [C] * len(srcs), owners,
-                        [N * c for c in chunks], bucket.loss_scale)
+        if bucket.momentum_sources:
+            job_srcs, offsets, strides, divisor = bucket.srcs, [0] * len(chunks), list(chunks), 1.0
+        else:
+            job_srcs, offsets, strides, divisor = [node_sum.view(-1)] * len(srcs), starts, [C] * len(srcs), \
+                bucket.loss_scale
+        if bucket.density_pending:
+            if rows is None:
+                rows = [node_sum[:, start:start + c].reshape(-1) for start, c in zip(starts, chunks)]
+            self._set_codec(bucket, self._auto_density(bucket.srcs if bucket.momentum_sources else rows, bucket.keys,
+                                                       bucket.numels, divisor, comms.inter))
+        job = self._job(bucket, job_srcs, offsets, strides, owners, row_numels, divisor)
         return self._compress_exchange(bucket, job, comms.inter, comms.node)
 
     # ---- what a bucket is compressed with ---------------------------------------------------------
@@ -464,21 +493,23 @@ class CompressedReduceScatter:
         own = self.momentum is not None and self.momentum.codec() is not None
         return self.cfg.threshold is not None and not own and self.steps_applied >= self.cfg.warmup_dense_steps
 
-    def _auto_density(self, srcs: Sequence[torch.Tensor], keys: Sequence[Hashable], divisor: float, group) -> float:
+    def _auto_density(self, srcs: Sequence[torch.Tensor], keys: Sequence[Hashable], numels: Sequence[int],
+                      divisor: float, comm) -> float:
         """The smallest density leaving at most ``energy_budget`` of the accumulator's energy unsent, estimated on
-        DGC's 1% samples of every tensor that is sparsified, clamped to the bounds; then the largest over the
-        ranks of ``group`` (one all-reduce of one value), so every rank uses the same."""
+        DGC's 1% samples of every tensor that is sparsified (``numels``: the tensors' full sizes), clamped to the
+        bounds; then the largest over the ranks of ``comm`` (one all-reduce of one value, bounded by ``timeout_s``),
+        so every rank of the exchange uses the same. ``srcs``: what is compressed with this rank's residuals (the
+        full gradients or momenta, or on the hierarchical topology the node-level sums, as the residuals)."""
         cfg = self.cfg
         device = srcs[0].device
         mags = []
-        for g, key in zip(srcs, keys):
-            n = g.numel()
-            if n < cfg.min_numel:
+        for g, key, full in zip(srcs, keys, numels):
+            if full < cfg.min_numel:
                 continue
             flat = g.reshape(-1)
-            sample = sample_indices(n, 1, self._generator(device), device)
+            sample = sample_indices(flat.numel(), 1, self._generator(device), device)
             acc = (flat if sample is None else flat[sample]).float() / divisor
-            residual = self.memory.get(key) if cfg.topology == "flat" and cfg.error_feedback else None
+            residual = self.memory.get(key) if cfg.error_feedback else None
             if residual is not None:
                 acc += residual if sample is None else residual[sample]
             mags.append(acc.abs())
@@ -491,7 +522,7 @@ class CompressedReduceScatter:
                 needed = int(torch.searchsorted(kept_share, torch.tensor(1.0 - cfg.energy_budget, dtype=torch.float64))) + 1
                 want = needed / energy.numel()
         want = torch.tensor([min(cfg.density_max, max(cfg.density_min, want))], dtype=torch.float32, device=device)
-        return float(self.comms_for(group).flat.max_all_reduce(want).item())  # bounded by timeout_s
+        return float(comm.max_all_reduce(want).item())
 
     # ---- threshold reuse ------------------------------------------------------------------------
 

@@ -27,6 +27,10 @@ MC = {"dgc": dict(SPARSE, momentum_correction=True, local_clip_norm=1.0, thresho
 DEMO = {"dgc": {"enabled": True, "decoupled_momentum": {"chunk": 16, "topk": 3, "quantization": "int2",
                                                        "storage": "bf16"}}}
 MASK = {"dgc": {"enabled": True, "residual_dtype": "bf16", "shared_mask": {"density": 0.1, "quantization": "int2"}}}
+HIER = {"topology": "hierarchical", "ranks_per_node": 2}  # at 4 ranks: 2 nodes of 2
+MOMENTUM_HIER = {"dgc": dict(MOMENTUM["dgc"], residual_dtype="fp8", **HIER)}
+MC_HIER = dict(MC, dgc=dict({k: v for k, v in MC["dgc"].items() if k != "local_clip_norm"}, **HIER))
+DEMO_HIER = {"dgc": dict(DEMO["dgc"], **HIER)}
 _SHARED = {}
 
 
@@ -177,31 +181,37 @@ def test_world_size_2_saved_loaded_at_3():
         assert torch.equal(loaded[0][k], loaded[2][k])  # an even split
 
 
-@pytest.mark.parametrize("config", [MOMENTUM, MC, DEMO, MASK], ids=["compressed_momentum", "momentum_correction",
-                                                                     "decoupled_momentum", "shared_mask"])
-def test_resume_with_local_momentum_is_bit_identical(config):
+@pytest.mark.parametrize("config,world", [(MOMENTUM, 2), (MC, 2), (DEMO, 2), (MASK, 2), (MOMENTUM_HIER, 4),
+                                          (MC_HIER, 4), (DEMO_HIER, 4)],
+                         ids=["compressed_momentum", "momentum_correction", "decoupled_momentum", "shared_mask",
+                              "compressed_momentum-fp8-2x2", "momentum_correction-2x2", "decoupled_momentum-2x2"])
+def test_resume_with_local_momentum_is_bit_identical(config, world):
     """Saved at step 5, resumed in new processes: losses, parameters, residuals and the local momenta equal the
     uninterrupted run's bit for bit. compressed_momentum: frozen after step 3, and the resumed run is frozen again.
     decoupled_momentum: INT2 coefficients, the momentum stored in bf16 (the sign update in the owners' step).
     shared_mask: the masks are not saved but chosen again from the loaded Adam state, as after step 5.
     momentum_correction: SGD (density 0.1, INT4, masking, local clipping, weight decay, thresholds reused for 3
     steps): the velocities and the thresholds being reused are in the side-car, the weight-decay momentum in the
-    optimizer state."""
+    optimizer state. ``-2x2``: the same on 4 ranks as 2 nodes of 2 (hierarchical topology: residuals and momenta of
+    the node-level sums; compressed momentum with fp8 residuals)."""
     out = tempfile.mkdtemp()
-    full = run_engine(out=out, steps=STEPS, ckpt=f"{out}/ckpt", save_at=5, config=config)
-    second, _ = resume(out, config)
-    for r in range(2):
+    full = run_engine(world, out=out, steps=STEPS, ckpt=f"{out}/ckpt", save_at=5, config=config)
+    second, _ = resume(out, config, world)
+    for r in range(world):
         assert second[r]["losses"] == full[r]["losses"][5:]
         assert all(torch.equal(a, b) for a, b in zip(second[r]["params"][-1], full[r]["params"][-1]))
         res_a, res_b = second[r]["residuals"][-1], full[r]["residuals"][-1]
         assert res_a.keys() == res_b.keys() and all(torch.equal(res_a[k], res_b[k]) for k in res_b)
+        if world == 4:  # node-level: N x ceil(n / W) elements, 1/L of each parameter (plus padding)
+            for key, p in zip(full[r]["keys"], full[r]["params"][-1]):
+                assert full[r]["momenta"][-1][key].numel() == 2 * -(-p.numel() // 4), key
         if config is MASK:  # no local momentum; the residuals hold what the masks left
             assert not second[r]["momenta"] and not full[r]["momenta"] and res_b
             continue
         mom_a, mom_b = second[r]["momenta"][-1], full[r]["momenta"][-1]
         assert mom_a.keys() == mom_b.keys() and mom_a
         assert all(torch.equal(mom_a[k], mom_b[k]) for k in mom_b)
-        if config is MOMENTUM:
+        if config in (MOMENTUM, MOMENTUM_HIER):
             assert second[r]["frozen"] and full[r]["frozen"]
-        elif config is MC:  # momentum factor masking happened
+        elif config in (MC, MC_HIER):  # momentum factor masking happened
             assert any(bool((v == 0).any()) for v in mom_b.values())

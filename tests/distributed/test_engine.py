@@ -171,6 +171,11 @@ OVERFLOW = {
     "bf16_decoupled": dict(config={"dgc": {"enabled": True, "decoupled_momentum": {"chunk": 16, "topk": 3,
                                                                                     "quantization": "int2"}},
                                    "bf16": {"enabled": True}}),
+    # 4 ranks as 2 nodes of 2: node-level momenta and fp8 residuals roll back
+    "bf16_momentum_2x2": dict(world=4, config={"dgc": dict(SPARSE, residual_dtype="fp8", topology="hierarchical",
+                                                           ranks_per_node=2, compressed_momentum={
+                                                               "freeze_step": 1, "quantization": "int2"}),
+                                               "bf16": {"enabled": True}}),
     # gradient accumulation over 4 micro-steps, the Inf in the second: the whole window's residual updates roll back
     "bf16_gas4_micro1": dict(config={"dgc": SPARSE, "bf16": {"enabled": True}}, gas=4, inf_micro=1),
 }
@@ -183,7 +188,8 @@ def test_inf_on_one_rank_skips_step_everywhere(case):
     DeepSpeed's CSV monitor. ``bf16_momentum``: compressed_momentum frozen after step 1 (step 2 sends momentum): the
     local momenta also roll back and stay finite (fp16 engines are refused with compressed_momentum).
     ``bf16_gas4_micro1``: 4 micro-steps per step, the Inf in the second only: the residuals the other three staged
-    roll back too. ``bf16_decoupled``: decoupled momentum (no residual; the sign step would turn NaN into NaN
+    roll back too. ``bf16_momentum_2x2``: the same on 4 ranks as 2 nodes of 2 (hierarchical: node-level momenta, fp8
+    residuals). ``bf16_decoupled``: decoupled momentum (no residual; the sign step would turn NaN into NaN
     weights): its momenta roll back and stay finite."""
     out = tempfile.mkdtemp()
     options = dict(OVERFLOW[case])
@@ -208,13 +214,15 @@ def test_inf_on_one_rank_skips_step_everywhere(case):
         poisoned = {2 * gas + m for m in (range(gas) if micro is None else [micro])} if r == 1 else set()
         assert all(math.isfinite(l) for i, l in enumerate(rec["losses"]) if i not in poisoned)
         assert all(not math.isfinite(rec["losses"][i]) for i in poisoned)
-        if case == "bf16_momentum":
+        if case.startswith("bf16_momentum"):
             assert len(rec["momenta"]) == 4 and rec["momenta"][1]
             for mom in rec["momenta"]:
                 assert all(bool(torch.isfinite(v).all()) for v in mom.values())
             assert all(torch.equal(rec["momenta"][1][k], rec["momenta"][2][k]) for k in rec["momenta"][1])
             assert not all(torch.equal(rec["momenta"][2][k], rec["momenta"][3][k]) for k in rec["momenta"][2])
-            assert rec["stats"]["state_bytes_per_param"] > 6  # residual + momentum + preconditioner
+            # fp8 residual + fp32 momentum + bf16 preconditioner, of full size (flat) or of the node-level sums (1/L)
+            want = (1.0 + 4 / 128 + 4 + 2) / (1 if case == "bf16_momentum" else 2)
+            assert rec["stats"]["state_bytes_per_param"] == pytest.approx(want, rel=0.03)
     if case == "fp16":
         assert [rec["loss_scale"] for rec in ranks][0] == [256.0, 256.0, 128.0, 128.0]
     elif case == "bf16_offload":  # telemetry reaches DeepSpeed's monitor (CSV here), one row per step (stats_interval 1)
@@ -252,8 +260,11 @@ BAD = {  # case -> ds_config override (merged into the worker's BASE; None remov
                      "zero_allow_untested_optimizer": True},
     "momentum_gas": {"dgc": {"enabled": True, "compressed_momentum": {"freeze_step": 2}},
                      "gradient_accumulation_steps": 2},
-    "momentum_hierarchical": {"dgc": {"enabled": True, "topology": "hierarchical",
-                                      "compressed_momentum": {"freeze_step": 2}}},
+    "mask_hierarchical": {"dgc": {"enabled": True, "topology": "hierarchical", "shared_mask": {}}},
+    "clip_hierarchical": {"dgc": {"enabled": True, "topology": "hierarchical", "momentum_correction": True,
+                                  "local_clip_norm": 1.0},
+                          "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
+                          "zero_allow_untested_optimizer": True},
     "sr_with_fp8": {"dgc": {"enabled": True, "quantization": "fp8_e4m3", "stochastic_rounding": True}},
     "density_auto_typo": {"dgc": {"enabled": True, "density": "Auto"}},
     "residual_dtype_value": {"dgc": {"enabled": True, "residual_dtype": "fp16"}},
@@ -293,7 +304,8 @@ EXPECTED = {  # case -> what its DGCConfigError names
     "kernels_value": "dgc.kernels",
     "momentum_sgd": "dgc.compressed_momentum",
     "momentum_gas": "gradient_accumulation_steps",
-    "momentum_hierarchical": "dgc.compressed_momentum",
+    "mask_hierarchical": "dgc.shared_mask",
+    "clip_hierarchical": "dgc.local_clip_norm",
     "sr_with_fp8": "dgc.stochastic_rounding",
     "density_auto_typo": "dgc.density",
     "residual_dtype_value": "dgc.residual_dtype",

@@ -351,3 +351,119 @@ def test_decoupled_momentum_on_the_hierarchical_topology_against_a_float64_repla
             torch.testing.assert_close(after[clear], want[clear], rtol=1e-6, atol=1e-6)
             assert int(clear.sum()) > 0.9 * n
     assert (ranks[0]["stats"]["grad_inter_node_wire_bytes_total"] > 0) == (N > 1)
+
+
+def _node_rows(flat: torch.Tensor, W: int, L: int, local: int) -> torch.Tensor:
+    """float64 (N, c): the slices of owners k L + local of a flat tensor, zero-padded (what rank (k, local) of the
+    hierarchical topology compresses, before the sum over its node)."""
+    n = flat.numel()
+    c = -(-n // W)
+    return torch.nn.functional.pad(flat.double().reshape(-1), (0, W * c - n)).view(W, c)[local::L]
+
+
+def test_momentum_correction_on_the_hierarchical_topology_against_a_float64_replay():
+    """4 ranks as 2 nodes of 2, density 0.1, no quantization, SGD (momentum 0.9, weight decay 0.01), 4 steps: rank
+    (k, l) keeps the velocity only of its node's dense sums for the owners k'L + l (N x ceil(n / W) elements, 1/L of
+    the parameter), u = 0.9 u + node sum of g / W; error feedback accumulates u between nodes; where top-k sent an
+    element its residual and velocity are 0; every parameter moves by -lr (sum over nodes of what was sent + b)."""
+    W, L, lr, m, wd = 4, 2, 0.05, 0.9, 0.01
+    N = W // L
+    ranks = run_engine(world=W, timeout_s=400, steps=4, local_grads=True, config=dict(
+        SGD, gradient_clipping=0.0, dgc=dict(SPARSE, quantization="none", momentum_correction=True,
+                                             topology="hierarchical", ranks_per_node=L)))
+    keys = ranks[0]["keys"]
+    shapes = [p.shape for p in ranks[0]["params"][0]]
+    wd_buf, kept_total = None, 0
+    for t in range(4):
+        before = [p.double().reshape(-1) for p in ranks[0]["params"][t]]
+        wd_buf = [wd * p for p in before] if wd_buf is None else [m * b + wd * p for b, p in zip(wd_buf, before)]
+        for i, key in enumerate(keys):
+            n = math.prod(shapes[i])
+            c = -(-n // W)
+            sent_rows = torch.zeros(W, c, dtype=torch.float64)
+            for r in range(W):
+                k, local = divmod(r, L)
+                mine = sum(_node_rows(ranks[s]["local_grads"][t][i], W, L, local) for s in range(k * L, k * L + L)) / W
+                rec = ranks[r]
+                u_prev = rec["momenta"][t - 1][key].double().view(N, c) if t else torch.zeros_like(mine)
+                e_prev = (rec["residuals"][t - 1][key].double().view(N, c) if t and key in rec["residuals"][t - 1]
+                          else torch.zeros_like(mine))
+                u_pre = m * u_prev + mine
+                acc = u_pre + e_prev
+                e = rec["residuals"][t][key].double().view(N, c)
+                u = rec["momenta"][t][key].double().view(N, c)
+                assert rec["momenta"][t][key].numel() == N * c  # 1/L of the parameter (plus padding)
+                if n >= 256:  # sparsified: masked where sent
+                    kept = (e == 0) & (acc != 0)
+                    assert 0 < int(kept.sum()) < kept.numel() // 2, (t, r, i)
+                    kept_total += int(kept.sum())
+                    assert torch.all(u[kept] == 0), (t, r, i)
+                    torch.testing.assert_close(u[~kept], u_pre[~kept], rtol=1e-5, atol=1e-7)
+                    torch.testing.assert_close(e[~kept], acc[~kept], rtol=1e-5, atol=1e-7)
+                else:  # sent whole, never masked
+                    torch.testing.assert_close(u, u_pre, rtol=1e-5, atol=1e-7)
+                    assert torch.all(e == 0)
+                sent_rows[local::L] += acc - e
+            after = ranks[0]["params"][t + 1][i].double().reshape(-1)
+            want = before[i] - lr * (sent_rows.reshape(-1)[:n] + wd_buf[i])
+            torch.testing.assert_close(after, want, rtol=1e-5, atol=2e-6)
+    assert kept_total > 0
+    assert ranks[0]["stats"]["grad_inter_node_wire_bytes_total"] > 0
+
+
+def test_compressed_momentum_on_the_hierarchical_topology_uses_the_node_level_momenta():
+    """4 ranks as 2 nodes of 2, compressed_momentum frozen after step 2 with the preconditioner, lossless otherwise,
+    4 steps, against float64: rank (k, l) keeps the local momentum (and the bf16 frozen preconditioner) only of its
+    node's sums for the owners k'L + l (1/L of the parameter); after the freeze every parameter moves by
+    -lr (1/(sqrt(max(v_hat_2, floor)) + eps) in bf16) * (the momentum of the mean gradient), plus weight decay."""
+    W, L = 4, 2
+    N = W // L
+    ranks = run_engine(world=W, timeout_s=400, steps=4, local_grads=True, config={"dgc": dict(
+        LOSSLESS, topology="hierarchical", ranks_per_node=L,
+        compressed_momentum={"freeze_step": 2, "quantization": "none", "precondition": True})})
+    opt = ranks[0]["optimizer"]
+    lr, (b1, b2), eps = opt["lr"], opt["betas"], opt["eps"]
+    wd = opt["weight_decay"] if opt["type"] == "AdamW" else 0.0
+    keys = ranks[0]["keys"]
+    params = [p.double() for p in ranks[0]["params"][0]]
+    m = [torch.zeros_like(p) for p in params]
+    v = [torch.zeros_like(p) for p in params]
+    local_m = [torch.zeros_like(p).reshape(-1) for p in params]
+    inv = None
+    for t in range(1, 5):
+        grads = [sum(ranks[r]["local_grads"][t - 1][i].double() for r in range(W)) / W for i in range(len(params))]
+        clip = 1.0
+        if t <= 2 and opt["gradient_clipping"] > 0:
+            norm = math.sqrt(sum(float(g.square().sum()) for g in grads))
+            clip = max(1.0, (norm + 1e-6) / opt["gradient_clipping"])
+        for i, g in enumerate(grads):
+            g = g.reshape(params[i].shape)
+            local_m[i] = b1 * local_m[i] + (1 - b1) * g.reshape(-1)
+            for r in range(W):  # each rank's momentum: of its node's sums, its owners' rows only
+                k, local = divmod(r, L)
+                node_g = sum(_node_rows(ranks[s]["local_grads"][t - 1][i], W, L, local) for s in range(k * L, k * L + L))
+                got = ranks[r]["momenta"][t - 1][keys[i]].double()
+                assert got.numel() == N * -(-g.numel() // W)
+                if t == 1:
+                    torch.testing.assert_close(got, (1 - b1) * node_g.reshape(-1) / W, rtol=1e-5, atol=1e-8)
+            m[i] = b1 * m[i] + (1 - b1) * g / clip
+            if t <= 2:
+                v[i] = b2 * v[i] + (1 - b2) * (g / clip)**2
+                update = (m[i] / (1 - b1**t)) / ((v[i] / (1 - b2**t)).sqrt() + eps)
+            else:
+                if inv is None:
+                    inv = []
+                    for vi in v:
+                        v_hat = (vi / (1 - b2**2)).reshape(-1)
+                        c = -(-v_hat.numel() // W)
+                        padded = torch.nn.functional.pad(v_hat, (0, W * c - v_hat.numel())).view(W, c)
+                        floors = V_FLOOR * padded.mean(dim=1, keepdim=True)
+                        exact = (1 / (torch.maximum(padded, floors).sqrt() + eps)).reshape(-1)[:v_hat.numel()]
+                        inv.append(exact.float().to(torch.bfloat16).double())  # the sent momenta carry the bf16 one
+                update = (local_m[i] * inv[i]).view(params[i].shape)
+            params[i] = params[i] * (1 - lr * wd) - lr * update
+        for r in range(W):
+            for i, (got, want) in enumerate(zip(ranks[r]["params"][t], params)):
+                torch.testing.assert_close(got.double(), want, rtol=2e-5, atol=2e-6, msg=f"rank {r} step {t} param {i}")
+    # local momenta (4 B) and frozen preconditioner (2 B) of 1/L of each parameter, and the owner's nothing else
+    assert ranks[0]["stats"]["state_bytes_per_param"] == pytest.approx((4.0 + 2.0) / L, rel=0.05)
