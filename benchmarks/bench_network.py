@@ -61,6 +61,9 @@ class BenchConfig:
     ds_extra: dict = field(default_factory=dict)
     ddp: bool = False
     grads_only: bool = False  # compresses gradients only (weights gathered as stock)
+    # --nodes only: the hierarchical topology and hpZ over the node (dgc.ranks_per_node and
+    # zero_hpz_partition_size = the node size, set at launch)
+    node_level: bool = False
 
 
 def _dgc(density: float | str, error_feedback: bool = True, weights: str | None = None) -> dict:
@@ -88,7 +91,21 @@ CONFIGS = [
     BenchConfig("dgc_d01_wint4", "DGC gradients (top-k 0.1, INT4) + INT4 weights", _dgc(0.1, weights="int4")),
     BenchConfig("ddp_powersgd", "PyTorch DDP + PowerSGD hook (rank 4, one bucket)", ddp=True),
 ]
-BY_NAME = {c.name: c for c in CONFIGS}
+# the configurations of --nodes (two nodes, each of L ranks, a rate-limited path between them)
+RECOMMENDED_ADAM = {"enabled": True, "stats_interval": 1000000,
+                    "decoupled_momentum": {"chunk": 64, "topk": 2, "quantization": "int2"}}  # configs/zero3_dgc_adam.json
+NODE_CONFIGS = [
+    BenchConfig("stock_fp32", "stock ZeRO-3, fp32 communication"),
+    BenchConfig("stock_bf16", "stock ZeRO-3, communication_data_type bf16", ds_extra={"communication_data_type": "bf16"}),
+    BenchConfig("zeropp_like", "ZeRO++-like: hpZ + INT8 weights + dense INT4 gradients, no error feedback, two hops",
+                dict(_dgc(1.0, error_feedback=False, weights="int8")), node_level=True),
+    BenchConfig("dgc_adam_flat", "DGC, recommended Adam setting (decoupled momentum INT2) + INT4 weights, flat",
+                dict(RECOMMENDED_ADAM, weights={"quantization": "int4", "group_size": 256})),
+    BenchConfig("dgc_adam_hier", "DGC, recommended Adam setting (bf16 momentum) + INT4 weights, hierarchical + hpZ",
+                dict(RECOMMENDED_ADAM, decoupled_momentum=dict(RECOMMENDED_ADAM["decoupled_momentum"], storage="bf16"),
+                     weights={"quantization": "int4", "group_size": 256}), node_level=True),
+]
+BY_NAME = {c.name: c for c in CONFIGS + NODE_CONFIGS}
 UNLIMITED = "unlimited"
 
 
@@ -96,7 +113,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rates", nargs="+", default=["100mbit", "1gbit"],
                         help="tc rates, e.g. 10mbit 100mbit 1gbit (the unlimited ceiling is always measured)")
-    parser.add_argument("--configs", nargs="+", default=[c.name for c in CONFIGS],
+    parser.add_argument("--nodes", metavar="2xL",
+                        help="two nodes of L ranks each (benchmarks/two_nodes.py): only the path between the nodes is "
+                        "rate-limited, one limit per direction; bytes are those that crossed it; configurations "
+                        f"{', '.join(c.name for c in NODE_CONFIGS)} by default")
+    parser.add_argument("--configs", nargs="+", default=None,
                         help=f"subset of: {', '.join(BY_NAME)} (stock_fp32 and stock_bf16 are always included)")
     parser.add_argument("--converge-steps", type=int, default=80, help="the fixed step of the loss comparison")
     parser.add_argument("--eval-interval", type=int, default=10)
@@ -117,10 +138,20 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="take the convergence runs from DIR/converge_<configuration>.json of an earlier run "
                         "(same --converge-steps, model and seed) instead of training them again; configurations it lacks are trained")
     args = parser.parse_args(argv)
-    unknown = [name for name in args.configs if name not in BY_NAME]
+    args.ranks_per_node = None
+    if args.nodes is not None:
+        n, _, l = args.nodes.partition("x")
+        if n != "2" or not l.isdigit() or int(l) < 1:
+            parser.error(f"--nodes: {args.nodes!r} is not 2xL (two nodes of L ranks, e.g. 2x2)")
+        args.ranks_per_node = int(l)
+    pool = NODE_CONFIGS if args.nodes else CONFIGS
+    if args.configs is None:
+        args.configs = [c.name for c in pool]
+    unknown = [name for name in args.configs if name not in {c.name for c in pool}]
     if unknown:
-        parser.error(f"--configs: unknown {unknown}; choose from {list(BY_NAME)}")
-    args.configs = [c.name for c in CONFIGS if c.name in set(args.configs) | {"stock_fp32", "stock_bf16"}]
+        parser.error(f"--configs: unknown {unknown}{' with --nodes' if args.nodes else ''}; choose from "
+                     f"{[c.name for c in pool]}")
+    args.configs = [c.name for c in pool if c.name in set(args.configs) | {"stock_fp32", "stock_bf16"}]
     for rate in args.rates:
         if parse_rate_bits(rate) is None:
             parser.error(f"--rates: {rate!r} is not a tc rate like 100mbit, 1gbit or 500kbit")
@@ -192,14 +223,18 @@ def check_privileges() -> str | None:
     return None
 
 
-def ds_config_for(config: BenchConfig, micro_batch: int) -> dict:
+def ds_config_for(config: BenchConfig, micro_batch: int, ranks_per_node: int | None = None) -> dict:
     """The ds_config of a ZeRO-3 configuration: configs/zero3_p0_baseline.json (persistence threshold 0)
-    with this micro-batch, plus the configuration's keys."""
+    with this micro-batch, plus the configuration's keys; a ``node_level`` one with ``ranks_per_node`` also gets the
+    hierarchical topology and hpZ over the node."""
     ds = json.loads(BASE_CONFIG.read_text())
     ds["train_micro_batch_size_per_gpu"] = micro_batch
     ds.update(copy.deepcopy(config.ds_extra))
     if config.dgc is not None:
         ds["dgc"] = copy.deepcopy(config.dgc)
+    if config.node_level and ranks_per_node:
+        ds["dgc"].update(topology="hierarchical", ranks_per_node=ranks_per_node)
+        ds["zero_optimization"]["zero_hpz_partition_size"] = ranks_per_node
     return ds
 
 
@@ -215,6 +250,9 @@ def launch(ns: Namespace, config: BenchConfig, args: argparse.Namespace, steps: 
                   "--block-size", str(args.block_size)]
     common = ["--max-steps", str(steps), "--seed", str(args.seed), "--eval-interval", str(eval_interval),
               "--eval-batches", str(eval_batches), "--summary-json", str(summary_path), "--net-iface", "lo"]
+    if args.nodes:  # the shaped path's two classes count what crossed between the nodes
+        common[common.index("--net-iface"):common.index("--net-iface") + 2] = ["--net-tc-classes",
+                                                                               ",".join(two_nodes_classes())]
     launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_addr", "127.0.0.1",
                 "--master_port", "29700"]
     if config.ddp:
@@ -222,20 +260,61 @@ def launch(ns: Namespace, config: BenchConfig, args: argparse.Namespace, steps: 
     else:
         config_path = args.out_dir / "configs" / f"{config.name}.json"
         config_path.parent.mkdir(parents=True, exist_ok=True)
-        config_path.write_text(json.dumps(ds_config_for(config, args.micro_batch), indent=2) + "\n")
+        config_path.write_text(json.dumps(ds_config_for(config, args.micro_batch, args.ranks_per_node), indent=2) + "\n")
         cmd = launcher + [str(TRAIN_SCRIPT), "--deepspeed_config", str(config_path)] + model_args + common
     log_path = args.out_dir / "logs" / f"{tag}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     print(f"  {tag}: {' '.join(cmd[3:])}", flush=True)
     with open(log_path, "w") as log:
         try:
-            result = subprocess.run(ns.prefix() + cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                    timeout=args.launch_timeout_s, start_new_session=True)
+            if args.nodes:
+                codes = launch_on_nodes(ns, cmd[cmd.index(str(TRAIN_SCRIPT)):], args.ranks_per_node, log,
+                                        args.launch_timeout_s)
+                returncode = next((c for c in codes if c != 0), 0)
+            else:
+                returncode = subprocess.run(ns.prefix() + cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                            timeout=args.launch_timeout_s, start_new_session=True).returncode
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"{tag} ran longer than {args.launch_timeout_s} s (log: {log_path})") from None
-    if result.returncode != 0 or not summary_path.exists():
-        raise RuntimeError(f"{tag} failed with exit code {result.returncode} (log: {log_path})")
+    if returncode != 0 or not summary_path.exists():
+        raise RuntimeError(f"{tag} failed with exit code {returncode} (log: {log_path})")
     return json.loads(summary_path.read_text())
+
+
+def two_nodes_classes() -> list[str]:
+    """The htb classes of benchmarks/two_nodes.py's shaped path (A -> B, B -> A)."""
+    import two_nodes
+    return list(two_nodes.SHAPED_CLASSES.values())
+
+
+def launch_on_nodes(link, script_cmd: list[str], ranks_per_node: int, log, timeout_s: float) -> list[int]:
+    """Start ``2 * ranks_per_node`` ranks of ``script_cmd`` (a script and its arguments) in ``link``'s namespace, the
+    first ``ranks_per_node`` on node A and the others on node B (each with its node's address:
+    :meth:`two_nodes.TwoNodeLink.node_env`), with the environment the deepspeed launcher sets (``RANK``,
+    ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_SIZE``, the store on node A); wait for all. Returns their exit codes;
+    on a timeout every rank is killed and ``subprocess.TimeoutExpired`` raised."""
+    world = 2 * ranks_per_node
+    procs = []
+    for rank in range(world):
+        node = "A" if rank < ranks_per_node else "B"
+        env = dict(os.environ, **link.node_env(node), RANK=str(rank), LOCAL_RANK=str(rank % ranks_per_node),
+                   WORLD_SIZE=str(world), LOCAL_SIZE=str(ranks_per_node), CROSS_RANK=str(rank // ranks_per_node),
+                   CROSS_SIZE="2", MASTER_ADDR=two_nodes_address("A"), MASTER_PORT="29700",
+                   OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        procs.append(subprocess.Popen(link.prefix() + [sys.executable, "-u"] + script_cmd, env=env, cwd=ROOT,
+                                      stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+    deadline = time.time() + timeout_s
+    try:
+        return [p.wait(timeout=max(1.0, deadline - time.time())) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise
+
+
+def two_nodes_address(node: str) -> str:
+    import two_nodes
+    return two_nodes.NODE_ADDRESSES[node]
 
 
 def reused(args: argparse.Namespace, config: BenchConfig) -> dict | None:
@@ -303,7 +382,9 @@ def analyse(args: argparse.Namespace, convergence: dict, timing: dict) -> dict:
                          "time_to_stock_loss_s": time_to_loss(results["configs"][name]["val_losses"], stock_loss, step_s),
                          "step_s_rounds": [r[name][0] for r in rounds]}
         for name in args.configs:
-            per[name]["wire_vs_stock_fp32"] = per["stock_fp32"]["net_bytes_per_step"] / per[name]["net_bytes_per_step"]
+            # None where nothing was counted (--nodes without a limit: no shaping class to count in)
+            own = per[name]["net_bytes_per_step"]
+            per[name]["wire_vs_stock_fp32"] = per["stock_fp32"]["net_bytes_per_step"] / own if own else None
         results["rates"][rate] = per
     return results
 
@@ -311,14 +392,19 @@ def analyse(args: argparse.Namespace, convergence: dict, timing: dict) -> dict:
 def markdown(args: argparse.Namespace, results: dict, meta: dict) -> str:
     """The result tables (one per rate) and the gradient-only bound, as Markdown: command, machine and date once at
     the top."""
-    lines = ([f"Command: `{meta['command']}`", ""] if meta.get("command") else []) + [f"{meta['date']}, {meta['machine']}; {meta['n_params']:,} parameters, 2 ranks, "
+    where = (f"{2 * args.ranks_per_node} ranks as 2 nodes of {args.ranks_per_node} (benchmarks/two_nodes.py: only the "
+             "path between the nodes is rate-limited, each direction at the rate; wire bytes are those that crossed "
+             "it)" if args.nodes else "2 ranks")
+    lines = ([f"Command: `{meta['command']}`", ""] if meta.get("command") else []) + [f"{meta['date']}, {meta['machine']}; {meta['n_params']:,} parameters, {where}, "
              f"{args.micro_batch} x {args.block_size} tokens per rank per step, validation loss at step "
              f"{args.converge_steps} (stock fp32: {results['configs']['stock_fp32']['val_loss']:.4f}); "
              f"step times: median of {args.timed_steps} steps after {args.warmup_steps}, median of "
              f"{args.repeats} interleaved rounds.", ""]
     for rate, per in results["rates"].items():
-        lines += [f"**{rate}**" + (" (no rate limit)" if rate == UNLIMITED else " (shared by both ranks)"), "",
-                  "| configuration | step s | speed-up vs fp32 | vs bf16 | wire MB/step (all ranks) | wire vs fp32 "
+        shared = " between the nodes, each direction" if args.nodes else " (shared by both ranks)"
+        wire = "MB/step between the nodes" if args.nodes else "wire MB/step (all ranks)"
+        lines += [f"**{rate}**" + (" (no rate limit)" if rate == UNLIMITED else shared), "",
+                  f"| configuration | step s | speed-up vs fp32 | vs bf16 | {wire} | wire vs fp32 "
                   "| grad / param KB per step (rank 0) | val loss | gap | time to stock loss s |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for name, r in per.items():
@@ -328,7 +414,9 @@ def markdown(args: argparse.Namespace, results: dict, meta: dict) -> str:
                 + ("stock" if c["param_bytes_per_step"] is None else f"{c['param_bytes_per_step'] / 1e3:,.0f}"))
             reach = "not reached" if r["time_to_stock_loss_s"] is None else f"{r['time_to_stock_loss_s']:.0f}"
             lines.append(f"| {c['label']} | {r['step_s']:.2f} | {r['speedup_vs_fp32']:.2f}x | {r['speedup_vs_bf16']:.2f}x "
-                         f"| {r['net_bytes_per_step'] / 1e6:.2f} | {r['wire_vs_stock_fp32']:.1f}x | {split} "
+                         f"| {r['net_bytes_per_step'] / 1e6:.2f} | "
+                         + ("—" if r["wire_vs_stock_fp32"] is None else f"{r['wire_vs_stock_fp32']:.1f}x")
+                         + f" | {split} "
                          f"| {c['val_loss']:.4f} | {c['val_gap_pct']:+.2f}% | {reach} |")
         lines.append("")
     rates = [r for r in results["rates"] if r != UNLIMITED]
@@ -409,7 +497,12 @@ def main(argv=None) -> int:
     configs = [BY_NAME[n] for n in args.configs]
     print(f"configurations: {', '.join(args.configs)}", flush=True)
     started = time.time()
-    with Namespace(f"dgcbench{os.getpid()}") as ns:
+    if args.nodes:
+        import two_nodes
+        link = two_nodes.TwoNodeLink(None)
+    else:
+        link = Namespace(f"dgcbench{os.getpid()}")
+    with link as ns:
         ns.set_rate(None)
         print(f"convergence: {args.converge_steps} steps each, unlimited link", flush=True)
         convergence = {c.name: (args.reuse_convergence and reused(args, c))

@@ -101,6 +101,16 @@ def settings(freeze_step: int) -> dict:
                            dict(demo, shared_mask={"density": 0.05, "score": "exp_avg"}))
     out["mask_d0.05_e0"] = ("shared mask", "owner-chosen shared masks (SCAPE), density 0.05, INT4, no moving window",
                             dict(demo, shared_mask={"density": 0.05, "explore": 0.0}))
+    # the hierarchical topology (run with --num-gpus 4: 2 nodes of 2): the storage of its node-level state
+    hier = {"topology": "hierarchical", "ranks_per_node": 2}
+    for dtype in ("fp32", "bf16", "fp8"):
+        out[f"h_int4_dense_{dtype}"] = ("hierarchical", f"hierarchical 2x2, dense INT4 + error feedback, {dtype} residual",
+                                        dict(out["int4_dense"][2], residual_dtype=dtype, **hier))
+    for storage in ("fp32", "bf16"):
+        out[f"h_demo_k2_int2_{storage}"] = ("hierarchical", f"hierarchical 2x2, decoupled momentum, DCT top-2 of 64, "
+                                            f"INT2, {storage} momentum",
+                                            dict(demo, decoupled_momentum={"quantization": "int2", "storage": storage},
+                                                 **hier))
     return out
 
 
@@ -272,7 +282,7 @@ def plot(rows: list[dict], path: Path, steps: int) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(15, 6.5), gridspec_kw={"width_ratios": [1, 1.3]})
-    markers = {"stock": "k*", "plain EF": "o", "Adam-aware": "s", "decoupled": "^", "shared mask": "D"}
+    markers = {"stock": "k*", "plain EF": "o", "Adam-aware": "s", "decoupled": "^", "shared mask": "D", "hierarchical": "v"}
     at_steps = [r for r in rows if r["steps"] == steps]
     zoom = {"x": (-1.5, 4.0), "y": (10.0, 300.0)}
     for ax, window in zip(axes, (None, zoom)):

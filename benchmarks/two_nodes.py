@@ -33,6 +33,8 @@ from typing import Dict, List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_network  # noqa: E402  (its Namespace, rate parsing and privilege check)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+import train_char_gpt  # noqa: E402  (tc_class_bytes: the bytes a shaping class sent)
 
 NODE_ADDRESSES = {"A": "127.0.1.1", "B": "127.0.2.1"}
 NODE_RANGES = {"A": "127.0.1.0/24", "B": "127.0.2.0/24"}
@@ -197,17 +199,8 @@ class TwoNodeLink(bench_network.Namespace):
         out = {f"{a}->{b}": 0 for a, b in SHAPED_CLASSES}
         if self.rate is None:
             return out
-        text = subprocess.run(["tc", "-n", self.name, "-s", "class", "show", "dev", "lo"], check=True,
-                              capture_output=True, text=True).stdout
-        current = None
-        for line in text.splitlines():
-            words = line.split()
-            if words[:1] == ["class"] and len(words) > 2:
-                current = next((f"{a}->{b}" for (a, b), c in SHAPED_CLASSES.items() if words[2] == c), None)
-            elif words[:1] == ["Sent"] and current is not None:
-                out[current] = int(words[1])
-                current = None
-        return out
+        sent = train_char_gpt.tc_class_bytes(list(SHAPED_CLASSES.values()), "lo", self.name)
+        return {f"{a}->{b}": sent[c] for (a, b), c in SHAPED_CLASSES.items()}
 
     def node_env(self, node: str) -> Dict[str, str]:
         """Environment of a rank on ``node`` (``"A"`` or ``"B"``): gloo listens on that node's address, and its

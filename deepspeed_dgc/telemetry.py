@@ -126,6 +126,9 @@ class DGCStats:
     n_params: int = 0  # elements of the model's parameters (set at install)
     state_bytes: int = 0  # the extension's persistent state on this rank after the last step (bytes)
     host_state_bytes: int = 0  # the part of it in host memory (residual_offload), bytes
+    # the most the extension's state held on this rank in this process: committed plus this window's staged fp32
+    # residuals and momenta, just before a commit (bytes; the bucket path's buffers, one bucket at a time, aside)
+    peak_state_bytes: int = 0
     last: Optional[StepStats] = None
     _current: StepStats = field(default_factory=StepStats, repr=False)
 
@@ -204,6 +207,7 @@ class DGCStats:
             "state_bytes": self.state_bytes,
             "state_bytes_per_param": self.state_bytes_per_param,
             "host_state_bytes": self.host_state_bytes,
+            "peak_state_bytes": self.peak_state_bytes,
             "residual_storage": self.residual_storage,
             "grad_wire_bytes_total": self.wire_bytes_total,
             "grad_intra_node_wire_bytes_total": self.intra_node_wire_bytes_total,
@@ -239,3 +243,50 @@ def log_step(s: StepStats, rank: int, monitor=None, global_samples: int = 0) -> 
         if s.residual_norm is not None:
             events.append(("Train/dgc/residual_norm", s.residual_norm, global_samples))
         monitor.write_events(events)
+
+
+def zero3_state_bytes(engine) -> Dict[str, int]:
+    """ZeRO-3's own persistent state on this rank, by part, from the tensors' storage bytes (each storage once).
+
+    The parts of a ``DeepSpeedZeroOptimizer_Stage3`` (DeepSpeed 0.19.8): ``params`` (this rank's partitions of the
+    parameters in the training dtype, ``fp16_partitioned_groups_flat``), ``master`` (their fp32 copies,
+    ``fp32_partitioned_groups_flat``), ``optimizer`` (the optimizer's state tensors, e.g. Adam's ``exp_avg`` and
+    ``exp_avg_sq``) and ``grads`` (the partitioned gradient buffer, ``grad_partitions_flat_buffer``). For
+    mixed-precision Adam this is ``(2 + 4 + 8 + 2) / W`` = 16/W bytes per parameter (ZeRO, Rajbhandari et al.,
+    SC 2020, section 3), plus padding. Host memory of an offloaded optimizer counts too.
+
+    Args:
+        engine: a ``DeepSpeedEngine`` with ZeRO stage 3.
+
+    Returns:
+        ``{"params", "master", "optimizer", "grads", "total"}`` in bytes.
+
+    Raises:
+        TypeError: the engine's optimizer is not ZeRO-3's.
+    """
+    import torch
+
+    opt = engine.optimizer
+    if not hasattr(opt, "fp32_partitioned_groups_flat"):
+        raise TypeError(f"zero3_state_bytes needs a ZeRO stage 3 engine, got optimizer {type(opt).__name__}")
+    seen = set()
+
+    def storage_bytes(tensors) -> int:
+        total = 0
+        for t in tensors:
+            if not torch.is_tensor(t) or t.numel() == 0:
+                continue
+            storage = t.untyped_storage()
+            if storage.data_ptr() in seen:
+                continue
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+        return total
+
+    state = [v for s in opt.optimizer.state.values() for v in s.values()]
+    parts = {"params": storage_bytes(opt.fp16_partitioned_groups_flat),
+             "master": storage_bytes(opt.fp32_partitioned_groups_flat),
+             "optimizer": storage_bytes(state),
+             "grads": storage_bytes([getattr(opt, "grad_partitions_flat_buffer", None)])}
+    parts["total"] = sum(parts.values())
+    return parts

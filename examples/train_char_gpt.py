@@ -14,6 +14,7 @@ import datetime
 import json
 import math
 import os
+import subprocess
 import sys
 import time
 import traceback
@@ -177,6 +178,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--net-iface", metavar="IFACE",
                         help="record the bytes sent on this network interface during each step (rank 0 reads "
                         "/sys/class/net/IFACE/statistics/tx_bytes; all ranks' traffic where they share the interface)")
+    parser.add_argument("--net-tc-classes", metavar="CLASSES",
+                        help="record instead the bytes these comma-separated tc classes of lo sent during each step "
+                        "(rank 0 runs tc -s class show; e.g. the shaped path between two nodes, "
+                        "benchmarks/two_nodes.py)")
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args()
     if not args.deepspeed_config:
@@ -188,6 +193,21 @@ def parse_args() -> argparse.Namespace:
     if args.resume_from and not (args.resume_from / "latest").is_file():
         parser.error(f"--resume-from {args.resume_from}: no DeepSpeed checkpoint there (no 'latest' file)")
     return args
+
+
+def tc_class_bytes(classes: list[str], dev: str = "lo", netns: str | None = None) -> dict[str, int]:
+    """Bytes each of these tc classes (``"1:20"``) of ``dev`` has sent so far (``tc -s class show``, in network
+    namespace ``netns`` when given); 0 for a class that is not there."""
+    cmd = ["tc"] + (["-n", netns] if netns else []) + ["-s", "class", "show", "dev", dev]
+    text = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    out, current = {c: 0 for c in classes}, None
+    for line in text.splitlines():
+        words = line.split()
+        if words[:1] == ["class"] and len(words) > 2:
+            current = words[2] if words[2] in out else None
+        elif words[:1] == ["Sent"] and current is not None:
+            out[current], current = int(words[1]), None
+    return out
 
 
 def net_tx_path(iface: str) -> Path:
@@ -289,13 +309,24 @@ def main() -> None:
     train_loss = val_loss = float("nan")
     progress = tqdm(total=args.max_steps, initial=first_step - 1, disable=not is_main, dynamic_ncols=True)
     step_times_s, step_net_tx_bytes = [], []  # per step: training only (no evaluation, no checkpoint)
-    tx_counter = net_tx_path(args.net_iface) if args.net_iface and is_main else None
+    if not is_main:
+        read_tx = None
+    elif args.net_tc_classes:
+        classes = args.net_tc_classes.split(",")
+
+        def read_tx() -> int:
+            return sum(tc_class_bytes(classes).values())
+    elif args.net_iface:
+        def read_tx() -> int:
+            return int(net_tx_path(args.net_iface).read_text())
+    else:
+        read_tx = None
     syncs = HostSyncCounter().__enter__() if args.count_host_syncs else None
     host_syncs, host_sync_sites = [], Counter()
     start = time.perf_counter()
     for step in range(first_step, args.max_steps + 1):
+        tx_start = read_tx() if read_tx else 0  # before the clock starts (tc takes milliseconds)
         step_start = time.perf_counter()
-        tx_start = int(tx_counter.read_text()) if tx_counter else 0
         micro_losses = []
         for _ in range(grad_accum):
             x, y = get_batch(train_data, batch_size, args.block_size, train_gen)
@@ -310,8 +341,8 @@ def main() -> None:
                 host_sync_sites.update(sites)
         train_loss = all_reduce_mean(sum(micro_losses) / grad_accum, world)  # also a barrier: the step ended everywhere
         step_times_s.append(time.perf_counter() - step_start)
-        if tx_counter:
-            step_net_tx_bytes.append(int(tx_counter.read_text()) - tx_start)
+        if read_tx:
+            step_net_tx_bytes.append(read_tx() - tx_start)
         recent_train.append(train_loss)
         if step % args.eval_interval == 0 or step == args.max_steps:
             val_loss = evaluate(engine, val_batches, device)
@@ -357,7 +388,8 @@ def main() -> None:
             "wall_s": wall_s,
             "step_times_s": step_times_s,
             "net_iface": args.net_iface,
-            "step_net_tx_bytes": step_net_tx_bytes if args.net_iface else None,
+            "net_tc_classes": args.net_tc_classes,
+            "step_net_tx_bytes": step_net_tx_bytes if read_tx else None,
             "wire_bytes_total": wire,
             "dense_fp32_bytes_total": dense_fp32,
             "compression_ratio": ratio,
@@ -380,6 +412,10 @@ def main() -> None:
         if args.summary_json:
             args.summary_json.write_text(json.dumps(summary, indent=2) + "\n")
         print("SUMMARY " + json.dumps(summary), flush=True)
+    # every rank is done before any tears its process groups down (exiting with gloo's threads still up can abort
+    # a process: "terminate called without an active exception")
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

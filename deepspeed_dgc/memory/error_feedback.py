@@ -218,6 +218,10 @@ class ErrorFeedback:
         """Bytes held between steps by committed residuals (in host memory with ``offload``)."""
         return sum(self._nbytes(v) for v in self.committed.values())
 
+    def staged_bytes(self) -> int:
+        """Bytes of this window's staged fp32 residuals (held beside the committed ones until the commit)."""
+        return sum(v.numel() * v.element_size() for v in self.staged.values())
+
     def host_state_bytes(self) -> int:
         """Bytes of committed residuals in host memory: all of them with ``offload``, else 0."""
         return self.state_bytes() if self.offload else 0

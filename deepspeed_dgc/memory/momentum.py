@@ -78,6 +78,9 @@ class MomentumState(Protocol):
     def state_bytes(self) -> int:
         """Bytes held between steps."""
 
+    def staged_bytes(self) -> int:
+        """Bytes staged in this window beside the committed state."""
+
     def export(self) -> dict:
         """``{"momenta": {key: cpu fp32 tensor}, "steps_done": int}`` for a checkpoint."""
 
@@ -107,6 +110,10 @@ class _LocalMomentum:
     def state_bytes(self) -> int:
         """Bytes held between steps: the committed momenta, in the store's storage."""
         return self.store.state_bytes()
+
+    def staged_bytes(self) -> int:
+        """Bytes of this window's staged fp32 momenta (held beside the committed ones until the commit)."""
+        return self.store.staged_bytes()
 
     def committed(self, key: Hashable) -> Optional[torch.Tensor]:
         """This key's momentum as of the last applied step (None before the first)."""

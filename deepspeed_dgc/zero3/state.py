@@ -90,6 +90,10 @@ class DGCState:
     def commit_step(self, applied: bool) -> None:
         """The optimizer step ended: commit this window's residuals and momenta if it was applied, roll them back
         if it was skipped (overflow); an applied step advances the density warm-up."""
+        held = self.memory.state_bytes() + self.memory.staged_bytes()
+        if self.momentum is not None:
+            held += self.momentum.state_bytes() + self.momentum.staged_bytes()
+        self.stats.peak_state_bytes = max(self.stats.peak_state_bytes, held)  # just before the commit: the most held
         if applied:
             self.memory.commit()
             if self.momentum is not None:

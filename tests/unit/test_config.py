@@ -14,7 +14,7 @@ def test_config_defaults_and_lossless():
     assert parse_dgc_config({"train_batch_size": 8}) is None
     # residual storage "auto": fp8 (the study's cheapest at parity) where supported, fp32 where needed
     assert (cfg.residual_dtype, cfg.residual_storage) == ("auto", "fp8")
-    assert DGCConfig(enabled=True, topology="hierarchical").residual_storage == "fp32"
+    assert DGCConfig(enabled=True, topology="hierarchical").residual_storage == "fp8"
     assert DGCConfig(enabled=True, momentum_correction=True).residual_storage == "fp32"
     assert DGCConfig(enabled=True, residual_dtype="bf16").residual_storage == "bf16"
 
