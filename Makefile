@@ -10,7 +10,7 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 STEPS ?= 300
 SEED ?= 1234
 
-.PHONY: install test demo bench bench-kernels report clean
+.PHONY: install test demo bench bench-nodes bench-memory bench-kernels report clean
 
 install: $(VENV)/.installed
 
@@ -31,6 +31,15 @@ demo: install
 # as root: a private network namespace with a tc-limited loopback (100 Mbit/s, 1 Gbit/s, unlimited), about 80 min
 bench: install
 	$(PY) benchmarks/bench_network.py --json runs/bench_network/results.json
+
+# as root: two nodes of two in a namespace, only the path between them limited (100 Mbit/s, 1 Gbit/s, unlimited)
+bench-nodes: install
+	OMP_NUM_THREADS=1 $(PY) benchmarks/bench_network.py --nodes 2x2 --rates 100mbit 1gbit --micro-batch 4 \
+		--converge-steps 120 --eval-interval 20 --out-dir runs/bench_2x2 --json runs/bench_2x2/results.json
+
+# per-rank memory of the extension's state and ZeRO-3's own, flat and hierarchical (up to 8 CPU ranks, minutes)
+bench-memory: install
+	OMP_NUM_THREADS=1 $(PY) benchmarks/bench_memory.py --json runs/bench_memory/results.json
 
 bench-kernels: install
 	$(PY) benchmarks/bench_kernels.py --json runs/bench_kernels.json

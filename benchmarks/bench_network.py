@@ -99,6 +99,8 @@ NODE_CONFIGS = [
     BenchConfig("stock_bf16", "stock ZeRO-3, communication_data_type bf16", ds_extra={"communication_data_type": "bf16"}),
     BenchConfig("zeropp_like", "ZeRO++-like: hpZ + INT8 weights + dense INT4 gradients, no error feedback, two hops",
                 dict(_dgc(1.0, error_feedback=False, weights="int8")), node_level=True),
+    BenchConfig("dgc_int4_hier", "DGC, the default (dense INT4 + error feedback) + INT4 weights, hierarchical + hpZ",
+                dict(_dgc(1.0, weights="int4"), residual_dtype="fp8"), node_level=True),
     BenchConfig("dgc_adam_flat", "DGC, recommended Adam setting (decoupled momentum INT2) + INT4 weights, flat",
                 dict(RECOMMENDED_ADAM, weights={"quantization": "int4", "group_size": 256})),
     BenchConfig("dgc_adam_hier", "DGC, recommended Adam setting (bf16 momentum) + INT4 weights, hierarchical + hpZ",
@@ -134,6 +136,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out-dir", type=Path, default=Path("runs/bench_network"))
     parser.add_argument("--json", type=Path, help="write all results here too")
     parser.add_argument("--launch-timeout-s", type=float, default=1800.0, help="kill a launch that runs longer")
+    parser.add_argument("--converge-only", action="store_true",
+                        help="train the convergence runs only (for a later --reuse-convergence, or for the loss at a "
+                        "longer --converge-steps than the timing run's), print their losses, time nothing")
     parser.add_argument("--reuse-convergence", type=Path, metavar="DIR",
                         help="take the convergence runs from DIR/converge_<configuration>.json of an earlier run "
                         "(same --converge-steps, model and seed) instead of training them again; configurations it lacks are trained")
@@ -264,7 +269,9 @@ def launch(ns: Namespace, config: BenchConfig, args: argparse.Namespace, steps: 
         cmd = launcher + [str(TRAIN_SCRIPT), "--deepspeed_config", str(config_path)] + model_args + common
     log_path = args.out_dir / "logs" / f"{tag}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    print(f"  {tag}: {' '.join(cmd[3:])}", flush=True)
+    shown = cmd[cmd.index(str(TRAIN_SCRIPT)):] if args.nodes else cmd[3:]
+    print(f"  {tag}: {' '.join(shown)}" + (f" (x {2 * args.ranks_per_node} ranks on 2 nodes)" if args.nodes else ""),
+          flush=True)
     with open(log_path, "w") as log:
         try:
             if args.nodes:
@@ -509,6 +516,12 @@ def main(argv=None) -> int:
                        or launch(ns, c, args, args.converge_steps, args.eval_interval, args.eval_batches,
                                  f"converge_{c.name}") for c in configs}
         timing = {}
+        if args.converge_only:
+            stock = convergence["stock_fp32"]["final_val_loss"]
+            for name, c in convergence.items():
+                print(f"  {name}: validation loss {c['final_val_loss']:.4f} after {c['steps']} steps "
+                      f"({100 * (c['final_val_loss'] - stock) / stock:+.2f}% against stock fp32)", flush=True)
+            return 0
         for rate in args.rates + [UNLIMITED]:
             ns.set_rate(None if rate == UNLIMITED else rate)
             timing[rate] = []

@@ -262,7 +262,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
     command = meta.get("command")
     lines = [f"Command: `{command}`" if command else "", "",
              f"{meta['date']}, {meta['machine']}; main job (char GPT, {meta['n_params']:,} parameters, Adam), "
-             f"2 ranks, seed {meta['seed']}; ratio = fp32 reduce-scatter bytes over wire bytes for the whole run "
+             f"{meta.get('ranks', 2)} ranks, seed {meta['seed']}; ratio = fp32 reduce-scatter bytes over wire bytes for the whole run "
              f"(warm-up included); state = the extension's bytes per parameter per rank after the last step.", "",
              "| setting | family | steps | final val loss | gap vs stock | compression vs fp32 | state B/param "
              "| bits per kept element | from |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]
@@ -348,7 +348,7 @@ def main(argv=None) -> int:
         rows += [row(n, known[n][0], known[n][1], summaries[(n, args.long_steps)], long_stock) for n in long_names]
     if args.merge:
         rows = merged_rows(rows, args.merge, args.seed, args.freeze_step)
-    meta = {"date": time.strftime("%Y-%m-%d", time.gmtime(started)), "seed": args.seed, "n_params": stock["n_params"],
+    meta = {"date": time.strftime("%Y-%m-%d", time.gmtime(started)), "seed": args.seed, "ranks": args.num_gpus, "n_params": stock["n_params"],
             "machine": f"{__import__('os').cpu_count()} CPU cores, gloo", "elapsed_s": time.time() - started,
             "freeze_step": args.freeze_step,
             "command": " ".join(["python", "benchmarks/study_convergence.py"] + list(argv if argv is not None else sys.argv[1:]))}

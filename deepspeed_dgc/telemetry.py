@@ -126,8 +126,8 @@ class DGCStats:
     n_params: int = 0  # elements of the model's parameters (set at install)
     state_bytes: int = 0  # the extension's persistent state on this rank after the last step (bytes)
     host_state_bytes: int = 0  # the part of it in host memory (residual_offload), bytes
-    # the most the extension's state held on this rank in this process: committed plus this window's staged fp32
-    # residuals and momenta, just before a commit (bytes; the bucket path's buffers, one bucket at a time, aside)
+    # the most the extension's state held on this rank in this process: committed plus a window's staged residuals
+    # and momenta, at any stage (each at its own peak; bytes; the bucket path's buffers, one bucket at a time, aside)
     peak_state_bytes: int = 0
     last: Optional[StepStats] = None
     _current: StepStats = field(default_factory=StepStats, repr=False)

@@ -58,7 +58,14 @@ class ErrorFeedback:
         self._ops = {}
         self.device = None  # where staged residuals live (the gradients' device); offload copies back there
         self.committed: Dict[Hashable, object] = {}  # fp32/bf16 tensor, or (codes, scales) for fp8
-        self.staged: Dict[Hashable, torch.Tensor] = {}
+        # fp32 while the window goes on; in the storage form when staged at the window's last micro-step (final)
+        self.staged: Dict[Hashable, object] = {}
+        # set by the caller: the next stages end the accumulation window (ZeRO-3's gradient accumulation boundary),
+        # so they are stored in the storage form at once and no fp32 copy is held until the commit
+        self.final = False
+        # the most this memory held (committed + staged), updated at every stage; and the counts behind it
+        self.peak_bytes = 0
+        self._committed_nbytes = self._staged_nbytes = 0
 
     def _encode(self, r: torch.Tensor):
         if self.storage == "fp32":
@@ -107,16 +114,25 @@ class ErrorFeedback:
             out.append(buf.copy_(part, non_blocking=True))
         return tuple(out) if isinstance(encoded, tuple) else out[0]
 
-    def _store(self, key: Hashable, residual: torch.Tensor):
-        """The committed form of an fp32 residual: encoded, and on the host with ``offload``."""
-        self.device = residual.device
-        encoded = self._encode(residual)
+    def _is_stored_form(self, value) -> bool:
+        """Whether a staged value is already in the storage form (staged at the window's end), not fp32."""
+        return isinstance(value, tuple) or (self.storage != "fp32" and value.dtype != torch.float32)
+
+    def _store(self, key: Hashable, residual):
+        """The committed form of a staged residual (fp32, or already encoded): encoded, and on the host with
+        ``offload``."""
+        encoded = residual if self._is_stored_form(residual) else self._encode(residual)
+        self.device = self._parts(encoded)[0].device
         return self._to_host(key, encoded) if self.offload else encoded
 
     def _fetch(self, stored) -> torch.Tensor:
         """A committed residual decoded to fp32 on the device (copied from the host with ``offload``)."""
         if self.offload and self.device is not None:
             stored = self._map(stored, lambda t: t.to(self.device, non_blocking=True))
+        return self._decoded(stored)
+
+    def _decoded(self, stored) -> torch.Tensor:
+        """A residual in the storage form, where it lies, decoded to fp32."""
         if not isinstance(stored, tuple):
             return stored.float()
         codes, scales = stored
@@ -146,6 +162,7 @@ class ErrorFeedback:
         for k, v in stored.items():
             moved = self._map(v, lambda t: t.to(device))
             self.committed[k] = self._to_host(k, moved) if self.offload else moved
+        self._recount()
 
     def residuals(self) -> Dict[Hashable, torch.Tensor]:
         """Every committed residual decoded to fp32 (new tensors), by key."""
@@ -156,6 +173,7 @@ class ErrorFeedback:
         self.committed, self.staged = {}, {}
         for k, v in residuals.items():
             self.committed[k] = self._store(k, v.float())
+        self._recount()
 
     def get(self, key: Hashable) -> Optional[torch.Tensor]:
         """The latest residual of ``key`` (staged in this window if any, else committed), unscaled.
@@ -165,7 +183,7 @@ class ErrorFeedback:
         """
         r = self.staged.get(key)
         if r is not None:
-            return r
+            return self._decoded(r) if self._is_stored_form(r) else r
         stored = self.committed.get(key)
         return None if stored is None else self._fetch(stored)
 
@@ -175,28 +193,42 @@ class ErrorFeedback:
         return None if stored is None else self._fetch(stored)
 
     def stage(self, key: Hashable, residual: torch.Tensor) -> None:
-        """Record ``residual`` (fp32, unscaled, shape ``(numel,)``) for commit after the step."""
-        self.staged[key] = residual
+        """Record ``residual`` (fp32, unscaled, shape ``(numel,)``) for commit after the step; with :attr:`final`
+        (the window's last micro-step) in the storage form at once: the same bits the commit would store, without
+        an fp32 copy of every residual held until then."""
+        value = self._encode(residual) if self.final and self.storage != "fp32" else residual
+        old = self.staged.get(key)
+        self._staged_nbytes += self._nbytes(value) - (0 if old is None else self._nbytes(old))
+        self.staged[key] = value
+        self.peak_bytes = max(self.peak_bytes, self._committed_nbytes + self._staged_nbytes)
+
+    def _recount(self) -> None:
+        """The byte counts behind :attr:`peak_bytes`, after the committed or staged sets changed."""
+        self._committed_nbytes, self._staged_nbytes = self.state_bytes(), self.staged_bytes()
 
     def commit(self) -> None:
         """The step was applied: staged residuals become the committed ones."""
         for k, v in self.staged.items():
             self.committed[k] = self._store(k, v)
         self.staged = {}
+        self._recount()
 
     def rollback(self) -> None:
         """The step was skipped (overflow): forget this window's residual updates."""
         self.staged = {}
+        self._recount()
 
     def clear(self) -> None:
         """Forget every residual, committed and staged (a new phase of training, or state that cannot be loaded)."""
         self.committed, self.staged = {}, {}
+        self._recount()
 
     def drop(self, keys) -> None:
         """Forget the residuals of these keys (parameters that no longer train)."""
         for k in keys:
             self.committed.pop(k, None)
             self.staged.pop(k, None)
+        self._recount()
 
     def __len__(self) -> int:
         """Number of committed residuals."""
@@ -219,8 +251,8 @@ class ErrorFeedback:
         return sum(self._nbytes(v) for v in self.committed.values())
 
     def staged_bytes(self) -> int:
-        """Bytes of this window's staged fp32 residuals (held beside the committed ones until the commit)."""
-        return sum(v.numel() * v.element_size() for v in self.staged.values())
+        """Bytes of this window's staged residuals (held beside the committed ones until the commit)."""
+        return sum(self._nbytes(v) for v in self.staged.values())
 
     def host_state_bytes(self) -> int:
         """Bytes of committed residuals in host memory: all of them with ``offload``, else 0."""

@@ -78,8 +78,8 @@ class MomentumState(Protocol):
     def state_bytes(self) -> int:
         """Bytes held between steps."""
 
-    def staged_bytes(self) -> int:
-        """Bytes staged in this window beside the committed state."""
+    def peak_bytes(self) -> int:
+        """The most this state held in this process (committed and staged), bytes."""
 
     def export(self) -> dict:
         """``{"momenta": {key: cpu fp32 tensor}, "steps_done": int}`` for a checkpoint."""
@@ -111,9 +111,10 @@ class _LocalMomentum:
         """Bytes held between steps: the committed momenta, in the store's storage."""
         return self.store.state_bytes()
 
-    def staged_bytes(self) -> int:
-        """Bytes of this window's staged fp32 momenta (held beside the committed ones until the commit)."""
-        return self.store.staged_bytes()
+    def peak_bytes(self) -> int:
+        """The most held in this process: the momenta's peak (committed + staged, :attr:`ErrorFeedback.peak_bytes`)
+        plus what else :meth:`state_bytes` counts (a frozen preconditioner)."""
+        return self.state_bytes() - self.store.state_bytes() + self.store.peak_bytes
 
     def committed(self, key: Hashable) -> Optional[torch.Tensor]:
         """This key's momentum as of the last applied step (None before the first)."""
@@ -238,15 +239,13 @@ class DecoupledMomentum(_LocalMomentum):
         self.cfg = cfg
 
     def sources(self, keys, grads, divisor):
-        """Stage ``delta = decay delta + grad / divisor`` per key (the latest, so micro-steps of a window add up);
-        return them."""
+        """``delta = decay delta + grad / divisor`` per key (from the latest, so micro-steps of a window add up), new
+        fp32 tensors; what the exchange leaves of them is staged by :meth:`keep_rest`."""
         out = []
         for key, grad in zip(keys, grads):
             g = grad.reshape(-1).float() / divisor
             d = self.store.get(key)
-            d_new = g if d is None else d.mul(self.cfg.decay).add_(g)
-            self.store.stage(key, d_new)
-            out.append(d_new)
+            out.append(g if d is None else d.mul(self.cfg.decay).add_(g))
         return out
 
     def after_exchange(self, keys, sources, residuals_before, residuals_after, sparse) -> None:

@@ -356,6 +356,13 @@ def _patch_instance(engine, opt, state: DGCState) -> None:
     setattr(engine, STATE_ATTR, state)
 
 
+def _window_ends(opt) -> bool:
+    """Whether the micro-step being reduced is ZeRO-3's gradient accumulation boundary (the engine mirrors it into
+    the optimizer before backward; False where this DeepSpeed does not say, so nothing is staged early)."""
+    boundary = getattr(opt, "is_gradient_accumulation_boundary", None)
+    return bool(boundary()) if callable(boundary) else False
+
+
 def _avg_scatter_grads(opt, state: DGCState) -> Callable:
     """The replacement of ``opt.__avg_scatter_grads(params, communication_data_type)``: stock's contract (this rank's
     partitions of the mean, in ``gradient_accumulation_dtype``), our collective."""
@@ -363,6 +370,7 @@ def _avg_scatter_grads(opt, state: DGCState) -> Callable:
     def avg_scatter_grads(params_to_reduce, communication_data_type):
         opt._assert_same_partition_group(params_to_reduce)
         group = opt._get_param_partition_group(params_to_reduce[0])
+        state.set_window_end(_window_ends(opt))
         partitions, result = state.reducer.reduce_scatter([p.grad for p in params_to_reduce],
                                                           [state.key_of(p) for p in params_to_reduce], group,
                                                           communication_data_type, loss_scale=float(opt.loss_scale))
@@ -387,6 +395,7 @@ def _avg_scatter_contiguous_grads(opt, state: DGCState) -> Callable:
         params = opt.ipg_buckets[communication_data_type].params
         opt._assert_same_partition_group(params)
         group = opt._get_param_partition_group(params[0])
+        state.set_window_end(_window_ends(opt))
         partitions, result = state.reducer.reduce_scatter([p.grad for p in params], [state.key_of(p) for p in params],
                                                           group, communication_data_type,
                                                           loss_scale=float(opt.loss_scale))

@@ -87,13 +87,19 @@ class DGCState:
                            "is neither in the engine's module nor in its optimizer's param groups")
         return key
 
+    def set_window_end(self, final: bool) -> None:
+        """Whether the micro-step about to be reduced ends the accumulation window: its residuals and momenta are then
+        staged in their storage form at once (:attr:`ErrorFeedback.final`)."""
+        self.memory.final = final
+        store = getattr(self.momentum, "store", None)  # every local momentum keeps its momenta in an ErrorFeedback
+        if store is not None:
+            store.final = final
+
     def commit_step(self, applied: bool) -> None:
         """The optimizer step ended: commit this window's residuals and momenta if it was applied, roll them back
         if it was skipped (overflow); an applied step advances the density warm-up."""
-        held = self.memory.state_bytes() + self.memory.staged_bytes()
-        if self.momentum is not None:
-            held += self.momentum.state_bytes() + self.momentum.staged_bytes()
-        self.stats.peak_state_bytes = max(self.stats.peak_state_bytes, held)  # just before the commit: the most held
+        # the most held at any stage so far (residuals and momenta each at their own peak: an upper bound)
+        self.stats.peak_state_bytes = self.memory.peak_bytes + (self.momentum.peak_bytes() if self.momentum else 0)
         if applied:
             self.memory.commit()
             if self.momentum is not None:

@@ -80,6 +80,27 @@ def test_one_launch_inside_the_namespace_records_steps_and_bytes(tmp_path):
     assert json.loads((tmp_path / "configs" / "int4_ef_wint4.json").read_text())["dgc"]["weights"]["quantization"] == "int4"
 
 
+@needs_root
+def test_two_node_launches_count_only_what_crosses_between_the_nodes(tmp_path):
+    """--nodes 2x2: 4 ranks as 2 nodes of 2 on two_nodes' link (1 Gbit/s between the nodes). Each step's bytes are
+    the shaping classes': at least what rank 0 sent to the other node through the extension, and the hierarchical
+    run (dense inside the node, compressed and hpZ between) sends far less across than stock fp32; the configs hold
+    the hierarchical topology and hpZ over the node."""
+    args = bn.parse_args(["--nodes", "2x2", "--rates", "1gbit", "--out-dir", str(tmp_path), "--n-layer", "1",
+                          "--n-embd", "64", "--n-head", "2", "--block-size", "32"])
+    assert args.ranks_per_node == 2 and args.configs == [c.name for c in bn.NODE_CONFIGS]
+    with tn.TwoNodeLink("1gbit") as link:
+        hier = bn.launch(link, bn.BY_NAME["dgc_adam_hier"], args, 3, 3, 1, "hier")
+        stock = bn.launch(link, bn.BY_NAME["stock_fp32"], args, 3, 3, 1, "stock")
+    assert hier["world_size"] == 4 and len(hier["step_net_tx_bytes"]) == 3
+    crossed = hier["dgc_stats"]["grad_inter_node_wire_bytes_total"] + hier["dgc_stats"]["param_inter_node_wire_bytes_total"]
+    assert crossed > 0 and statistics.median(hier["step_net_tx_bytes"]) >= crossed / 3
+    assert statistics.median(stock["step_net_tx_bytes"]) > 5 * statistics.median(hier["step_net_tx_bytes"])
+    cfg = json.loads((tmp_path / "configs" / "dgc_adam_hier.json").read_text())
+    assert cfg["dgc"]["topology"] == "hierarchical" and cfg["dgc"]["ranks_per_node"] == 2
+    assert cfg["zero_optimization"]["zero_hpz_partition_size"] == 2
+
+
 def test_without_root_it_says_so_and_exits_2(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert bn.main(["--out-dir", str(tmp_path)]) == 2
@@ -94,6 +115,9 @@ def test_without_root_it_says_so_and_exits_2(monkeypatch, capsys, tmp_path):
     (["--configs", "nope"], "unknown"),
     (["--warmup-steps", "1"], "--warmup-steps must be >= 2"),
     (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--nodes", "3x2"], "is not 2xL"),
+    (["--nodes", "2x"], "is not 2xL"),
+    (["--nodes", "2x2", "--configs", "dgc_d001"], "unknown ['dgc_d001'] with --nodes"),
 ])
 def test_bad_arguments_are_named(argv, message, capsys):
     with pytest.raises(SystemExit):

@@ -60,6 +60,8 @@ def test_char_gpt_learns_with_dgc():
     assert 15 < s["compression_ratio"] < 32, s["compression_ratio"]
     # the default residual storage ("auto") is fp8 here: about 1.03 bytes per parameter per rank
     assert s["dgc_stats"]["residual_storage"] == "fp8" and 1.0 < s["dgc_stats"]["state_bytes_per_param"] < 1.1
+    # the most held: the committed residuals and the last micro-step's, staged in fp8 at once (not fp32)
+    assert s["dgc_stats"]["peak_state_bytes"] == 2 * s["dgc_stats"]["state_bytes"]
 
 
 def test_int8_weights_and_int4_gradients_match_stock_loss():
@@ -113,4 +115,5 @@ def test_the_recommended_adam_config_is_the_baseline_with_decoupled_momentum():
     assert vals[-1] < vals[0] - 0.3, vals
     assert 90 < ours["compression_ratio"] < 130, ours["compression_ratio"]
     assert ours["dgc_stats"]["state_bytes_per_param"] == 4.0
+    assert ours["dgc_stats"]["peak_state_bytes"] == 2 * ours["dgc_stats"]["state_bytes"]  # fp32: committed + staged
     assert ours["skipped_steps"] == 0

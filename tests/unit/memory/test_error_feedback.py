@@ -83,6 +83,53 @@ def test_residual_storage_round_trip_and_bytes(storage, rel):
         ErrorFeedback("fp16")
 
 
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
+@pytest.mark.parametrize("storage", ["fp32", "bf16", "fp8"])
+def test_a_window_end_stage_holds_the_storage_form_and_commits_the_same_bits(storage, offload):
+    """``final`` (the accumulation window's last micro-step): the residual is staged in the storage form at once, so
+    the window holds storage bytes instead of an fp32 copy; what it reads back, commits and exports are the bits the
+    plain path commits; a rollback still restores the committed residual. Fresh random inputs per case."""
+    seed = int(torch.randint(1 << 30, ()))
+    plain, early = ErrorFeedback(storage, offload=offload), ErrorFeedback(storage, offload=offload)
+    early.final = True
+    g = torch.Generator().manual_seed(seed)
+    first = {k: torch.randn(n, generator=g) * 10 for k, n in ((1, 300), (2, 1000))}
+    for m in (plain, early):
+        for k, r in first.items():
+            m.stage(k, r.clone())
+        m.commit()
+    second = {k: torch.randn(r.numel(), generator=g) for k, r in first.items()}
+    for m in (plain, early):
+        for k, r in second.items():
+            m.stage(k, r.clone())
+    per_element = {"fp32": 4.0, "bf16": 2.0, "fp8": 1.0 + 4.0 / 128}[storage]
+    assert plain.staged_bytes() == 4 * 1300  # fp32 until the commit
+    assert early.staged_bytes() == pytest.approx(per_element * 1300, abs=8)
+    # the most held: the committed residuals and the window's staged ones together
+    assert plain.peak_bytes == plain.state_bytes() + 4 * 1300
+    assert early.peak_bytes == early.state_bytes() + early.staged_bytes()
+    for k in second:  # a read in the window gives what the commit will store
+        plain_committed = ErrorFeedback(storage)
+        plain_committed.stage(k, second[k].clone())
+        plain_committed.commit()
+        assert torch.equal(early.get(k), plain_committed.get(k))
+    early_rb = ErrorFeedback(storage)
+    early_rb.load({k: plain.committed_value(k) for k in first})
+    early_rb.final = True
+    early_rb.stage(1, torch.randn(300, generator=g))
+    early_rb.rollback()
+    assert torch.equal(early_rb.get(1), plain.committed_value(1))  # the committed residual, as before the window
+    for m in (plain, early):
+        m.commit()
+    for k in second:
+        assert torch.equal(early.get(k), plain.get(k))
+    exported = early.export(), plain.export()
+    for k in second:
+        a, b = exported[0][k], exported[1][k]
+        assert all(torch.equal(x, y) for x, y in zip(a if isinstance(a, tuple) else (a, ), b if isinstance(b, tuple) else (b, )))
+    assert early.state_bytes() == plain.state_bytes()
+
+
 STORAGE_REL = {"fp32": 0.0, "bf16": 2.0**-8, "fp8": 2.0**-4}
 
 
