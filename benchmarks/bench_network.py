@@ -156,7 +156,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if unknown:
         parser.error(f"--configs: unknown {unknown}{' with --nodes' if args.nodes else ''}; choose from "
                      f"{[c.name for c in pool]}")
-    args.configs = [c.name for c in pool if c.name in set(args.configs) | {"stock_fp32", "stock_bf16"}]
+    # the stock baselines are always run (the loss reference only, with --converge-only)
+    forced = {"stock_fp32"} if args.converge_only else {"stock_fp32", "stock_bf16"}
+    args.configs = [c.name for c in pool if c.name in set(args.configs) | forced]
     for rate in args.rates:
         if parse_rate_bits(rate) is None:
             parser.error(f"--rates: {rate!r} is not a tc rate like 100mbit, 1gbit or 500kbit")

@@ -24,8 +24,15 @@ def test_settings_hold_what_their_names_say():
     assert known["adam_int2_zlib"][2] == dict(known["adam_int2"][2], entropy_coding="zlib")
     assert known["ef_d0.1_r8"][2] == dict(known["ef_d0.1"][2], threshold_reuse_steps=8)
     own_codec = ("decoupled_momentum", "shared_mask")  # their own codecs: no top-level codec keys
-    assert all(dgc is None or any(k in dgc for k in own_codec) or dgc["residual_dtype"] == "fp32"
-               for _, _, dgc in known.values())  # as measured
+    # as measured: fp32 residuals, but where the name says the storage (the hierarchical study's rows)
+    assert all(dgc is None or any(k in dgc for k in own_codec) or dgc["residual_dtype"] == name.rsplit("_", 1)[-1]
+               if name.startswith("h_") else dgc is None or any(k in dgc for k in own_codec)
+               or dgc["residual_dtype"] == "fp32" for name, (_, _, dgc) in known.items())
+    for dtype in ("fp32", "bf16", "fp8"):
+        h = known[f"h_int4_dense_{dtype}"][2]
+        assert h == dict(known["int4_dense"][2], residual_dtype=dtype, topology="hierarchical", ranks_per_node=2)
+    assert known["h_demo_k2_int2_bf16"][2]["decoupled_momentum"] == {"quantization": "int2", "storage": "bf16"}
+    assert known["h_demo_k2_int2_fp32"][2]["topology"] == "hierarchical"
     assert known["demo_k2_int2_bf16"][2]["decoupled_momentum"] == {"quantization": "int2", "storage": "bf16"}
     assert known["demo_k1"][2]["decoupled_momentum"] == {"topk": 1}
     assert known["demo_k2_adam"][2]["decoupled_momentum"]["update"] == "adam"
