@@ -306,6 +306,18 @@ def test_fixed_threshold_keeps_exactly_what_exceeds_it(run):
                     assert float(res[above].abs().max()) <= bound
 
 
+def assert_threshold_schedule(steps, t: int, i: int, period: int = 3, density: float = 0.1) -> float:
+    """Tensor i's stored threshold after step t of ``reuse_threshold`` (``threshold_reuse_steps`` = period): estimated
+    for ``density`` at steps 0, period, ..., served unchanged in between, of gradients; returns it."""
+    thr, stored_density, age, of_momentum = steps[t]["thresholds"][i]
+    assert stored_density == density and age == t % period + 1 and not of_momentum
+    if t % period:
+        assert thr == steps[t - t % period]["thresholds"][i][0]
+    else:
+        assert t == 0 or thr != steps[t - 1]["thresholds"][i][0]  # estimated afresh
+    return thr
+
+
 def test_threshold_reuse_estimates_every_n_steps(run):
     """threshold_reuse_steps 3: each thresholded tensor's threshold is estimated at steps 0 and 3 and reused at
     steps 1 and 2, where exactly the elements reaching it are sent (or the k largest, had more than 1.3 k reached
@@ -320,12 +332,7 @@ def test_threshold_reuse_estimates_every_n_steps(run):
                 if k >= n:
                     assert i not in step["thresholds"]
                     continue
-                thr, density, age, of_momentum = step["thresholds"][i]
-                assert density == 0.1 and age == t % 3 + 1 and not of_momentum
-                if t % 3:
-                    assert thr == steps[t - t % 3]["thresholds"][i][0]
-                else:
-                    assert t == 0 or thr != steps[t - 1]["thresholds"][i][0]  # estimated afresh
+                thr = assert_threshold_schedule(steps, t, i)
                 acc = _acc(ranks, "reuse_threshold", r, t, i, world)
                 res = _residual(ranks, "reuse_threshold", r, t, i)
                 g = step["inputs"][i].reshape(-1).double() / world
