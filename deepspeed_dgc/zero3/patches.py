@@ -448,16 +448,25 @@ def _step(opt, state: DGCState) -> Callable:
 def share_masks(opt, state: DGCState) -> None:
     """``shared_mask``, after an applied step past the warm-up: every owner chooses its masks from its Adam state
     (:func:`~deepspeed_dgc.zero3.optimizer.choose_masks`) and sends them to every rank, for the next step (collective
-    over the data-parallel group; the bytes count in this step's gradient traffic). Nothing otherwise."""
+    over the data-parallel group; the bytes count in this step's gradient traffic). On the hierarchical topology the
+    masks go over the inter-node communicator: the owners of the node-level rows a rank sends are exactly its members.
+    Nothing otherwise."""
     cfg = state.cfg.shared_mask
     if cfg is None or state.reducer.steps_applied < cfg.warmup_steps:
         return
-    comm = state.reducer.comms_for(opt.dp_process_group).flat
+    comms = state.reducer.comms_for(opt.dp_process_group)
+    if comms.hierarchical and comms.n_nodes == 1:
+        return  # nothing crosses a node: the node's sums are sent whole
+    comm = comms.inter if comms.hierarchical else comms.flat
     keys, chunks, own = owners.choose_masks(opt, cfg.density, cfg.score, cfg.explore, state.reducer.steps_applied,
-                                            comm.world_size, state.key_of)
+                                            comms.world_size, state.key_of)
     sent = state.reducer.set_masks(comm, keys, chunks, own)
+    if comms.hierarchical:
+        inter = sent
+    else:
+        inter = sum(b for d, b in enumerate(comm.last_sent_bytes) if comms.dest_nodes[d] != comms.dest_nodes[comms.rank])
     state.stats.record(ReduceResult(wire_bytes=sent, dense_fp32_bytes=0.0, kept=0, numel=0, finite=True,
-                                    intra_node_wire_bytes=sent))
+                                    intra_node_wire_bytes=sent - inter, inter_node_wire_bytes=inter))
 
 
 def freeze(opt, state: DGCState) -> None:

@@ -157,8 +157,11 @@ class CompressedReduceScatter:
         else:
             if isinstance(self.momentum, DecoupledMomentum):
                 out, finite, kept = self._decoupled_exchange(bucket, comms.flat, bucket.srcs, bucket.numels)
-            elif self.masks and all(k in self.masks for k in bucket.keys):
-                out, finite, kept = self._masked_exchange(bucket, comms.flat)
+            elif self._masked(bucket):
+                W = comms.world_size
+                rows = [torch.nn.functional.pad(src.float() / bucket.divisor, (0, W * c - n)).view(W, c)
+                        for src, n, c in zip(bucket.srcs, bucket.numels, bucket.chunks)]
+                out, finite, kept = self._masked_exchange(bucket, comms.flat, comms.rank, rows, bucket.numels)
             else:
                 job = self._job(bucket, bucket.srcs, [0] * len(bucket.srcs), bucket.chunks,
                                 list(range(comms.world_size)), bucket.numels, bucket.divisor)
@@ -313,34 +316,46 @@ class CompressedReduceScatter:
         self.momentum.keep_rest(bucket.keys, [d.sub_(x) for d, x in zip(deltas, sent)])
         return out, True, kept
 
-    def _masked_exchange(self, bucket: Bucket, comm) -> Tuple[torch.Tensor, bool, int]:
+    def _masked(self, bucket: Bucket) -> bool:
+        """Whether ``bucket`` goes by the owners' shared masks (``shared_mask`` after its warm-up step)."""
+        return bool(self.masks) and all(k in self.masks for k in bucket.keys)
+
+    def _masked_exchange(self, bucket: Bucket, comm, my_row: int, rows: List[torch.Tensor],
+                         residual_numels: List[int]) -> Tuple[torch.Tensor, bool, int]:
         """Steps 2-6 of ``shared_mask``: every rank's error-feedback accumulator at the owners' shared masks
         (:attr:`masks`), values only (:mod:`deepspeed_dgc.codec.masked`), one all-to-all of equal rows, the compacted
         buffers summed densely, the rest staged as the new residuals. Nothing is read on the host.
 
+        Args:
+            comm: the exchange: the flat group (row o = owner o), or on the hierarchical topology the inter-node
+                communicator (row k = owner k L + this local rank, whose masks :meth:`set_masks` got over it).
+            my_row: this rank's row in ``comm``.
+            rows: per tensor, fp32 ``(R, c_i)``: what is sent to each row's owner before the residual (the gradients
+                divided, zero-padded; on the hierarchical topology the node-level sums of the owners' slices).
+            residual_numels: per tensor, the residual's elements (the first of ``R c_i``: ``n_i`` flat, ``N c_i``
+                hierarchical).
+
         Returns:
             ``(out, True, kept)``: fp32 ``(C,)``, unscaled (NaN when a payload does not match); values sent.
         """
-        cfg, W = self.cfg.shared_mask, comm.world_size
+        cfg = self.cfg.shared_mask
         masks = [self.masks[k] for k in bucket.keys]
         plan = masked.value_plan([m.shape[1] for m in masks], cfg.quantization, cfg.group_size)
         fingerprint = wire.fingerprint([bucket.fingerprint, "masked", list(plan.counts), cfg.quantization,
                                         cfg.group_size])
-        rows = []
-        for key, src, n, c in zip(bucket.keys, bucket.srcs, bucket.numels, bucket.chunks):
-            acc = src.float() / bucket.divisor
-            residual = self.memory.get(key) if self.cfg.error_feedback else None
-            if residual is not None:
-                acc += residual
-            rows.append(torch.nn.functional.pad(acc, (0, W * c - n)).view(W, c))
+        if self.cfg.error_feedback:
+            for key, row, n in zip(bucket.keys, rows, residual_numels):
+                residual = self.memory.get(key)
+                if residual is not None:
+                    row.view(-1)[:n] += residual
         payloads, sent = masked.encode(rows, masks, plan, fingerprint)
-        out, bad = masked.decode_sum(comm.all_to_all_fixed(payloads), [m[comm.rank] for m in masks], bucket.chunks,
+        out, bad = masked.decode_sum(comm.all_to_all_fixed(payloads), [m[my_row] for m in masks], bucket.chunks,
                                      plan, fingerprint)
         self._bad_senders.append((comm, bad))
         if self.cfg.error_feedback:
-            for key, row, x, n in zip(bucket.keys, rows, sent, bucket.numels):
+            for key, row, x, n in zip(bucket.keys, rows, sent, residual_numels):
                 self.memory.stage(key, row.sub_(x).view(-1)[:n])
-        return out, True, W * plan.values
+        return out, True, comm.world_size * plan.values
 
     def set_masks(self, comm, keys: Sequence[Hashable], chunks: Sequence[int], own: Sequence[torch.Tensor]) -> int:
         """Every owner's shared masks to every rank (``shared_mask``): this owner's positions ``own[i]`` (``(k_i,)``
@@ -402,8 +417,8 @@ class CompressedReduceScatter:
         ]
         acc_m = torch.cat(cols, dim=1)
         payloads = [wire.as_bytes(acc_m[j::L].to(bucket.comm_dtype)) for j in range(L)]  # rows of owners k*L + j
-        # equal sizes: no size exchange (decoupled_momentum's codec has fixed sizes on every device)
-        if self.layout(device.type) == "fixed" or isinstance(self.momentum, DecoupledMomentum):
+        # equal sizes: no size exchange (decoupled_momentum's and shared_mask's codecs have fixed sizes on every device)
+        if self.layout(device.type) == "fixed" or isinstance(self.momentum, DecoupledMomentum) or self._masked(bucket):
             if self._first_step:
                 self._check_same_bucket(comms.intra, bucket.fingerprint)
             received = list(comms.intra.all_to_all_fixed(torch.stack(payloads)))
@@ -431,6 +446,9 @@ class CompressedReduceScatter:
             if bucket.loss_scale != 1:
                 row.div_(bucket.loss_scale)  # _exit restores it
             return row, True, sum(real_count(n, owners[0], c) for n, c in zip(bucket.numels, chunks))
+        if self._masked(bucket):  # shared_mask: the owners' masks were shared over comms.inter (share_masks)
+            rows = [node_sum[:, start:start + c] / bucket.loss_scale for start, c in zip(starts, chunks)]
+            return self._masked_exchange(bucket, comms.inter, comms.node, rows, row_numels)
         if bucket.momentum_sources:
             job_srcs, offsets, strides, divisor = bucket.srcs, [0] * len(chunks), list(chunks), 1.0
         else:

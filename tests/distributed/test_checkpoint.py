@@ -31,6 +31,7 @@ HIER = {"topology": "hierarchical", "ranks_per_node": 2}  # at 4 ranks: 2 nodes 
 MOMENTUM_HIER = {"dgc": dict(MOMENTUM["dgc"], residual_dtype="fp8", **HIER)}
 MC_HIER = dict(MC, dgc=dict({k: v for k, v in MC["dgc"].items() if k != "local_clip_norm"}, **HIER))
 DEMO_HIER = {"dgc": dict(DEMO["dgc"], **HIER)}
+MASK_HIER = {"dgc": dict(MASK["dgc"], **HIER)}
 _SHARED = {}
 
 
@@ -182,9 +183,10 @@ def test_world_size_2_saved_loaded_at_3():
 
 
 @pytest.mark.parametrize("config,world", [(MOMENTUM, 2), (MC, 2), (DEMO, 2), (MASK, 2), (MOMENTUM_HIER, 4),
-                                          (MC_HIER, 4), (DEMO_HIER, 4)],
+                                          (MC_HIER, 4), (DEMO_HIER, 4), (MASK_HIER, 4)],
                          ids=["compressed_momentum", "momentum_correction", "decoupled_momentum", "shared_mask",
-                              "compressed_momentum-fp8-2x2", "momentum_correction-2x2", "decoupled_momentum-2x2"])
+                              "compressed_momentum-fp8-2x2", "momentum_correction-2x2", "decoupled_momentum-2x2",
+                              "shared_mask-2x2"])
 def test_resume_with_local_momentum_is_bit_identical(config, world):
     """Saved at step 5, resumed in new processes: losses, parameters, residuals and the local momenta equal the
     uninterrupted run's bit for bit. compressed_momentum: frozen after step 3, and the resumed run is frozen again.
@@ -193,7 +195,7 @@ def test_resume_with_local_momentum_is_bit_identical(config, world):
     momentum_correction: SGD (density 0.1, INT4, masking, local clipping, weight decay, thresholds reused for 3
     steps): the velocities and the thresholds being reused are in the side-car, the weight-decay momentum in the
     optimizer state. ``-2x2``: the same on 4 ranks as 2 nodes of 2 (hierarchical topology: residuals and momenta of
-    the node-level sums; compressed momentum with fp8 residuals)."""
+    the node-level sums; compressed momentum with fp8 residuals; the masks shared between nodes)."""
     out = tempfile.mkdtemp()
     full = run_engine(world, out=out, steps=STEPS, ckpt=f"{out}/ckpt", save_at=5, config=config)
     second, _ = resume(out, config, world)
@@ -203,9 +205,10 @@ def test_resume_with_local_momentum_is_bit_identical(config, world):
         res_a, res_b = second[r]["residuals"][-1], full[r]["residuals"][-1]
         assert res_a.keys() == res_b.keys() and all(torch.equal(res_a[k], res_b[k]) for k in res_b)
         if world == 4:  # node-level: N x ceil(n / W) elements, 1/L of each parameter (plus padding)
+            node_level = res_b if config is MASK_HIER else full[r]["momenta"][-1]
             for key, p in zip(full[r]["keys"], full[r]["params"][-1]):
-                assert full[r]["momenta"][-1][key].numel() == 2 * -(-p.numel() // 4), key
-        if config is MASK:  # no local momentum; the residuals hold what the masks left
+                assert node_level[key].numel() == 2 * -(-p.numel() // 4), key
+        if config in (MASK, MASK_HIER):  # no local momentum; the residuals hold what the masks left
             assert not second[r]["momenta"] and not full[r]["momenta"] and res_b
             continue
         mom_a, mom_b = second[r]["momenta"][-1], full[r]["momenta"][-1]

@@ -260,7 +260,6 @@ BAD = {  # case -> ds_config override (merged into the worker's BASE; None remov
                      "zero_allow_untested_optimizer": True},
     "momentum_gas": {"dgc": {"enabled": True, "compressed_momentum": {"freeze_step": 2}},
                      "gradient_accumulation_steps": 2},
-    "mask_hierarchical": {"dgc": {"enabled": True, "topology": "hierarchical", "shared_mask": {}}},
     "clip_hierarchical": {"dgc": {"enabled": True, "topology": "hierarchical", "momentum_correction": True,
                                   "local_clip_norm": 1.0},
                           "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
@@ -304,7 +303,6 @@ EXPECTED = {  # case -> what its DGCConfigError names
     "kernels_value": "dgc.kernels",
     "momentum_sgd": "dgc.compressed_momentum",
     "momentum_gas": "gradient_accumulation_steps",
-    "mask_hierarchical": "dgc.shared_mask",
     "clip_hierarchical": "dgc.local_clip_norm",
     "sr_with_fp8": "dgc.stochastic_rounding",
     "density_auto_typo": "dgc.density",
@@ -418,7 +416,8 @@ DEVICE_PATH = {
     # their own fixed-size codecs (no "layout" key); shared_mask's warm-up step is step 1
     "decoupled_momentum_int2_hierarchical": dict(enabled=True, topology="hierarchical", ranks_per_node=1,
                                                  decoupled_momentum={"chunk": 16, "topk": 2, "quantization": "int2"}),
-    "shared_mask_int4_weights_int4": dict(enabled=True, shared_mask={"density": 0.1}, weights={"quantization": "int4"}),
+    "shared_mask_int4_hierarchical_weights_int4": dict(enabled=True, topology="hierarchical", ranks_per_node=1,
+                                                       shared_mask={"density": 0.1}, weights={"quantization": "int4"}),
 }
 
 

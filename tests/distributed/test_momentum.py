@@ -309,6 +309,53 @@ def test_shared_mask_ranks_send_the_owners_coordinates_and_the_owners_step_on_th
     assert stats["compression_ratio"] > 3.0  # dense INT4 step 1, then 10% of the values and the masks
 
 
+def test_shared_mask_on_the_hierarchical_topology_sends_the_owners_coordinates_of_the_node_sums():
+    """shared_mask (density 0.1, INT4, fp32 residuals) on 4 ranks as 2 nodes of 2, 5 steps, checked in float64 from
+    what each rank recorded. Rank (k, l) holds a residual only of its node's dense sums for the owners k'L + l
+    (N x ceil(n / W) elements: 1/L of the parameter); what it sent is what that residual lost, sent = residual + node
+    sum of g / W - residual'; the averaged gradient is the sum over nodes of what was sent; from step 2 on, in each
+    owner's partition of each parameter, the ranks of every node sent values only inside one common set of at most
+    k = ceil(0.1 c) coordinates (the owner's mask, shared between nodes); the masks and values cross nodes only."""
+    W, L, steps = 4, 2, 5
+    N = W // L
+    ranks = run_engine(world=W, timeout_s=400, steps=steps, local_grads=True, config={"dgc": {
+        "enabled": True, "topology": "hierarchical", "ranks_per_node": L, "residual_dtype": "fp32",
+        "shared_mask": {"density": 0.1, "group_size": 32}}})
+    keys = ranks[0]["keys"]
+    shapes = [p.shape for p in ranks[0]["params"][0]]
+    masked_slices = 0
+    for t in range(steps):
+        for i, key in enumerate(keys):
+            n = math.prod(shapes[i])
+            c = -(-n // W)
+            k_mask = math.ceil(0.1 * c)
+            sent_rows = torch.zeros(W, c, dtype=torch.float64)
+            used = torch.zeros(W, c, dtype=torch.bool)
+            for r in range(W):
+                node, local = divmod(r, L)
+                mine = sum(_node_rows(ranks[s]["local_grads"][t][i], W, L, local) for s in range(node * L, node * L + L)) / W
+                rec = ranks[r]
+                assert rec["residuals"][t][key].numel() == N * c  # 1/L of the parameter (plus padding)
+                before = rec["residuals"][t - 1][key].double().view(N, c) if t else torch.zeros_like(mine)
+                acc = before + mine
+                sent = acc - rec["residuals"][t][key].double().view(N, c)
+                sent_rows[local::L] += sent
+                # not fp32 rounding of the node sum and the accumulation (the sum may cancel: relative to the terms)
+                used[local::L] |= sent.abs() > 1e-6 * (before.abs() + mine.abs())
+            got = ranks[0]["grads"][t][i].double().reshape(-1)
+            total = sent_rows.reshape(-1)[:n]
+            torch.testing.assert_close(got, total, rtol=1e-5, atol=1e-6 * float(total.abs().max()))
+            for o in range(W):
+                if t == 0:  # the warm-up step: dense INT4
+                    assert int(used[o].sum()) > min(k_mask, c - 1) or c <= 1
+                else:
+                    assert int(used[o].sum()) <= k_mask, (t, key, o, int(used[o].sum()), k_mask)
+                    masked_slices += 1
+    assert masked_slices >= (steps - 1) * W * len(keys)
+    stats = ranks[0]["stats"]  # between nodes: dense INT4 at step 1, then 10% of the values and the masks
+    assert 0 < stats["grad_inter_node_wire_bytes_total"] < stats["grad_inter_node_dense_fp32_bytes_total"] / 3
+
+
 @pytest.mark.parametrize("W,L", [(4, 2), (2, 2)], ids=["2x2", "1x2"])
 def test_decoupled_momentum_on_the_hierarchical_topology_against_a_float64_replay(W, L):
     """W ranks as nodes of L, raw DCT coefficients, AdamW (weight decay 0.1), 4 steps: rank (k, l) keeps a momentum

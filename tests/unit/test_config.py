@@ -72,7 +72,6 @@ def test_config_defaults_and_lossless():
     ({"decoupled_momentum": {}, "density": 0.01}, "'dgc.density' is a setting of the gradient codec, which "
      "'dgc.decoupled_momentum' replaces"),
     ({"decoupled_momentum": {}, "quantization": "int2"}, "'dgc.quantization' is a setting of the gradient codec"),
-    ({"shared_mask": {}, "topology": "hierarchical"}, "'dgc.shared_mask' needs 'dgc.topology' = \"flat\""),
     ({"decoupled_momentum": {}, "compressed_momentum": {"freeze_step": 3}},
      "'dgc.compressed_momentum' and 'dgc.decoupled_momentum' both change what is sent"),
     ({"decoupled_momentum": {}, "momentum_correction": True},
