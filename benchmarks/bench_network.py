@@ -90,6 +90,8 @@ CONFIGS = [
     BenchConfig("dgc_d001_wint4", "DGC gradients (0.01) + INT4 weights", _dgc(0.01, weights="int4")),
     BenchConfig("dgc_d01_wint4", "DGC gradients (top-k 0.1, INT4) + INT4 weights", _dgc(0.1, weights="int4")),
     BenchConfig("ddp_powersgd", "PyTorch DDP + PowerSGD hook (rank 4, one bucket)", ddp=True),
+    BenchConfig("policy_auto", "policy auto: per bucket and gather, stock or dense INT4 + EF / INT4 weights, measured",
+                dict(_dgc(1.0, weights="int4"), policy="auto")),
 ]
 # the configurations of --nodes (two nodes, each of L ranks, a rate-limited path between them)
 RECOMMENDED_ADAM = {"enabled": True, "stats_interval": 1000000,

@@ -237,6 +237,15 @@ class DGCConfig(BaseModel):
                              description="seconds any collective of the extension may wait before it raises "
                              "`DGCTimeoutError` (a peer died or hangs); at least 1 (start-up and a bucket's exchange "
                              "on a slow link take that long on healthy ranks)")
+    policy: Literal["fixed", "auto"] = Field(
+        "fixed", description="`\"auto\"`: per bucket, stock ZeRO-3's reduce-scatter or the compressed one, whichever "
+        "measures faster on this job's link (every rank times both on random tensors of the bucket's sizes, on the "
+        "same group, when a bucket shape is first seen and every `policy_interval` applied steps; the slowest rank's "
+        "times decide, so every rank agrees; ties go to stock). A bucket sent by stock takes its residuals along. "
+        "Plain gradient codecs only (not with a momentum method). Each choice is logged and in the telemetry "
+        "(`policy`, `stock_buckets_total`)")
+    policy_interval: int = Field(200, ge=1, description="with `policy: \"auto\"`: applied steps between two "
+                                 "measurements of the same bucket shape")
     kernels: Literal["auto", "fused", "reference"] = Field(
         "auto", description="who compresses: the fused op where it loads (else the PyTorch reference, with one "
         "warning saying why), the fused op or fail at initialize, or the reference. Same bytes either way; the "
@@ -340,6 +349,19 @@ class DGCConfig(BaseModel):
             raise ValueError("'dgc.local_clip_norm' needs 'dgc.topology' = \"flat\" (got \"hierarchical\"): it clips "
                              "each rank's whole local gradient, and on the hierarchical topology a rank holds only its "
                              "node's sums of its owners' slices")
+        return self
+
+    @model_validator(mode="after")
+    def _policy_rules(self):
+        if self.policy == "auto":
+            methods = [k for k in ("compressed_momentum", "decoupled_momentum", "shared_mask") if getattr(self, k)
+                       is not None] + (["momentum_correction"] if self.momentum_correction else [])
+            if methods:
+                raise ValueError(f"'dgc.policy' = \"auto\" switches buckets between stock and compressed, which "
+                                 f"'dgc.{methods[0]}' cannot (it changes what the owners step with): set "
+                                 "'dgc.policy' to \"fixed\" or remove the method")
+        elif "policy_interval" in self.model_fields_set:
+            raise ValueError("'dgc.policy_interval' is a setting of 'dgc.policy' = \"auto\" (got \"fixed\")")
         return self
 
     @model_validator(mode="after")

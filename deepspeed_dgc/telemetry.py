@@ -26,6 +26,7 @@ class ReduceResult:
             destination rank is on this rank's node.
         inter_node_dense_fp32_bytes: the part of ``dense_fp32_bytes`` stock (flat) would send to
             ranks on other nodes, ``(ranks off this node)/W * numel * 4``.
+        stock_buckets: 1 when ``policy: "auto"`` sent this bucket by stock's reduce-scatter, else 0.
     """
     wire_bytes: int
     dense_fp32_bytes: float
@@ -35,6 +36,7 @@ class ReduceResult:
     intra_node_wire_bytes: int = 0
     inter_node_wire_bytes: int = 0
     inter_node_dense_fp32_bytes: float = 0.0
+    stock_buckets: int = 0
 
 
 @dataclass
@@ -58,6 +60,7 @@ class StepStats:
             ranks on other nodes.
         param_uncovered_bytes: bytes of the post-step gather of persistent parameters, which no
             seam covers (stock dtype, estimated as ``(W-1) * shard numel * element size``).
+        stock_buckets: buckets ``policy: "auto"`` sent by stock's reduce-scatter (their bytes are in the counts).
     """
     step: int = 0
     wire_bytes: int = 0
@@ -72,6 +75,7 @@ class StepStats:
     param_inter_node_wire_bytes: float = 0.0
     param_inter_node_dense_fp32_bytes: float = 0.0
     param_uncovered_bytes: int = 0
+    stock_buckets: int = 0
     skipped: bool = False
     residual_norm: Optional[float] = None
 
@@ -90,7 +94,7 @@ class StepStats:
 PARAM_GATHER_COUNTERS = ("param_wire_bytes", "param_dense_fp32_bytes", "param_inter_node_wire_bytes",
                          "param_inter_node_dense_fp32_bytes")
 STEP_COUNTERS = ("wire_bytes", "intra_node_wire_bytes", "inter_node_wire_bytes", "inter_node_dense_fp32_bytes",
-                 "dense_fp32_bytes", "kept", "numel") + PARAM_GATHER_COUNTERS + ("param_uncovered_bytes", )
+                 "dense_fp32_bytes", "kept", "numel", "stock_buckets") + PARAM_GATHER_COUNTERS + ("param_uncovered_bytes", )
 
 # The counters a ReduceResult carries (every field but the ``finite`` flag); each is a StepStats counter.
 REDUCE_COUNTERS = tuple(f.name for f in fields(ReduceResult) if f.name != "finite")
@@ -120,6 +124,10 @@ class DGCStats:
     param_inter_node_wire_bytes_total: float = 0.0
     param_inter_node_dense_fp32_bytes_total: float = 0.0
     param_uncovered_bytes_total: int = 0
+    stock_buckets_total: int = 0
+    # policy "auto": bucket shape -> its choice and measured times (latest measurement); bytes its probes sent
+    policy: Dict[str, dict] = field(default_factory=dict)
+    policy_probe_bytes: int = 0
     kernels: str = ""  # which compression path ran: "fused-cpu", "fused-cuda" or "reference"
     residual_storage: str = ""  # the residuals' storage dtype, "auto" resolved (set at install)
     world_size: int = 1  # of the data-parallel group (set at install)
@@ -219,6 +227,9 @@ class DGCStats:
             "param_inter_node_wire_bytes_total": round(self.param_inter_node_wire_bytes_total),
             "param_inter_node_dense_fp32_bytes_total": round(self.param_inter_node_dense_fp32_bytes_total),
             "param_uncovered_bytes_total": self.param_uncovered_bytes_total,
+            "stock_buckets_total": self.stock_buckets_total,
+            "policy": dict(self.policy),
+            "policy_probe_bytes": self.policy_probe_bytes,
             "last": None if self.last is None else dict(asdict(self.last),
                                                          compression_ratio=self.last.compression_ratio,
                                                          density=self.last.density),

@@ -144,11 +144,16 @@ class QuantizedAllGather:
         ranks_per_node: node size used to count ``off_node_peers`` (:func:`~deepspeed_dgc.comm.topology.node_of`).
         kernels: who codes the weights (``dgc.kernels``): the fused op of the shard's device or the reference
             (the same bytes; :func:`~deepspeed_dgc.codec.kernels.get_ops`).
+        policy: ``policy: "auto"``'s :class:`~deepspeed_dgc.zero3.policy.LinkPolicy` (per shard size, stock's gather
+            or the quantized one, whichever measures faster), or None: always quantized.
+        clock: the applied optimizer steps so far (when the policy measures again).
     """
 
     def __init__(self, fmt: str, group_size: int, record: Callable[[int, float, float], None], stock: Callable,
-                 timeout_s: float = 600.0, ranks_per_node: int = 1 << 30, kernels: str = "auto"):
+                 timeout_s: float = 600.0, ranks_per_node: int = 1 << 30, kernels: str = "auto", policy=None,
+                 clock: Callable[[], int] = lambda: 0):
         self.fmt, self.group_size, self.record, self.stock = fmt, group_size, record, stock
+        self.policy, self.clock = policy, clock
         self.kernels = kernels
         self._ops = {}
         self.timeout_s, self.ranks_per_node = timeout_s, ranks_per_node
@@ -188,6 +193,22 @@ class QuantizedAllGather:
             self._warned = True
             logger.warning("deepspeed_dgc: a parameter all-gather came from an unknown caller; its shard is quantized "
                            "as one block, with ZeRO-3's padding as it is")
+        if self.policy is not None and self.policy.choose_gather(self, input_tensor, group, self.clock()) == "stock":
+            self.record((world - 1) * n * input_tensor.element_size(), (world - 1) * n * FP32_BYTES, off_node)
+            return self.stock(input_tensor, output_tensor, group)
+        self.record((world - 1) * payload_bytes(n, self.fmt, self.group_size, layout and layout.segments),
+                    (world - 1) * n * FP32_BYTES, off_node)
+        return self.quantized(input_tensor, output_tensor, group, layout)
+
+    def quantized(self, input_tensor: torch.Tensor, output_tensor: torch.Tensor, group=None,
+                  layout: Optional[ShardLayout] = None):
+        """The quantized gather of one shard (``layout``: its parameters, else one block), bytes not recorded.
+
+        Returns:
+            A handle whose ``wait()`` leaves the concatenated, dequantized shards in ``output_tensor``.
+        """
+        world = dist.get_world_size(group=group)
+        n = input_tensor.numel()
         shard = input_tensor.reshape(-1)
         segments = None
         if layout is not None:
@@ -206,5 +227,4 @@ class QuantizedAllGather:
         payload[scales.numel() * FP32_BYTES:scales.numel() * FP32_BYTES + codes.numel()] = codes
         recv = torch.empty(world * p, dtype=torch.uint8, device=input_tensor.device)
         work = dist.all_gather_into_tensor(recv, payload, group=group, async_op=True)
-        self.record((world - 1) * p, (world - 1) * n * FP32_BYTES, off_node)
         return _DequantizeOnWait(work, recv, output_tensor, n, self.fmt, self.group_size, self.timeout_s, segments, ops)

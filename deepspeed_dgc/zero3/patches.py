@@ -49,6 +49,7 @@ from ..telemetry import ReduceResult
 from . import checkpoint
 from . import optimizer as owners
 from .allgather import QuantizedAllGather, check_layout_seam
+from .policy import STOCK, flush_residuals, stock_result_bytes
 from .state import STATE_ATTR, DGCState
 
 logger = logging.getLogger("deepspeed_dgc")
@@ -371,6 +372,8 @@ def _avg_scatter_grads(opt, state: DGCState) -> Callable:
         opt._assert_same_partition_group(params_to_reduce)
         group = opt._get_param_partition_group(params_to_reduce[0])
         state.set_window_end(_window_ends(opt))
+        if _by_stock(opt, state, params_to_reduce, group, communication_data_type):
+            return _stock_method(opt, SEAM)(params_to_reduce, communication_data_type)
         partitions, result = state.reducer.reduce_scatter([p.grad for p in params_to_reduce],
                                                           [state.key_of(p) for p in params_to_reduce], group,
                                                           communication_data_type, loss_scale=float(opt.loss_scale))
@@ -396,6 +399,8 @@ def _avg_scatter_contiguous_grads(opt, state: DGCState) -> Callable:
         opt._assert_same_partition_group(params)
         group = opt._get_param_partition_group(params[0])
         state.set_window_end(_window_ends(opt))
+        if _by_stock(opt, state, params, group, communication_data_type):
+            return _stock_method(opt, CONTIGUOUS_SEAM)(buffer_to_reduce, communication_data_type)
         partitions, result = state.reducer.reduce_scatter([p.grad for p in params], [state.key_of(p) for p in params],
                                                           group, communication_data_type,
                                                           loss_scale=float(opt.loss_scale))
@@ -419,6 +424,38 @@ def _avg_scatter_contiguous_grads(opt, state: DGCState) -> Callable:
         return out
 
     return avg_scatter_contiguous_grads
+
+
+def _stock_method(opt, name: str) -> Callable:
+    """Stock's own ``opt.name`` (the instance's attribute before :func:`_replace`, else the class's), bound."""
+    own = opt.__dict__.get(_ORIGINALS, {}).get(name)
+    return own if own is not None else getattr(type(opt), name).__get__(opt)
+
+
+def _by_stock(opt, state: DGCState, params, group, comm_dtype) -> bool:
+    """``policy: "auto"``: whether this bucket goes by stock's reduce-scatter (:mod:`~deepspeed_dgc.zero3.policy`,
+    collective when it measures). If so, its residuals are added to the gradients stock is about to send (and staged
+    as zero), and the telemetry counts stock's bytes."""
+    if state.policy is None:
+        return False
+    reducer = state.reducer
+    grads, keys = [p.grad for p in params], [state.key_of(p) for p in params]
+    choice = state.policy.choose(reducer, grads, group, comm_dtype)
+    state.stats.policy, state.stats.policy_probe_bytes = state.policy.summary(), state.policy.probe_bytes
+    if choice != STOCK:
+        return False
+    comms = reducer.comms_for(group)
+    world = comms.world_size
+    flush_residuals(state.memory, grads, keys, comms, world * float(opt.loss_scale))
+    numels = [g.numel() for g in grads]
+    wire, inter = stock_result_bytes(numels, comms, torch.tensor([], dtype=comm_dtype).element_size())
+    off_node = sum(1 for node in comms.dest_nodes if node != comms.dest_nodes[comms.rank])
+    state.stats.record(ReduceResult(wire_bytes=wire, dense_fp32_bytes=sum((world - 1) / world * n * 4 for n in numels),
+                                    kept=sum(numels), numel=sum(numels), finite=True, intra_node_wire_bytes=wire - inter,
+                                    inter_node_wire_bytes=inter,
+                                    inter_node_dense_fp32_bytes=sum(off_node / world * n * 4 for n in numels),
+                                    stock_buckets=1))
+    return True
 
 
 def _step(opt, state: DGCState) -> Callable:
@@ -512,7 +549,9 @@ def _install_allgather(cfg: DGCConfig, state: DGCState) -> None:
     stock = current.stock if isinstance(current, QuantizedAllGather) else current
     partition_parameters._dist_allgather_fn = QuantizedAllGather(cfg.weights.quantization, cfg.weights.group_size,
                                                                  state.stats.record_param_gather, stock, cfg.timeout_s,
-                                                                 state.reducer.ranks_per_node, cfg.kernels)
+                                                                 state.reducer.ranks_per_node, cfg.kernels,
+                                                                 policy=state.policy,
+                                                                 clock=lambda: state.reducer.steps_applied)
 
 
 def _save_checkpoint(engine, state: DGCState) -> Callable:

@@ -9,6 +9,7 @@ from ..config import DGCConfig
 from ..memory.error_feedback import ErrorFeedback
 from ..memory.momentum import MomentumState
 from ..telemetry import DGCStats, StepStats, log_step
+from .policy import LinkPolicy
 from .reduce_scatter import CompressedReduceScatter
 
 SEED_BASE = 0x5EED  # threshold samples of rank r are drawn from a generator seeded SEED_BASE + r
@@ -29,6 +30,7 @@ class DGCState:
         monitor: DeepSpeed's monitor (telemetry events), or None.
         samples_seen: the engine's sample count (the x axis of monitor events).
         keys: ``id(param)`` -> the stable key of its residual and momentum (:meth:`assign_keys`).
+        policy: ``policy: "auto"``'s per-bucket choice between stock and compressed, or None.
     """
     cfg: DGCConfig
     global_rank: int
@@ -41,6 +43,7 @@ class DGCState:
     monitor: Any = None
     samples_seen: Callable[[], int] = lambda: 0
     keys: Dict[int, str] = field(default_factory=dict)
+    policy: Optional[LinkPolicy] = None
 
     @classmethod
     def build(cls, cfg: DGCConfig, global_rank: int, ranks_per_node: Optional[int] = None,
@@ -59,7 +62,8 @@ class DGCState:
         stats = DGCStats(residual_storage=storage, world_size=dp_world_size,
                          n_params=sum(getattr(p, "ds_numel", p.numel()) for p in params))
         state = cls(cfg=cfg, global_rank=global_rank, memory=memory, reducer=reducer, stats=stats, momentum=momentum,
-                    dp_rank=dp_rank, params=params, monitor=monitor, samples_seen=samples_seen)
+                    dp_rank=dp_rank, params=params, monitor=monitor, samples_seen=samples_seen,
+                    policy=LinkPolicy(cfg.policy_interval) if cfg.policy == "auto" else None)
         if module is not None:
             state.assign_keys(module, param_groups)
         return state

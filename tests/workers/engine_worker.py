@@ -24,6 +24,8 @@ Options:
   --models-before K          build K other ZeRO-3 engines (stock) first, in this process: ZeRO-3 numbers the
                              parameters of every model a process builds (``ds_id``)
   --count-syncs              count deepspeed_dgc's host-synchronising tensor calls per step (deepspeed_dgc.syncs)
+  --policy-script S          policy "auto": the k-th round of measurements agrees on S[k] ("s" stock, "c" compressed,
+                             cycled) for every bucket, the ranks' own times disagreeing (the real exchanges still run)
   --fault die|hang           rank 1 is killed, or hangs, inside its reduce-scatter of step --fault-step (3);
                              rank 0 saves the error it got and when to DIR/rank0_error.pt and re-raises it
 """
@@ -182,6 +184,8 @@ def run(args, rank):
         poison_padding(engine, rank)
     if args.fault and rank == 1:
         inject_fault(engine, args.fault, args.fault_step, cfg["dgc"]["timeout_s"], args.out)
+    if args.policy_script:
+        script_policy(engine._dgc_state, args.policy_script, rank)
     first = 0
     if args.resume_at is not None:
         engine.load_checkpoint(args.ckpt)
@@ -262,6 +266,24 @@ def run(args, rank):
     return record
 
 
+def script_policy(state, script: str, rank: int) -> None:
+    """The measurements of ``state.policy`` (a LinkPolicy) at applied step t agree on ``script[(t // interval) % len]``
+    ("s" stock, "c" compressed) for every bucket: the measured times are replaced, on rank 1 by ones that alone would
+    choose the other way (for "c": stock 1 s, compressed 2 s), on rank 0 by ones that make the largest over the ranks
+    choose as scripted (for "c": stock 3 s, compressed 0.5 s; the maxima are 3 s and 2 s)."""
+    policy = state.policy
+    measured = policy._time_options
+
+    def scripted(options, device):
+        measured(options, device)  # the real exchanges run
+        want = script[(state.reducer.steps_applied // policy.interval) % len(script)]
+        if rank == 1:
+            return [1.0, 2.0] if want == "c" else [2.0, 1.0]
+        return [3.0, 0.5] if want == "c" else [0.5, 3.0]
+
+    policy._time_options = scripted
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -282,6 +304,7 @@ def main(argv=None):
     ap.add_argument("--eval-only", action="store_true")
     ap.add_argument("--poison-padding", action="store_true")
     ap.add_argument("--count-syncs", action="store_true")
+    ap.add_argument("--policy-script", default=None)
     ap.add_argument("--fault", choices=["die", "hang"], default=None)
     ap.add_argument("--fault-step", type=int, default=3)
     args = ap.parse_args(argv)

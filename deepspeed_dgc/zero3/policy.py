@@ -1,0 +1,234 @@
+"""``"dgc": {"policy": "auto"}``: per bucket, stock ZeRO-3's reduce-scatter or the compressed one, whichever the
+measurements say is faster on this job's link.
+
+Compression pays where the link is slow and costs where it is fast (docs/bench_network.md: 5x faster per step at
+100 Mbit/s, 0.6x to 0.9x of stock on an unlimited loopback). The choice depends on the link, the device, the codec and
+the bucket's tensors, so it is measured, not guessed: when a bucket of a new shape is first reduced, and again every
+``policy_interval`` applied steps, every rank of the group times, on random tensors of exactly that bucket's sizes and
+on the same process group,
+
+- **stock**: what ZeRO-3's reduce-scatter moves, an all-to-all of the partitions in the communication dtype plus
+  the sum of the received ones;
+- **compressed**: the whole compressed reduce-scatter with the job's own codec (a throwaway instance with empty
+  residuals, so the job's state is untouched), both hops on the hierarchical topology,
+
+three times each after one untimed compressed warm-up pass, interleaved, keeping the fastest of each. The times are
+then the largest over the ranks (one max all-reduce of two values: every rank decides the same), and the bucket goes
+compressed only if its time is more than 5% below stock's: ties and small speed-ups go to stock, so that noise does
+not make a job slower than stock. The probe's own cost is about four compressed and three stock exchanges of each
+bucket shape per ``policy_interval`` steps. The parameter all-gather is chosen the same way per shard size and group
+(stock's gather against the quantized one of ``weights.quantization``), at its first gather of each size.
+
+A bucket sent by stock sends its error-feedback residuals with it (added to this rank's gradient, so the sum over
+ranks is the same mean the compressed path would have had before quantization), and its residuals become zero (staged,
+so a skipped step keeps them). What was not yet sent is thus never lost.
+
+Only the plain gradient codecs (error feedback with any density, threshold and format) can switch per bucket: the
+momentum methods change what the owners step with, and ``policy: "auto"`` refuses them (:class:`~deepspeed_dgc.config.
+DGCConfig`). Measured times are host wall-clock around the exchange; on a GPU the probe synchronises the device
+(probe steps only, never a normal step). Choices depend on measured times, so two runs (or a run and its resume,
+which measures again) may choose differently.
+"""
+
+import time
+from dataclasses import dataclass, field
+from typing import Dict, Hashable, List, Sequence, Tuple
+
+import torch
+from deepspeed.utils import logger
+
+from ..codec.job import real_count
+from ..comm.communicators import group_global_ranks, make_communicator
+from ..memory.error_feedback import ErrorFeedback
+
+
+STOCK, COMPRESSED = "stock", "compressed"
+
+
+@dataclass
+class Decision:
+    """One bucket shape's measured times (seconds, largest over the ranks) and choice."""
+    choice: str
+    stock_s: float
+    compressed_s: float
+    step: int  # applied steps when it was measured
+
+    def as_dict(self) -> dict:
+        return {"choice": self.choice, "stock_ms": round(self.stock_s * 1e3, 3),
+                "compressed_ms": round(self.compressed_s * 1e3, 3), "measured_at_step": self.step}
+
+
+@dataclass
+class LinkPolicy:
+    """The per-bucket choice of ``policy: "auto"`` (see the module docstring).
+
+    Args:
+        interval: applied steps between two measurements of the same bucket shape (``dgc.policy_interval``).
+        reps: timed exchanges per option and measurement (the fastest counts).
+        margin: the compressed option is chosen only when it is faster than stock by more than this share of stock's
+            time (measurement noise must not make a job slower than stock).
+
+    Attributes:
+        decisions: bucket shape (numels and communication dtype) -> :class:`Decision`.
+        probe_bytes: bytes this rank sent while measuring (not in the gradient telemetry's wire bytes).
+    """
+    interval: int
+    reps: int = 3
+    margin: float = 0.05
+    decisions: Dict[Tuple, Decision] = field(default_factory=dict)
+    gathers: Dict[Tuple, Decision] = field(default_factory=dict)
+    probe_bytes: int = 0
+    _stock_comms: dict = field(default_factory=dict, repr=False)
+
+    def choose(self, reducer, grads: Sequence[torch.Tensor], group, comm_dtype: torch.dtype) -> str:
+        """``"stock"`` or ``"compressed"`` for this bucket, measured first when due (collective over ``group``:
+        every rank calls it for the same buckets in the same order, and decides the same)."""
+        shape = (tuple(g.numel() for g in grads), str(comm_dtype))
+        known = self.decisions.get(shape)
+        if known is None or reducer.steps_applied - known.step >= self.interval:
+            known = self._measure(reducer, shape[0], group, comm_dtype, grads[0].device)
+            self.decisions[shape] = known
+            if reducer.comms_for(group).rank == 0:
+                logger.info("deepspeed_dgc: policy auto, bucket of %d tensors (%d elements, %s): stock %.2f ms, "
+                            "compressed %.2f ms -> %s (step %d)", len(shape[0]), sum(shape[0]), comm_dtype,
+                            known.stock_s * 1e3, known.compressed_s * 1e3, known.choice, known.step)
+        return known.choice
+
+    def choose_gather(self, gather, shard: torch.Tensor, group, step: int) -> str:
+        """``"stock"`` or ``"compressed"`` for a parameter all-gather of shards like ``shard`` (1-D, n elements) over
+        ``group`` (a ``deepspeed.comm`` group, None: the world), measured first when due: stock's gather against the
+        quantized one (:class:`~deepspeed_dgc.zero3.allgather.QuantizedAllGather`) on random shards of the same size
+        and dtype, on the same group (collective over it: every rank gathers the same shards in the same order)."""
+        from deepspeed import comm as dist
+
+        ranks = tuple(group_global_ranks(group))
+        shape = ("all-gather", shard.numel(), str(shard.dtype), ranks)
+        known = self.gathers.get(shape)
+        if known is None or step - known.step >= self.interval:
+            gen = torch.Generator(device=shard.device).manual_seed(step + shard.numel())
+            probe = torch.randn(shard.numel(), generator=gen, device=shard.device).to(shard.dtype)
+            out = torch.empty(len(ranks) * shard.numel(), dtype=shard.dtype, device=shard.device)
+            options = (lambda: gather.stock(probe, out, group).wait(), lambda: gather.quantized(probe, out, group).wait())
+            options[1]()  # warm-up
+            times = torch.tensor(self._time_options(options, shard.device), dtype=torch.float64, device=shard.device)
+            dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)  # synchronous: every rank decides the same
+            stock_s, compressed_s = times.tolist()  # the measurement's one host read-back (probe steps only)
+            from .allgather import payload_bytes  # noqa: allgather's callers hold the policy
+            self.probe_bytes += (len(ranks) - 1) * (self.reps * shard.numel() * shard.element_size() + (self.reps + 1) *
+                                                    payload_bytes(shard.numel(), gather.fmt, gather.group_size))
+            known = Decision(self._faster(stock_s, compressed_s), stock_s, compressed_s, step)
+            self.gathers[shape] = known
+            if dist.get_rank() == ranks[0]:
+                logger.info("deepspeed_dgc: policy auto, all-gather of %d-element shards (%s, %d ranks): stock %.2f ms, "
+                            "quantized %.2f ms -> %s (step %d)", shard.numel(), shard.dtype, len(ranks),
+                            stock_s * 1e3, compressed_s * 1e3, known.choice, step)
+        return known.choice
+
+    def summary(self) -> Dict[str, dict]:
+        """JSON-ready decisions (telemetry): ``"<tensors>x<elements> <dtype>"`` -> a bucket shape's choice and times,
+        ``"all-gather <n> <dtype> <ranks>"`` -> a gather's."""
+        out = {f"{len(s[0])}x{sum(s[0])} {s[1]}": d.as_dict() for s, d in self.decisions.items()}
+        out.update({f"all-gather {s[1]} {s[2]} {len(s[3])} ranks": d.as_dict() for s, d in self.gathers.items()})
+        return out
+
+    def _stock_comm(self, reducer, group):
+        """A torch communicator over the whole group, as stock's reduce-scatter uses (made once per group,
+        collective; bounded by ``timeout_s``)."""
+        if group not in self._stock_comms:
+            self._stock_comms[group] = make_communicator("torch", group, reducer.cfg.timeout_s)
+        return self._stock_comms[group]
+
+    def _measure(self, reducer, numels: Sequence[int], group, comm_dtype: torch.dtype, device) -> Decision:
+        from .reduce_scatter import CompressedReduceScatter  # noqa: the reducer's own module imports this one
+
+        comms = reducer.comms_for(group)
+        cfg = reducer.cfg.model_copy(update={"policy": "fixed"})
+        probe = CompressedReduceScatter(cfg, ErrorFeedback(cfg.residual_storage, kernels=cfg.kernels),
+                                        seed=reducer.seed, ranks_per_node=reducer.ranks_per_node, ops=reducer.ops)
+        probe._comms, probe.steps_applied = reducer._comms, reducer.steps_applied  # same communicators and schedule
+        gen = torch.Generator(device=device).manual_seed(reducer.seed + reducer.steps_applied)
+        grads = [torch.randn(n, generator=gen, device=device, dtype=torch.float32).to(comm_dtype) for n in numels]
+        keys = [("policy probe", i) for i in range(len(numels))]
+        comm = self._stock_comm(reducer, group)
+        W = comms.world_size
+        chunks = [-(-n // W) for n in numels]
+        sent_before = _sent(comms) + comm.wire_bytes
+
+        def stock():
+            # what ZeRO-3's reduce-scatter moves: every owner's partition in the communication dtype, then the sum
+            rows = torch.cat([torch.nn.functional.pad(g.reshape(-1), (0, W * c - g.numel())).view(W, c)
+                              for g, c in zip(grads, chunks)], dim=1)
+            received = comm.all_to_all_fixed(rows.contiguous().view(torch.uint8).view(W, -1))
+            received.view(comm_dtype).view(W, -1).float().sum(0)
+
+        def compressed():
+            probe.reduce_scatter(grads, keys, group, comm_dtype)
+            probe.end_step(True)
+            probe.memory.commit()
+
+        compressed()  # warm-up: the codec's first call (and the fixed layout's first-step shape check)
+        best = self._time_options((stock, compressed), device)
+        self.probe_bytes += _sent(comms) + comm.wire_bytes - sent_before
+        times = comm.max_all_reduce(torch.tensor(best, dtype=torch.float64, device=reducer._exchange_device(comm)))
+        stock_s, compressed_s = times.tolist()  # the measurement's one host read-back (probe steps only)
+        return Decision(self._faster(stock_s, compressed_s), stock_s, compressed_s, reducer.steps_applied)
+
+
+    def _faster(self, stock_s: float, compressed_s: float) -> str:
+        return COMPRESSED if compressed_s < (1.0 - self.margin) * stock_s else STOCK
+
+    def _time_options(self, options, device) -> List[float]:
+        """Seconds of each option (callable), the fastest of :attr:`reps` interleaved runs, device synchronised."""
+        best = [float("inf")] * len(options)
+        for _ in range(self.reps):
+            for i, fn in enumerate(options):
+                _sync(device)
+                t0 = time.perf_counter()
+                fn()
+                _sync(device)
+                best[i] = min(best[i], time.perf_counter() - t0)
+        return best
+
+
+def _sent(comms) -> int:
+    return sum(c.wire_bytes for c in (comms.flat, comms.intra, comms.inter) if c is not None)
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def flush_residuals(memory: ErrorFeedback, grads: Sequence[torch.Tensor], keys: Sequence[Hashable], comms,
+                    scale: float) -> None:
+    """A bucket sent by stock takes its residuals along: each residual (unscaled, in the units of the mean) is added
+    to this rank's gradient times ``scale`` (``W * loss_scale``: stock sums ``g / W``), and a zero residual is staged in
+    its place (kept if the step is applied). Flat topology: the residual is the whole tensor's (``n`` elements);
+    hierarchical: the node-level rows of the owners ``k L + local`` (``N x ceil(n / W)``), added at those owners'
+    slices (the node's dense sum then carries them)."""
+    for g, key in zip(grads, keys):
+        residual = memory.get(key)
+        if residual is None:
+            continue
+        flat = g.view(-1)
+        if not comms.hierarchical:
+            flat.add_(residual.view(-1)[:flat.numel()].to(flat.dtype), alpha=scale)
+        else:
+            n, L, W = flat.numel(), comms.ranks_per_node, comms.world_size
+            c = -(-n // W)
+            rows = residual.view(-1, c)
+            for k in range(rows.shape[0]):
+                owner = k * L + comms.local_rank
+                count = real_count(n, owner, c)
+                if count > 0:
+                    flat.narrow(0, owner * c, count).add_(rows[k, :count].to(flat.dtype), alpha=scale)
+        memory.stage(key, torch.zeros_like(residual, dtype=torch.float32))
+
+
+def stock_result_bytes(numels: List[int], comms, elem_size: int) -> Tuple[int, int]:
+    """``(wire, inter-node)`` bytes this rank sends in stock's reduce-scatter of tensors of ``numels`` elements:
+    ``(W - 1) / W`` of each in the communication dtype, the share to other nodes by ``dest_nodes``."""
+    W = comms.world_size
+    per_dest = sum(-(-n // W) for n in numels) * elem_size
+    off = sum(1 for node in comms.dest_nodes if node != comms.dest_nodes[comms.rank])
+    return per_dest * (W - 1), per_dest * off
