@@ -244,7 +244,7 @@ class DGCConfig(BaseModel):
         "times decide, so every rank agrees; ties go to stock). A bucket sent by stock takes its residuals along. "
         "Plain gradient codecs only (not with a momentum method). Each choice is logged and in the telemetry "
         "(`policy`, `stock_buckets_total`)")
-    policy_interval: int = Field(200, ge=1, description="with `policy: \"auto\"`: applied steps between two "
+    policy_interval: int = Field(500, ge=1, description="with `policy: \"auto\"`: applied steps between two "
                                  "measurements of the same bucket shape")
     kernels: Literal["auto", "fused", "reference"] = Field(
         "auto", description="who compresses: the fused op where it loads (else the PyTorch reference, with one "

@@ -12,11 +12,14 @@ on the same process group,
 - **compressed**: the whole compressed reduce-scatter with the job's own codec (a throwaway instance with empty
   residuals, so the job's state is untouched), both hops on the hierarchical topology,
 
-three times each after one untimed compressed warm-up pass, interleaved, keeping the fastest of each. The times are
+three times each after one untimed compressed warm-up pass, interleaved, keeping the fastest of each (an option more
+than twice as slow as the other after the first run is not run again: on a slow link stock's exchange is the probe's
+main cost). The times are
 then the largest over the ranks (one max all-reduce of two values: every rank decides the same), and the bucket goes
 compressed only if its time is more than 5% below stock's: ties and small speed-ups go to stock, so that noise does
-not make a job slower than stock. The probe's own cost is about four compressed and three stock exchanges of each
-bucket shape per ``policy_interval`` steps. The parameter all-gather is chosen the same way per shard size and group
+not make a job slower than stock. The probe's own cost is at most four compressed and three stock exchanges of each
+bucket shape per ``policy_interval`` steps (at 100 Mbit/s on the network benchmark, four compressed and one stock:
+by estimate, about one stock step's traffic per measurement). The parameter all-gather is chosen the same way per shard size and group
 (stock's gather against the quantized one of ``weights.quantization``), at its first gather of each size.
 
 A bucket sent by stock sends its error-feedback residuals with it (added to this rank's gradient, so the sum over
@@ -32,7 +35,7 @@ which measures again) may choose differently.
 
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Hashable, List, Sequence, Tuple
+from typing import Callable, Dict, Hashable, List, Sequence, Tuple
 
 import torch
 from deepspeed.utils import logger
@@ -78,6 +81,7 @@ class LinkPolicy:
     decisions: Dict[Tuple, Decision] = field(default_factory=dict)
     gathers: Dict[Tuple, Decision] = field(default_factory=dict)
     probe_bytes: int = 0
+    runs: List[int] = field(default_factory=lambda: [0, 0], repr=False)  # of each option in the latest measurement
     _stock_comms: dict = field(default_factory=dict, repr=False)
 
     def choose(self, reducer, grads: Sequence[torch.Tensor], group, comm_dtype: torch.dtype) -> str:
@@ -110,11 +114,16 @@ class LinkPolicy:
             out = torch.empty(len(ranks) * shard.numel(), dtype=shard.dtype, device=shard.device)
             options = (lambda: gather.stock(probe, out, group).wait(), lambda: gather.quantized(probe, out, group).wait())
             options[1]()  # warm-up
-            times = torch.tensor(self._time_options(options, shard.device), dtype=torch.float64, device=shard.device)
-            dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)  # synchronous: every rank decides the same
-            stock_s, compressed_s = times.tolist()  # the measurement's one host read-back (probe steps only)
+
+            def agree(values: List[float]) -> List[float]:  # synchronous; read on the host (probe steps only)
+                t = torch.tensor(values, dtype=torch.float64, device=shard.device)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+                return t.tolist()
+
+            stock_s, compressed_s = self._time_options(options, shard.device, agree)  # every rank decides the same
             from .allgather import payload_bytes  # noqa: allgather's callers hold the policy
-            self.probe_bytes += (len(ranks) - 1) * (self.reps * shard.numel() * shard.element_size() + (self.reps + 1) *
+            runs = self.runs
+            self.probe_bytes += (len(ranks) - 1) * (runs[0] * shard.numel() * shard.element_size() + (runs[1] + 1) *
                                                     payload_bytes(shard.numel(), gather.fmt, gather.group_size))
             known = Decision(self._faster(stock_s, compressed_s), stock_s, compressed_s, step)
             self.gathers[shape] = known
@@ -167,27 +176,44 @@ class LinkPolicy:
             probe.memory.commit()
 
         compressed()  # warm-up: the codec's first call (and the fixed layout's first-step shape check)
-        best = self._time_options((stock, compressed), device)
+        def agree(values: List[float]) -> List[float]:  # read on the host (probe steps only)
+            return comm.max_all_reduce(torch.tensor(values, dtype=torch.float64,
+                                                    device=reducer._exchange_device(comm))).tolist()
+
+        stock_s, compressed_s = self._time_options((stock, compressed), device, agree)  # every rank decides the same
         self.probe_bytes += _sent(comms) + comm.wire_bytes - sent_before
-        times = comm.max_all_reduce(torch.tensor(best, dtype=torch.float64, device=reducer._exchange_device(comm)))
-        stock_s, compressed_s = times.tolist()  # the measurement's one host read-back (probe steps only)
         return Decision(self._faster(stock_s, compressed_s), stock_s, compressed_s, reducer.steps_applied)
 
 
     def _faster(self, stock_s: float, compressed_s: float) -> str:
         return COMPRESSED if compressed_s < (1.0 - self.margin) * stock_s else STOCK
 
-    def _time_options(self, options, device) -> List[float]:
-        """Seconds of each option (callable), the fastest of :attr:`reps` interleaved runs, device synchronised."""
+    @staticmethod
+    def _timed(option: int, fn: Callable[[], None], device) -> float:
+        """Seconds of one run of ``fn`` (option ``option``), the device synchronised before and after."""
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        return time.perf_counter() - t0
+
+    def _time_options(self, options, device, agree: Callable[[List[float]], List[float]]) -> List[float]:
+        """Seconds of each option (callable), the fastest of :attr:`reps` interleaved runs, device synchronised, then
+        the largest over the ranks (``agree``: a max all-reduce, read on the host). An option more than twice as slow
+        as the fastest after the first run (by the agreed times, so every rank runs the same collectives) is not run
+        again: on a slow link stock's exchange is the probe's main cost, and its choice is clear. :attr:`runs` holds
+        how often each ran."""
         best = [float("inf")] * len(options)
-        for _ in range(self.reps):
-            for i, fn in enumerate(options):
-                _sync(device)
-                t0 = time.perf_counter()
-                fn()
-                _sync(device)
-                best[i] = min(best[i], time.perf_counter() - t0)
-        return best
+        active = list(range(len(options)))
+        self.runs = [0] * len(options)
+        for rep in range(self.reps):
+            for i in active:
+                best[i] = min(best[i], self._timed(i, options[i], device))
+                self.runs[i] += 1
+            if rep == 0:
+                first = agree(best)
+                active = [i for i in active if first[i] <= 2.0 * min(first)]
+        return agree(best)
 
 
 def _sent(comms) -> int:

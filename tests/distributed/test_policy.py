@@ -14,12 +14,13 @@ AUTO = {"enabled": True, "policy": "auto", "policy_interval": 2, "residual_dtype
 
 def test_policy_auto_switches_buckets_and_conserves_what_was_not_sent():
     """6 steps, measured again every 2 applied steps, the agreed choices alternating compressed and stock while rank
-    1's own times say the opposite (tests/workers/engine_worker.py --policy-script): every rank chose the same; both
+    1's own times say the opposite (tests/workers/engine_worker.py --policy-script; at the compressed rounds stock is
+    timed only once, by the agreed times of the first run): every rank chose the same; both
     choices happened; checked in float64 from what each rank recorded, the averaged gradient of every parameter is
     the sum over ranks of residual + g / 2 - residual' (compressed: dense INT4 with error feedback; stock: the
     residual goes along and becomes exactly 0), and some bucket went stock right after a compressed step, so a
     non-zero residual was sent by stock."""
-    ranks = run_engine(steps=6, local_grads=True, policy_script="cs", config={"dgc": AUTO})
+    ranks = run_engine(steps=6, local_grads=True, policy_script="Cs", config={"dgc": AUTO})
     keys = ranks[0]["keys"]
     stats = [rec["stats"] for rec in ranks]
     assert stats[0]["policy"] == stats[1]["policy"] and stats[0]["policy"]

@@ -268,20 +268,21 @@ def run(args, rank):
 
 def script_policy(state, script: str, rank: int) -> None:
     """The measurements of ``state.policy`` (a LinkPolicy) at applied step t agree on ``script[(t // interval) % len]``
-    ("s" stock, "c" compressed) for every bucket: the measured times are replaced, on rank 1 by ones that alone would
-    choose the other way (for "c": stock 1 s, compressed 2 s), on rank 0 by ones that make the largest over the ranks
-    choose as scripted (for "c": stock 3 s, compressed 0.5 s; the maxima are 3 s and 2 s)."""
+    for every bucket and gather: each timed run still runs, but its time is replaced by a scripted one before the
+    ranks agree. Rank 1's times alone would choose the other way; rank 0's make the largest over the ranks choose as
+    scripted. "c": compressed (rank 0: stock 3 s, compressed 0.5 s; rank 1: 1 s and 2 s; the maxima: 3 s and 2 s);
+    "s": stock (the same, swapped); "C": compressed by far (rank 0: stock 10 s, compressed 0.5 s; rank 1: 1 s and 2 s),
+    so that after the first run stock is more than twice as slow by the agreed times but not by rank 1's own."""
     policy = state.policy
-    measured = policy._time_options
+    measured = policy._timed
+    times = {"c": ([3.0, 0.5], [1.0, 2.0]), "s": ([0.5, 3.0], [2.0, 1.0]), "C": ([10.0, 0.5], [1.0, 2.0])}
 
-    def scripted(options, device):
-        measured(options, device)  # the real exchanges run
+    def scripted(option, fn, device):
+        measured(option, fn, device)  # the real exchange runs
         want = script[(state.reducer.steps_applied // policy.interval) % len(script)]
-        if rank == 1:
-            return [1.0, 2.0] if want == "c" else [2.0, 1.0]
-        return [3.0, 0.5] if want == "c" else [0.5, 3.0]
+        return times[want][rank == 1][option]
 
-    policy._time_options = scripted
+    policy._timed = scripted
 
 
 def main(argv=None):
