@@ -244,13 +244,15 @@ def log_step(s: StepStats, rank: int, monitor=None, global_samples: int = 0) -> 
                 f"ratio {s.compression_ratio:.1f}x, density {s.density:.4f}, residual norm {norm}; "
                 f"params: wire {s.param_wire_bytes} B, dense fp32 {s.param_dense_fp32_bytes:.0f} B, "
                 f"uncovered {s.param_uncovered_bytes} B"
+                f"{f'; {s.stock_buckets} bucket(s) sent by stock (policy auto)' if s.stock_buckets else ''}"
                 f"{', skipped (overflow)' if s.skipped else ''}")
     if monitor is not None and getattr(monitor, "enabled", False) and rank == 0:
         events = [("Train/dgc/wire_bytes", s.wire_bytes, global_samples),
                   ("Train/dgc/inter_node_wire_bytes", s.inter_node_wire_bytes, global_samples),
                   ("Train/dgc/compression_ratio", s.compression_ratio, global_samples),
                   ("Train/dgc/density", s.density, global_samples),
-                  ("Train/dgc/param_wire_bytes", s.param_wire_bytes, global_samples)]
+                  ("Train/dgc/param_wire_bytes", s.param_wire_bytes, global_samples),
+                  ("Train/dgc/stock_buckets", s.stock_buckets, global_samples)]
         if s.residual_norm is not None:
             events.append(("Train/dgc/residual_norm", s.residual_norm, global_samples))
         monitor.write_events(events)
