@@ -242,10 +242,11 @@ class DGCConfig(BaseModel):
         "measures faster on this job's link (every rank times both on random tensors of the bucket's sizes, on the "
         "same group, when a bucket shape is first seen and every `policy_interval` applied steps; the slowest rank's "
         "times decide, so every rank agrees; ties go to stock). A bucket sent by stock takes its residuals along. "
-        "Plain gradient codecs only (not with a momentum method). Each choice is logged and in the telemetry "
-        "(`policy`, `stock_buckets_total`)")
+        "Plain gradient codecs only (not with a momentum method). Each choice is in the telemetry (`policy`, "
+        "`stock_buckets_total`) and logged at INFO by DeepSpeed's logger")
     policy_interval: int = Field(500, ge=1, description="with `policy: \"auto\"`: applied steps between two "
-                                 "measurements of the same bucket shape")
+                                 "measurements of the same bucket shape or gather size (each costs a few exchanges "
+                                 "of it both ways: small values cost more than they save)")
     kernels: Literal["auto", "fused", "reference"] = Field(
         "auto", description="who compresses: the fused op where it loads (else the PyTorch reference, with one "
         "warning saying why), the fused op or fail at initialize, or the reference. Same bytes either way; the "

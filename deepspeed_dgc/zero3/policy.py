@@ -12,15 +12,19 @@ on the same process group,
 - **compressed**: the whole compressed reduce-scatter with the job's own codec (a throwaway instance with empty
   residuals, so the job's state is untouched), both hops on the hierarchical topology,
 
-three times each after one untimed compressed warm-up pass, interleaved, keeping the fastest of each (an option more
-than twice as slow as the other after the first run is not run again: on a slow link stock's exchange is the probe's
-main cost). The times are
+three times each after one untimed warm-up run of each, interleaved, keeping the fastest of each (an option more
+than twice as slow as the other after the first run, and slower than 50 ms, is not run again: on a slow link stock's
+exchange is the probe's main cost). The times are
 then the largest over the ranks (one max all-reduce of two values: every rank decides the same), and the bucket goes
 compressed only if its time is more than 5% below stock's: ties and small speed-ups go to stock, so that noise does
-not make a job slower than stock. The probe's own cost is at most four compressed and three stock exchanges of each
-bucket shape per ``policy_interval`` steps (at 100 Mbit/s on the network benchmark, four compressed and one stock:
-by estimate, about one stock step's traffic per measurement). The parameter all-gather is chosen the same way per shard size and group
-(stock's gather against the quantized one of ``weights.quantization``), at its first gather of each size.
+not make a job slower than stock. The probe's own cost is at most four compressed and four stock exchanges of each
+bucket shape per measurement (at 100 Mbit/s on the network benchmark, four compressed and two stock: by estimate,
+about two stock steps' traffic per measurement); a small ``policy_interval`` makes the probes cost more than they
+save (at 1, several times the training's own gradient bytes). The parameter all-gather is chosen the same way per
+shard size and group (stock's gather against the quantized one of ``weights.quantization``): at the first gather of
+each size, and again at a gather of that size ``policy_interval`` or more steps later. Parameters that ZeRO-3 keeps
+whole (below ``stage3_param_persistence_threshold``) are gathered only at the start, so their choice is never
+measured again.
 
 A bucket sent by stock sends its error-feedback residuals with it (added to this rank's gradient, so the sum over
 ranks is the same mean the compressed path would have had before quantization), and its residuals become zero (staged,
@@ -28,7 +32,9 @@ so a skipped step keeps them). What was not yet sent is thus never lost.
 
 Only the plain gradient codecs (error feedback with any density, threshold and format) can switch per bucket: the
 momentum methods change what the owners step with, and ``policy: "auto"`` refuses them (:class:`~deepspeed_dgc.config.
-DGCConfig`). Measured times are host wall-clock around the exchange; on a GPU the probe synchronises the device
+DGCConfig`). Each choice is logged on rank 0 at INFO by DeepSpeed's logger (which shows INFO only when its level is
+set so, e.g. ``deepspeed.utils.logger.setLevel(logging.INFO)``) and is in :func:`deepspeed_dgc.get_stats`'s
+``policy``. Measured times are host wall-clock around the exchange; on a GPU the probe synchronises the device
 (probe steps only, never a normal step). Choices depend on measured times, so two runs (or a run and its resume,
 which measures again) may choose differently.
 """
@@ -46,6 +52,9 @@ from ..memory.error_feedback import ErrorFeedback
 
 
 STOCK, COMPRESSED = "stock", "compressed"
+# an option is run only once per measurement when it is both more than twice as slow as the other and slower than this
+# (seconds): only then does the probe's own time matter, and a single run of a sub-millisecond exchange is noise
+PRUNE_ABOVE_S = 0.05
 
 
 @dataclass
@@ -113,7 +122,6 @@ class LinkPolicy:
             probe = torch.randn(shard.numel(), generator=gen, device=shard.device).to(shard.dtype)
             out = torch.empty(len(ranks) * shard.numel(), dtype=shard.dtype, device=shard.device)
             options = (lambda: gather.stock(probe, out, group).wait(), lambda: gather.quantized(probe, out, group).wait())
-            options[1]()  # warm-up
 
             def agree(values: List[float]) -> List[float]:  # synchronous; read on the host (probe steps only)
                 t = torch.tensor(values, dtype=torch.float64, device=shard.device)
@@ -123,7 +131,7 @@ class LinkPolicy:
             stock_s, compressed_s = self._time_options(options, shard.device, agree)  # every rank decides the same
             from .allgather import payload_bytes  # noqa: allgather's callers hold the policy
             runs = self.runs
-            self.probe_bytes += (len(ranks) - 1) * (runs[0] * shard.numel() * shard.element_size() + (runs[1] + 1) *
+            self.probe_bytes += (len(ranks) - 1) * ((runs[0] + 1) * shard.numel() * shard.element_size() + (runs[1] + 1) *
                                                     payload_bytes(shard.numel(), gather.fmt, gather.group_size))
             known = Decision(self._faster(stock_s, compressed_s), stock_s, compressed_s, step)
             self.gathers[shape] = known
@@ -175,7 +183,6 @@ class LinkPolicy:
             probe.end_step(True)
             probe.memory.commit()
 
-        compressed()  # warm-up: the codec's first call (and the fixed layout's first-step shape check)
         def agree(values: List[float]) -> List[float]:  # read on the host (probe steps only)
             return comm.max_all_reduce(torch.tensor(values, dtype=torch.float64,
                                                     device=reducer._exchange_device(comm))).tolist()
@@ -198,11 +205,14 @@ class LinkPolicy:
         return time.perf_counter() - t0
 
     def _time_options(self, options, device, agree: Callable[[List[float]], List[float]]) -> List[float]:
-        """Seconds of each option (callable), the fastest of :attr:`reps` interleaved runs, device synchronised, then
+        """Seconds of each option (callable), after one untimed run of each, the fastest of :attr:`reps` interleaved
+        runs, device synchronised, then
         the largest over the ranks (``agree``: a max all-reduce, read on the host). An option more than twice as slow
-        as the fastest after the first run (by the agreed times, so every rank runs the same collectives) is not run
-        again: on a slow link stock's exchange is the probe's main cost, and its choice is clear. :attr:`runs` holds
+        as the fastest after the first run and slower than :data:`PRUNE_ABOVE_S` (by the agreed times, so every rank
+        runs the same collectives) is not run again: on a slow link stock's exchange is the probe's main cost, and its choice is clear. :attr:`runs` holds
         how often each ran."""
+        for fn in options:  # warm-up, untimed: first calls (codec set-up, the fixed layout's shape check, caches)
+            fn()
         best = [float("inf")] * len(options)
         active = list(range(len(options)))
         self.runs = [0] * len(options)
@@ -212,7 +222,7 @@ class LinkPolicy:
                 self.runs[i] += 1
             if rep == 0:
                 first = agree(best)
-                active = [i for i in active if first[i] <= 2.0 * min(first)]
+                active = [i for i in active if first[i] <= max(2.0 * min(first), PRUNE_ABOVE_S)]
         return agree(best)
 
 
