@@ -263,7 +263,9 @@ def flush_residuals(memory: ErrorFeedback, grads: Sequence[torch.Tensor], keys: 
 
 def stock_result_bytes(numels: List[int], comms, elem_size: int) -> Tuple[int, int]:
     """``(wire, inter-node)`` bytes this rank sends in stock's reduce-scatter of tensors of ``numels`` elements:
-    ``(W - 1) / W`` of each in the communication dtype, the share to other nodes by ``dest_nodes``."""
+    ``(W - 1) / W`` of each in the communication dtype, the share to other nodes by ``dest_nodes``. (Where stock
+    all-reduces the bucket instead, ``reduce_scatter: false``, a ring all-reduce sends up to twice that; it is counted
+    as a reduce-scatter.)"""
     W = comms.world_size
     per_dest = sum(-(-n // W) for n in numels) * elem_size
     off = sum(1 for node in comms.dest_nodes if node != comms.dest_nodes[comms.rank])
