@@ -420,3 +420,11 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # A finished run leaves without interpreter finalization: gloo's worker threads can still hold work objects with
+    # Python references there, and destroying them then aborts the process now and then ("terminate called without
+    # an active exception", after the summary; pytorch/pytorch#179291), failing a run that succeeded.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if "mpi4py.MPI" in sys.modules:  # under mpirun, a rank that exits without MPI_Finalize fails the job
+        sys.modules["mpi4py.MPI"].Finalize()
+    os._exit(0)
