@@ -50,6 +50,7 @@ from . import checkpoint
 from . import optimizer as owners
 from .allgather import QuantizedAllGather, check_layout_seam
 from .policy import STOCK, flush_residuals, stock_result_bytes
+from .reduce_scatter import reduce_result, split_by_node
 from .state import STATE_ATTR, DGCState
 
 logger = logging.getLogger("deepspeed_dgc")
@@ -445,16 +446,10 @@ def _by_stock(opt, state: DGCState, params, group, comm_dtype) -> bool:
     if choice != STOCK:
         return False
     comms = reducer.comms_for(group)
-    world = comms.world_size
-    flush_residuals(state.memory, grads, keys, comms, world * float(opt.loss_scale))
+    flush_residuals(state.memory, grads, keys, comms, comms.world_size * float(opt.loss_scale))
     numels = [g.numel() for g in grads]
     wire, inter = stock_result_bytes(numels, comms, torch.tensor([], dtype=comm_dtype).element_size())
-    off_node = sum(1 for node in comms.dest_nodes if node != comms.dest_nodes[comms.rank])
-    state.stats.record(ReduceResult(wire_bytes=wire, dense_fp32_bytes=sum((world - 1) / world * n * 4 for n in numels),
-                                    kept=sum(numels), numel=sum(numels), finite=True, intra_node_wire_bytes=wire - inter,
-                                    inter_node_wire_bytes=inter,
-                                    inter_node_dense_fp32_bytes=sum(off_node / world * n * 4 for n in numels),
-                                    stock_buckets=1))
+    state.stats.record(reduce_result(comms, numels, wire - inter, inter, kept=sum(numels), stock_buckets=1))
     return True
 
 
@@ -498,12 +493,9 @@ def share_masks(opt, state: DGCState) -> None:
     keys, chunks, own = owners.choose_masks(opt, cfg.density, cfg.score, cfg.explore, state.reducer.steps_applied,
                                             comms.world_size, state.key_of)
     sent = state.reducer.set_masks(comm, keys, chunks, own)
-    if comms.hierarchical:
-        inter = sent
-    else:
-        inter = sum(b for d, b in enumerate(comm.last_sent_bytes) if comms.dest_nodes[d] != comms.dest_nodes[comms.rank])
+    intra, inter = (0, sent) if comms.hierarchical else split_by_node(comms, comm.last_sent_bytes)
     state.stats.record(ReduceResult(wire_bytes=sent, dense_fp32_bytes=0.0, kept=0, numel=0, finite=True,
-                                    intra_node_wire_bytes=sent - inter, inter_node_wire_bytes=inter))
+                                    intra_node_wire_bytes=intra, inter_node_wire_bytes=inter))
 
 
 def freeze(opt, state: DGCState) -> None:

@@ -191,7 +191,6 @@ class LinkPolicy:
         self.probe_bytes += _sent(comms) + comm.wire_bytes - sent_before
         return Decision(self._faster(stock_s, compressed_s), stock_s, compressed_s, reducer.steps_applied)
 
-
     def _faster(self, stock_s: float, compressed_s: float) -> str:
         return COMPRESSED if compressed_s < (1.0 - self.margin) * stock_s else STOCK
 
@@ -205,12 +204,11 @@ class LinkPolicy:
         return time.perf_counter() - t0
 
     def _time_options(self, options, device, agree: Callable[[List[float]], List[float]]) -> List[float]:
-        """Seconds of each option (callable), after one untimed run of each, the fastest of :attr:`reps` interleaved
-        runs, device synchronised, then
-        the largest over the ranks (``agree``: a max all-reduce, read on the host). An option more than twice as slow
-        as the fastest after the first run and slower than :data:`PRUNE_ABOVE_S` (by the agreed times, so every rank
-        runs the same collectives) is not run again: on a slow link stock's exchange is the probe's main cost, and its choice is clear. :attr:`runs` holds
-        how often each ran."""
+        """Seconds of each option (callable): after one untimed run of each, the fastest of :attr:`reps` interleaved
+        runs, device synchronised, then the largest over the ranks (``agree``: a max all-reduce, read on the host). An
+        option more than twice as slow as the fastest after the first run and slower than :data:`PRUNE_ABOVE_S` (by
+        the agreed times, so every rank runs the same collectives) is not run again: on a slow link stock's exchange
+        is the probe's main cost, and its choice is clear. :attr:`runs` holds how often each ran."""
         for fn in options:  # warm-up, untimed: first calls (codec set-up, the fixed layout's shape check, caches)
             fn()
         best = [float("inf")] * len(options)

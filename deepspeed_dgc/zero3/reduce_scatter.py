@@ -79,6 +79,29 @@ class Bucket:
     density_pending: bool = False
 
 
+def split_by_node(comms: ReduceComms, sent: Sequence[int]) -> Tuple[int, int]:
+    """``(intra-node, inter-node)`` bytes of a flat exchange that sent ``sent[d]`` bytes to group rank ``d``."""
+    intra = sum(b for d, b in enumerate(sent) if comms.dest_nodes[d] == comms.dest_nodes[comms.rank])
+    return intra, sum(sent) - intra
+
+
+def reduce_result(comms: ReduceComms, numels: Sequence[int], intra_bytes: int, inter_bytes: int, kept: int,
+                  finite: bool = True, stock_buckets: int = 0) -> ReduceResult:
+    """The telemetry of one reduce-scatter of tensors of ``numels`` elements over ``comms``' group that sent these
+    bytes: beside them, what stock fp32 would send, ``(W-1)/W`` of each tensor, and the share of it to other nodes."""
+    world = comms.world_size
+    off_node = sum(1 for node in comms.dest_nodes if node != comms.dest_nodes[comms.rank])
+    return ReduceResult(wire_bytes=intra_bytes + inter_bytes,
+                        dense_fp32_bytes=sum((world - 1) / world * n * 4 for n in numels),
+                        kept=kept,
+                        numel=sum(numels),
+                        finite=finite,
+                        intra_node_wire_bytes=intra_bytes,
+                        inter_node_wire_bytes=inter_bytes,
+                        inter_node_dense_fp32_bytes=sum(off_node / world * n * 4 for n in numels),
+                        stock_buckets=stock_buckets)
+
+
 class CompressedReduceScatter:
     """Sparsified, quantized reduce-scatter with error feedback for one ZeRO-3 optimizer.
 
@@ -166,21 +189,9 @@ class CompressedReduceScatter:
                 job = self._job(bucket, bucket.srcs, [0] * len(bucket.srcs), bucket.chunks,
                                 list(range(comms.world_size)), bucket.numels, bucket.divisor)
                 out, finite, kept = self._compress_exchange(bucket, job, comms.flat, comms.rank)
-            sent = comms.flat.last_sent_bytes
-            intra_bytes = sum(b for d, b in enumerate(sent) if comms.dest_nodes[d] == comms.dest_nodes[comms.rank])
-            inter_bytes = sum(sent) - intra_bytes
+            intra_bytes, inter_bytes = split_by_node(comms, comms.flat.last_sent_bytes)
         outputs = self._exit(out, finite, bucket, comms.rank)
-        world = comms.world_size
-        off_node = sum(1 for node in comms.dest_nodes if node != comms.dest_nodes[comms.rank])
-        result = ReduceResult(wire_bytes=intra_bytes + inter_bytes,
-                              dense_fp32_bytes=sum((world - 1) / world * n * 4 for n in bucket.numels),
-                              kept=kept,
-                              numel=sum(bucket.numels),
-                              finite=finite,
-                              intra_node_wire_bytes=intra_bytes,
-                              inter_node_wire_bytes=inter_bytes,
-                              inter_node_dense_fp32_bytes=sum(off_node / world * n * 4 for n in bucket.numels))
-        return outputs, result
+        return outputs, reduce_result(comms, bucket.numels, intra_bytes, inter_bytes, kept, finite)
 
     def _enter(self, grads, keys, comms: ReduceComms, comm_dtype, loss_scale: float) -> Bucket:
         """Step 1: what is compressed, divided by what, with which codec."""
