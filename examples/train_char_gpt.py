@@ -10,10 +10,13 @@ and optionally writes the same JSON to ``--summary-json``.
 """
 
 import argparse
+import cProfile
 import datetime
+import io
 import json
 import math
 import os
+import pstats
 import subprocess
 import sys
 import time
@@ -152,6 +155,19 @@ def evaluate(engine, val_batches: list[tuple[torch.Tensor, torch.Tensor]], devic
     return (totals[0] / totals[1]).item()
 
 
+def write_profile(profiler: "cProfile.Profile", prefix: Path, rank: int) -> None:
+    """Write ``prefix.rankR.prof`` (pstats, for snakeviz or ``python -m pstats``) and ``prefix.rankR.txt`` (the 40
+    functions with the most own time, then the 40 with the most cumulative time)."""
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    base = f"{prefix}.rank{rank}"
+    profiler.dump_stats(base + ".prof")
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text).strip_dirs()
+    stats.sort_stats("tottime").print_stats(40)
+    stats.sort_stats("cumulative").print_stats(40)
+    Path(base + ".txt").write_text(text.getvalue())
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
@@ -171,6 +187,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--count-host-syncs", action="store_true",
                         help="count deepspeed_dgc's host-synchronising tensor calls per step (deepspeed_dgc.syncs) and "
                         "put them in the summary (the Python path a GPU runs: use with --dgc-set kernels='\"reference\"')")
+    parser.add_argument("--profile-step", type=int, metavar="N",
+                        help="run step N under cProfile on every rank (every rank, so that none waits on a slowed one) "
+                        "and write rank R's profile to --profile-out.rankR.prof and its top functions to "
+                        "--profile-out.rankR.txt")
+    parser.add_argument("--profile-out", type=Path, default=Path("runs/profile/step"),
+                        help="path prefix of the --profile-step files")
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--n-embd", type=int, default=128)
     parser.add_argument("--n-head", type=int, default=4)
@@ -188,6 +210,8 @@ def parse_args() -> argparse.Namespace:
         parser.error("--deepspeed_config is required")
     if args.max_steps < 1 or args.eval_interval < 1 or args.eval_batches < 1 or args.save_interval < 0:
         parser.error("--max-steps, --eval-interval and --eval-batches must be >= 1, --save-interval >= 0")
+    if args.profile_step is not None and not 1 <= args.profile_step <= args.max_steps:
+        parser.error(f"--profile-step {args.profile_step}: not a step of this run (1..{args.max_steps})")
     if args.net_iface and not net_tx_path(args.net_iface).is_file():
         parser.error(f"--net-iface {args.net_iface}: no {net_tx_path(args.net_iface)}")
     if args.resume_from and not (args.resume_from / "latest").is_file():
@@ -326,6 +350,9 @@ def main() -> None:
     start = time.perf_counter()
     for step in range(first_step, args.max_steps + 1):
         tx_start = read_tx() if read_tx else 0  # before the clock starts (tc takes milliseconds)
+        profiler = cProfile.Profile() if step == args.profile_step else None
+        if profiler:
+            profiler.enable()
         step_start = time.perf_counter()
         micro_losses = []
         for _ in range(grad_accum):
@@ -341,6 +368,9 @@ def main() -> None:
                 host_sync_sites.update(sites)
         train_loss = all_reduce_mean(sum(micro_losses) / grad_accum, world)  # also a barrier: the step ended everywhere
         step_times_s.append(time.perf_counter() - step_start)
+        if profiler:
+            profiler.disable()
+            write_profile(profiler, args.profile_out, dist.get_rank())
         if read_tx:
             step_net_tx_bytes.append(read_tx() - tx_start)
         recent_train.append(train_loss)
