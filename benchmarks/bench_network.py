@@ -15,7 +15,8 @@ What it does:
    weights are gathered as in a large model. Same data, seed and steps for every configuration.
 3. Convergence: each configuration trains once for ``--converge-steps`` steps on the unlimited
    loopback of the namespace (losses do not depend on the link; CPU runs are deterministic),
-   evaluating every ``--eval-interval`` steps.
+   evaluating every ``--eval-interval`` steps. A configuration whose choices depend on the link
+   (``policy_auto``) trains once more at every rate, and its loss at a rate is that run's.
 4. Timing: for every rate and then without a limit (the ceiling), ``--repeats`` rounds; each
    round launches every configuration once
    (``--warmup-steps`` + ``--timed-steps`` steps), the order rotated between rounds. Step time
@@ -23,11 +24,13 @@ What it does:
    collective), without evaluation; bytes on the wire are the namespace loopback's tx counter
    over the same step (all ranks, TCP/IP headers included). Medians over the timed steps, then
    over rounds; speed-ups are medians of the per-round ratios (same round, same drift).
-5. Time to the stock loss: the first evaluation at which a configuration's validation loss is at
-   or below stock fp32's at the fixed step, times its median step time at that rate.
+5. Time to target: the target is stock fp32's validation loss at ``--target-step`` (default: half of
+   ``--converge-steps``); a configuration's time to target at a rate is the first evaluation step at
+   which its validation loss is at or below the target, times its median step time at that rate
+   (evaluation not counted). Link use: wire bytes per step / (rate x step time).
 
 Outputs under ``--out-dir``: one JSON per launch, ``results.md`` (the tables), ``bench_network.png``
-(validation loss against modelled wall time at each rate; step time per configuration and rate),
+(one panel per rate: validation loss against modelled wall-clock time; step time per configuration and rate),
 and ``--json PATH`` with everything.
 """
 
@@ -64,6 +67,8 @@ class BenchConfig:
     # --nodes only: the hierarchical topology and hpZ over the node (dgc.ranks_per_node and
     # zero_hpz_partition_size = the node size, set at launch)
     node_level: bool = False
+    # what it sends depends on the link (policy "auto"): its loss is trained at every rate, not once
+    loss_per_rate: bool = False
 
 
 def _dgc(density: float | str, error_feedback: bool = True, weights: str | None = None) -> dict:
@@ -77,6 +82,14 @@ def _dgc(density: float | str, error_feedback: bool = True, weights: str | None 
     return section
 
 
+RECOMMENDED_ADAM = {"enabled": True, "stats_interval": 1000000,
+                    "decoupled_momentum": {"chunk": 64, "topk": 2, "quantization": "int2"}}  # configs/zero3_dgc_adam.json
+# in both pools (with --nodes, node_level adds hpZ over the node and the two hops)
+ZEROPP_LIKE = BenchConfig("zeropp_like", "ZeRO++-like: INT8 weights + dense INT4 gradients, no error feedback "
+                          "(with --nodes: hpZ over the node, two hops)",
+                          dict(_dgc(1.0, error_feedback=False, weights="int8")), node_level=True)
+DGC_ADAM_FLAT = BenchConfig("dgc_adam_flat", "DGC, recommended Adam setting (decoupled momentum INT2) + INT4 weights, "
+                            "flat", dict(RECOMMENDED_ADAM, weights={"quantization": "int4", "group_size": 256}))
 CONFIGS = [
     BenchConfig("stock_fp32", "stock ZeRO-3, fp32 communication"),
     BenchConfig("stock_bf16", "stock ZeRO-3, communication_data_type bf16", ds_extra={"communication_data_type": "bf16"}),
@@ -90,21 +103,19 @@ CONFIGS = [
     BenchConfig("dgc_d001_wint4", "DGC gradients (0.01) + INT4 weights", _dgc(0.01, weights="int4")),
     BenchConfig("dgc_d01_wint4", "DGC gradients (top-k 0.1, INT4) + INT4 weights", _dgc(0.1, weights="int4")),
     BenchConfig("ddp_powersgd", "PyTorch DDP + PowerSGD hook (rank 4, one bucket)", ddp=True),
+    ZEROPP_LIKE,
+    DGC_ADAM_FLAT,
     BenchConfig("policy_auto", "policy auto: per bucket and gather, stock or dense INT4 + EF / INT4 weights, measured",
-                dict(_dgc(1.0, weights="int4"), policy="auto")),
+                dict(_dgc(1.0, weights="int4"), policy="auto"), loss_per_rate=True),
 ]
 # the configurations of --nodes (two nodes, each of L ranks, a rate-limited path between them)
-RECOMMENDED_ADAM = {"enabled": True, "stats_interval": 1000000,
-                    "decoupled_momentum": {"chunk": 64, "topk": 2, "quantization": "int2"}}  # configs/zero3_dgc_adam.json
 NODE_CONFIGS = [
     BenchConfig("stock_fp32", "stock ZeRO-3, fp32 communication"),
     BenchConfig("stock_bf16", "stock ZeRO-3, communication_data_type bf16", ds_extra={"communication_data_type": "bf16"}),
-    BenchConfig("zeropp_like", "ZeRO++-like: hpZ + INT8 weights + dense INT4 gradients, no error feedback, two hops",
-                dict(_dgc(1.0, error_feedback=False, weights="int8")), node_level=True),
+    ZEROPP_LIKE,
     BenchConfig("dgc_int4_hier", "DGC, the default (dense INT4 + error feedback) + INT4 weights, hierarchical + hpZ",
                 dict(_dgc(1.0, weights="int4"), residual_dtype="fp8"), node_level=True),
-    BenchConfig("dgc_adam_flat", "DGC, recommended Adam setting (decoupled momentum INT2) + INT4 weights, flat",
-                dict(RECOMMENDED_ADAM, weights={"quantization": "int4", "group_size": 256})),
+    DGC_ADAM_FLAT,
     BenchConfig("dgc_adam_hier", "DGC, recommended Adam setting (bf16 momentum) + INT4 weights, hierarchical + hpZ",
                 dict(RECOMMENDED_ADAM, decoupled_momentum=dict(RECOMMENDED_ADAM["decoupled_momentum"], storage="bf16"),
                      weights={"quantization": "int4", "group_size": 256}), node_level=True),
@@ -124,6 +135,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--configs", nargs="+", default=None,
                         help=f"subset of: {', '.join(BY_NAME)} (stock_fp32 and stock_bf16 are always included)")
     parser.add_argument("--converge-steps", type=int, default=80, help="the fixed step of the loss comparison")
+    parser.add_argument("--target-step", type=int,
+                        help="the target loss of the time to target is stock fp32's validation loss at this step (an "
+                        "evaluation step; default: the last evaluation at or before half of --converge-steps)")
     parser.add_argument("--eval-interval", type=int, default=10)
     parser.add_argument("--eval-batches", type=int, default=4, help="validation batches per evaluation")
     parser.add_argument("--warmup-steps", type=int, default=3, help="untimed steps at the start of a timing launch")
@@ -167,6 +181,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("converge_steps", "eval_interval", "eval_batches", "timed_steps", "repeats", "micro_batch"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.target_step is None:
+        args.target_step = max(args.eval_interval, args.converge_steps // 2 // args.eval_interval * args.eval_interval)
+    if args.target_step % args.eval_interval or not args.eval_interval <= args.target_step <= args.converge_steps:
+        parser.error(f"--target-step {args.target_step}: not an evaluation step (a multiple of --eval-interval "
+                     f"{args.eval_interval}, at most --converge-steps {args.converge_steps})")
     if args.warmup_steps < 2:
         parser.error("--warmup-steps must be >= 2 (the first steps build caches; PowerSGD compresses from step 3)")
     return args
@@ -328,19 +347,26 @@ def two_nodes_address(node: str) -> str:
     return two_nodes.NODE_ADDRESSES[node]
 
 
-def reused(args: argparse.Namespace, config: BenchConfig) -> dict | None:
-    """The convergence summary of ``config`` from ``--reuse-convergence`` (None when that run has none: it is
-    then trained); SystemExit if it was made with other steps or seed (the model size is the caller's to keep
+def converge_tag(config: BenchConfig, rate: str | None = None) -> str:
+    """The launch tag of a convergence run: ``converge_<name>`` on the unlimited link, ``converge_<rate>_<name>`` for
+    a ``loss_per_rate`` configuration at a rate."""
+    return f"converge_{config.name}" if rate is None else f"converge_{rate}_{config.name}"
+
+
+def reused(args: argparse.Namespace, config: BenchConfig, rate: str | None = None) -> dict | None:
+    """The convergence summary of ``config`` (at ``rate``) from ``--reuse-convergence`` (None when that run has none:
+    it is then trained); SystemExit if it was made with other steps or seed (the model size is the caller's to keep
     the same)."""
-    path = args.reuse_convergence / f"converge_{config.name}.json"
+    tag = converge_tag(config, rate)
+    path = args.reuse_convergence / f"{tag}.json"
     if not path.is_file():
-        print(f"  converge_{config.name}: not in {args.reuse_convergence}, training it", flush=True)
+        print(f"  {tag}: not in {args.reuse_convergence}, training it", flush=True)
         return None
     s = json.loads(path.read_text())
     if s.get("steps") != args.converge_steps or s.get("seed") != args.seed:
         raise SystemExit(f"bench_network.py: {path} has steps {s.get('steps')} and seed {s.get('seed')}, this run "
                          f"{args.converge_steps} and {args.seed}")
-    print(f"  converge_{config.name}: reusing {path}", flush=True)
+    print(f"  {tag}: reusing {path}", flush=True)
     return s
 
 
@@ -351,19 +377,31 @@ def timed(summary: dict, warmup_steps: int) -> tuple[float, float]:
     return statistics.median(times), statistics.median(net)
 
 
-def time_to_loss(val_losses: list[list[float]], target: float, step_time_s: float) -> float | None:
-    """Seconds until the first evaluation with validation loss <= ``target``: its step times ``step_time_s``;
-    None if no evaluation reaches it."""
-    for step, loss in val_losses:
-        if loss <= target:
-            return step * step_time_s
-    return None
+def steps_to_loss(val_losses: list[list[float]], target: float) -> int | None:
+    """The first evaluation step with validation loss <= ``target``; None if none reaches it."""
+    return next((step for step, loss in val_losses if loss <= target), None)
 
 
-def analyse(args: argparse.Namespace, convergence: dict, timing: dict) -> dict:
-    """Reduce the launches to per-rate, per-configuration results (see the module docstring)."""
+def loss_at(val_losses: list[list[float]], step: int) -> float:
+    """The validation loss evaluated at ``step``; SystemExit if that run did not evaluate there."""
+    for at, loss in val_losses:
+        if at == step:
+            return loss
+    raise SystemExit(f"bench_network.py: no evaluation at step {step} (evaluated at {[s for s, _ in val_losses]})")
+
+
+def analyse(args: argparse.Namespace, convergence: dict, timing: dict, per_rate: dict | None = None) -> dict:
+    """Reduce the launches to per-rate, per-configuration results (see the module docstring).
+
+    ``convergence``: name -> summary of its run on the unlimited link; ``per_rate``: rate -> name -> summary of the
+    ``loss_per_rate`` configurations' runs at that rate (their loss there; the unlimited run stands for the unlimited
+    link); ``timing``: rate -> rounds -> name -> (step s, wire bytes per step).
+    """
+    per_rate = per_rate or {}
     stock_loss = convergence["stock_fp32"]["final_val_loss"]
-    results = {"rates": {}, "configs": {}}
+    target = loss_at(convergence["stock_fp32"]["val_losses"], args.target_step)
+    results = {"rates": {}, "configs": {},
+               "target": {"step": args.target_step, "loss": target, "of": "stock_fp32"}}
     for name in args.configs:
         c = convergence[name]
         steps = c["steps"]
@@ -382,20 +420,38 @@ def analyse(args: argparse.Namespace, convergence: dict, timing: dict) -> dict:
         }
     for rate, rounds in timing.items():
         per = {}
+        rate_bits = parse_rate_bits(rate) if rate != UNLIMITED else None
         for name in args.configs:
             runs = [r[name] for r in rounds]
             step_s = statistics.median(t for t, _ in runs)
             net = statistics.median(b for _, b in runs)
             vs_fp32 = statistics.median(r["stock_fp32"][0] / r[name][0] for r in rounds)
             vs_bf16 = statistics.median(r["stock_bf16"][0] / r[name][0] for r in rounds)
+            own = per_rate.get(rate, {}).get(name)  # a loss_per_rate configuration's own run at this rate
+            val_losses = own["val_losses"] if own else results["configs"][name]["val_losses"]
+            val_loss = own["final_val_loss"] if own else results["configs"][name]["val_loss"]
+            steps = steps_to_loss(val_losses, target)
             per[name] = {"step_s": step_s, "net_bytes_per_step": net, "speedup_vs_fp32": vs_fp32,
                          "speedup_vs_bf16": vs_bf16,
-                         "time_to_stock_loss_s": time_to_loss(results["configs"][name]["val_losses"], stock_loss, step_s),
+                         "val_losses": val_losses, "val_loss": val_loss,
+                         "val_gap_pct": 100.0 * (val_loss - stock_loss) / stock_loss,
+                         "loss_run": "this rate" if own else UNLIMITED,
+                         "steps_to_target": steps,
+                         "time_to_target_s": None if steps is None else steps * step_s,
+                         # the share of the link's capacity the step used: wire bytes / (rate x step time)
+                         "link_utilisation": None if rate_bits is None else net / (rate_bits / 8 * step_s),
                          "step_s_rounds": [r[name][0] for r in rounds]}
+            if own and own.get("dgc_stats"):
+                per[name]["stock_buckets_total"] = own["dgc_stats"].get("stock_buckets_total")
+                per[name]["grad_bytes_per_step"] = (own.get("grad_wire_bytes_total") or 0) / own["steps"]
+                param = own.get("param_wire_bytes_total")
+                per[name]["param_bytes_per_step"] = param / own["steps"] if param else None
         for name in args.configs:
             # None where nothing was counted (--nodes without a limit: no shaping class to count in)
             own = per[name]["net_bytes_per_step"]
             per[name]["wire_vs_stock_fp32"] = per["stock_fp32"]["net_bytes_per_step"] / own if own else None
+            stock_t, t = per["stock_fp32"]["time_to_target_s"], per[name]["time_to_target_s"]
+            per[name]["time_to_target_vs_fp32"] = None if stock_t is None or t is None else t / stock_t
         results["rates"][rate] = per
     return results
 
@@ -410,25 +466,40 @@ def markdown(args: argparse.Namespace, results: dict, meta: dict) -> str:
              f"{args.micro_batch} x {args.block_size} tokens per rank per step, validation loss at step "
              f"{args.converge_steps} (stock fp32: {results['configs']['stock_fp32']['val_loss']:.4f}); "
              f"step times: median of {args.timed_steps} steps after {args.warmup_steps}, median of "
-             f"{args.repeats} interleaved rounds.", ""]
+             f"{args.repeats} interleaved rounds. Target: stock fp32's validation loss at step "
+             f"{results['target']['step']}, {results['target']['loss']:.4f}; time to target = the first evaluation "
+             f"(every {args.eval_interval} steps) at or below it x the median step time at that rate (evaluation "
+             "not counted). Link use = wire bytes per step / (rate x step time). Losses are from one run on the "
+             "unlimited link, except where marked (*: that configuration's own run at that rate: what it sends "
+             "depends on the link).", ""]
     for rate, per in results["rates"].items():
         shared = " between the nodes, each direction" if args.nodes else " (shared by both ranks)"
         wire = "MB/step between the nodes" if args.nodes else "wire MB/step (all ranks)"
         lines += [f"**{rate}**" + (" (no rate limit)" if rate == UNLIMITED else shared), "",
-                  f"| configuration | step s | speed-up vs fp32 | vs bf16 | {wire} | wire vs fp32 "
-                  "| grad / param KB per step (rank 0) | val loss | gap | time to stock loss s |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  f"| configuration | step s | speed-up vs fp32 | vs bf16 | {wire} | wire vs fp32 | link use "
+                  "| grad / param KB per step (rank 0) | val loss | gap | steps to target | time to target s "
+                  "| vs stock fp32's |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for name, r in per.items():
-            c = results["configs"][name]
+            c = dict(results["configs"][name])
+            c.update({k: r[k] for k in ("grad_bytes_per_step", "param_bytes_per_step") if k in r})  # its own run's
             split = "—" if c["grad_bytes_per_step"] is None else (
                 f"{c['grad_bytes_per_step'] / 1e3:,.0f} / "
                 + ("stock" if c["param_bytes_per_step"] is None else f"{c['param_bytes_per_step'] / 1e3:,.0f}"))
-            reach = "not reached" if r["time_to_stock_loss_s"] is None else f"{r['time_to_stock_loss_s']:.0f}"
+            mark = "*" if r["loss_run"] != UNLIMITED else ""
+            if r["time_to_target_s"] is None:
+                reach = f"not reached in {args.converge_steps} | — | —"
+            else:
+                vs = r["time_to_target_vs_fp32"]
+                t = r["time_to_target_s"]
+                reach = f"{r['steps_to_target']} | {t:.0f} | " if t >= 100 else f"{r['steps_to_target']} | {t:.1f} | "
+                reach += "—" if vs is None else f"{vs:.2f}x"
+            use = "—" if r["link_utilisation"] is None else f"{100 * r['link_utilisation']:.0f}%"
             lines.append(f"| {c['label']} | {r['step_s']:.2f} | {r['speedup_vs_fp32']:.2f}x | {r['speedup_vs_bf16']:.2f}x "
                          f"| {r['net_bytes_per_step'] / 1e6:.2f} | "
                          + ("—" if r["wire_vs_stock_fp32"] is None else f"{r['wire_vs_stock_fp32']:.1f}x")
-                         + f" | {split} "
-                         f"| {c['val_loss']:.4f} | {c['val_gap_pct']:+.2f}% | {reach} |")
+                         + f" | {use} | {split} "
+                         f"| {r['val_loss']:.4f}{mark} | {r['val_gap_pct']:+.2f}% | {reach} |")
         lines.append("")
     rates = [r for r in results["rates"] if r != UNLIMITED]
     if UNLIMITED in results["rates"]:
@@ -453,34 +524,42 @@ def markdown(args: argparse.Namespace, results: dict, meta: dict) -> str:
 
 
 def plot(args: argparse.Namespace, results: dict, path: Path) -> None:
-    """Left: validation loss against modelled wall time (steps x median step time) at the slowest rate.
-    Right: median step time per configuration and rate (log scale)."""
+    """One panel per rate: validation loss against modelled wall-clock time (evaluation step x median step time at
+    that rate), the target as a dashed line. Last panel: median step time per configuration and rate (log scale)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    rates = [r for r in results["rates"] if r != UNLIMITED]
-    fig, axes = plt.subplots(1, 2, figsize=(15, 5.5))
-    if rates:
-        rate = rates[0]
-        for name, c in results["configs"].items():
-            step_s = results["rates"][rate][name]["step_s"]
-            steps, losses = zip(*c["val_losses"])
-            axes[0].plot([s * step_s / 60 for s in steps], losses, marker=".", label=name)
-        axes[0].set_xlabel(f"modelled wall time at {rate} (min) = step x median step time")
-        axes[0].set_ylabel("validation loss")
-        axes[0].set_title(f"validation loss against time, {rate}")
-        axes[0].legend(fontsize=7)
+    rates = list(results["rates"])
+    panels = len(rates) + 1
+    cols = min(panels, 2)
+    rows = -(-panels // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(7.5 * cols, 5.2 * rows), squeeze=False)
+    axes = axes.ravel()
+    for ax, rate in zip(axes, rates):
+        for name, r in results["rates"][rate].items():
+            steps, losses = zip(*r["val_losses"])
+            ax.plot([st * r["step_s"] / 60 for st in steps], losses, marker=".", markersize=3,
+                    label=name + (" (own run at this rate)" if r["loss_run"] != UNLIMITED else ""))
+        ax.axhline(results["target"]["loss"], color="grey", linestyle="--", linewidth=0.8,
+                   label=f"target: stock fp32 at step {results['target']['step']}")
+        ax.set_xlabel("modelled wall-clock (min) = step x median step time")
+        ax.set_ylabel("validation loss")
+        ax.set_title(f"validation loss against time, {rate}" + (" (no rate limit)" if rate == UNLIMITED else ""))
+        ax.set_ylim(top=results["target"]["loss"] * 1.3)  # the early losses (4 and more) would hide the rest
+        ax.legend(fontsize=7)
+    ax = axes[len(rates)]
     names = list(results["configs"])
-    columns = list(results["rates"])
-    width = 0.8 / len(columns)
-    for i, rate in enumerate(columns):
+    width = 0.8 / len(rates)
+    for i, rate in enumerate(rates):
         values = [results["rates"][rate][n]["step_s"] for n in names]
-        axes[1].bar([j + i * width for j in range(len(names))], values, width, label=rate)
-    axes[1].set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names, rotation=35, ha="right", fontsize=8)
-    axes[1].set_yscale("log")
-    axes[1].set_ylabel("median step time (s)")
-    axes[1].set_title("step time per configuration and link rate")
-    axes[1].legend()
+        ax.bar([j + i * width for j in range(len(names))], values, width, label=rate)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names, rotation=35, ha="right", fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("median step time (s)")
+    ax.set_title("step time per configuration and link rate")
+    ax.legend()
+    for extra in axes[panels:]:
+        extra.set_visible(False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -518,7 +597,16 @@ def main(argv=None) -> int:
         print(f"convergence: {args.converge_steps} steps each, unlimited link", flush=True)
         convergence = {c.name: (args.reuse_convergence and reused(args, c))
                        or launch(ns, c, args, args.converge_steps, args.eval_interval, args.eval_batches,
-                                 f"converge_{c.name}") for c in configs}
+                                 converge_tag(c)) for c in configs}
+        per_rate = {}  # the loss_per_rate configurations trained again at every rate
+        for rate in [] if args.converge_only else args.rates:
+            again = [c for c in configs if c.loss_per_rate]
+            if again:
+                print(f"convergence at {rate}: {', '.join(c.name for c in again)}", flush=True)
+                ns.set_rate(rate)
+                per_rate[rate] = {c.name: (args.reuse_convergence and reused(args, c, rate))
+                                  or launch(ns, c, args, args.converge_steps, args.eval_interval, args.eval_batches,
+                                            converge_tag(c, rate)) for c in again}
         timing = {}
         if args.converge_only:
             stock = convergence["stock_fp32"]["final_val_loss"]
@@ -541,7 +629,7 @@ def main(argv=None) -> int:
             "n_params": convergence["stock_fp32"]["n_params"], "elapsed_s": time.time() - started,
             "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
             "command": " ".join(["python", "benchmarks/bench_network.py"] + list(argv if argv is not None else sys.argv[1:]))}
-    results = analyse(args, convergence, timing)
+    results = analyse(args, convergence, timing, per_rate)
     table = markdown(args, results, meta)
     (args.out_dir / "results.md").write_text(table)
     plot(args, results, args.out_dir / "bench_network.png")

@@ -137,7 +137,8 @@ def _summary(val_losses, steps=20):
 
 
 def test_analysis_takes_medians_of_same_round_ratios_and_the_time_to_the_stock_loss():
-    args = bn.parse_args(["--configs", "int4_ef_wint4", "--rates", "100mbit", "--converge-steps", "20"])
+    args = bn.parse_args(["--configs", "int4_ef_wint4", "--rates", "100mbit", "--converge-steps", "20",
+                          "--target-step", "20"])
     convergence = {
         "stock_fp32": _summary([[10, 2.6], [20, 2.4]]),
         "stock_bf16": _summary([[10, 2.6], [20, 2.41]]),
@@ -153,8 +154,11 @@ def test_analysis_takes_medians_of_same_round_ratios_and_the_time_to_the_stock_l
     assert r["int4_ef_wint4"]["speedup_vs_bf16"] == pytest.approx(3.5)
     assert r["int4_ef_wint4"]["step_s"] == pytest.approx(2.4)
     assert r["int4_ef_wint4"]["wire_vs_stock_fp32"] == pytest.approx(10.0)
-    assert r["int4_ef_wint4"]["time_to_stock_loss_s"] == pytest.approx(10 * 2.4)  # reached at step 10
-    assert r["stock_bf16"]["time_to_stock_loss_s"] is None  # 2.41 > 2.4: not reached
+    assert r["int4_ef_wint4"]["time_to_target_s"] == pytest.approx(10 * 2.4)  # reached at step 10
+    assert r["stock_bf16"]["time_to_target_s"] is None  # 2.41 > 2.4: not reached
+    assert r["int4_ef_wint4"]["time_to_target_vs_fp32"] == pytest.approx(10 * 2.4 / (20 * 12.0))
+    # 1e7 bytes per step in 2.4 s of a 100 Mbit/s link: 1e7 / (1.25e7 x 2.4)
+    assert r["int4_ef_wint4"]["link_utilisation"] == pytest.approx(1e7 / (1.25e7 * 2.4))
     assert results["configs"]["int4_ef_wint4"]["val_gap_pct"] == pytest.approx(100 * (2.35 - 2.4) / 2.4)
     table = bn.markdown(args, results, {"date": "today", "machine": "here", "n_params": 1000})
     assert "| 5.00x | 3.50x |" in table and "not reached" in table
@@ -168,3 +172,42 @@ def test_reuse_convergence_takes_matching_runs_and_trains_the_missing(tmp_path):
     assert bn.reused(args, bn.BY_NAME["dgc_auto"]) is None  # not in that run: trained
     with pytest.raises(SystemExit, match="steps 40"):
         bn.reused(args, bn.BY_NAME["stock_bf16"])
+
+
+def test_time_to_target_takes_stock_fp32s_loss_at_the_target_step_and_a_per_rate_configurations_own_run(tmp_path):
+    args = bn.parse_args(["--configs", "int4_ef_wint4", "policy_auto", "--rates", "100mbit", "--converge-steps", "40",
+                          "--eval-interval", "10"])
+    assert args.target_step == 20  # half of the run, an evaluation step
+    stock = [[10, 3.0], [20, 2.5], [30, 2.3], [40, 2.2]]
+    convergence = {"stock_fp32": _summary(stock, 40), "stock_bf16": _summary(stock, 40),
+                   "int4_ef_wint4": _summary([[10, 2.9], [20, 2.6], [30, 2.45], [40, 2.3]], 40),
+                   # policy_auto on the unlimited link chose stock: stock's curve
+                   "policy_auto": _summary(stock, 40)}
+    # at 100mbit it chose compressed: its own run there, reaching the target only at step 40
+    per_rate = {"100mbit": {"policy_auto": dict(_summary([[10, 3.1], [20, 2.7], [30, 2.6], [40, 2.5]], 40),
+                                                dgc_stats={"stock_buckets_total": 0})}}
+    rounds = [{"stock_fp32": (10.0, 1e8), "stock_bf16": (7.0, 7e7), "int4_ef_wint4": (2.0, 1e7),
+               "policy_auto": (2.5, 1e7)}]
+    unlimited = [{"stock_fp32": (1.0, 1e8), "stock_bf16": (1.0, 7e7), "int4_ef_wint4": (1.1, 1e7),
+                  "policy_auto": (1.0, 1e8)}]
+    results = bn.analyse(args, convergence, {"100mbit": rounds, bn.UNLIMITED: unlimited}, per_rate)
+    assert results["target"] == {"step": 20, "loss": 2.5, "of": "stock_fp32"}
+    slow, fast = results["rates"]["100mbit"], results["rates"][bn.UNLIMITED]
+    assert slow["stock_fp32"]["steps_to_target"] == 20 and slow["stock_fp32"]["time_to_target_s"] == 200.0
+    assert slow["int4_ef_wint4"]["steps_to_target"] == 30 and slow["int4_ef_wint4"]["time_to_target_s"] == 60.0
+    assert slow["int4_ef_wint4"]["time_to_target_vs_fp32"] == pytest.approx(0.3)
+    assert slow["policy_auto"]["loss_run"] == "this rate" and slow["policy_auto"]["steps_to_target"] == 40
+    assert slow["policy_auto"]["val_loss"] == 2.5 and slow["policy_auto"]["stock_buckets_total"] == 0
+    assert fast["policy_auto"]["loss_run"] == bn.UNLIMITED and fast["policy_auto"]["steps_to_target"] == 20
+    assert fast["policy_auto"]["link_utilisation"] is None
+    table = bn.markdown(args, results, {"date": "today", "machine": "here", "n_params": 1000})
+    assert "| 30 | 60.0 | 0.30x |" in table and "| 2.5000* |" in table
+    bn.plot(args, results, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").stat().st_size > 10000
+
+
+@pytest.mark.parametrize("argv", [["--target-step", "15"], ["--target-step", "90"], ["--target-step", "0"]])
+def test_a_target_step_that_is_not_an_evaluation_step_is_refused(argv, capsys):
+    with pytest.raises(SystemExit):
+        bn.parse_args(["--converge-steps", "80", "--eval-interval", "10"] + argv)
+    assert "not an evaluation step" in capsys.readouterr().err
