@@ -10,7 +10,7 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 STEPS ?= 300
 SEED ?= 1234
 
-.PHONY: install test demo bench bench-nodes bench-memory bench-kernels report clean
+.PHONY: install test demo bench bench-nodes bench-memory bench-kernels profile report clean
 
 install: $(VENV)/.installed
 
@@ -36,6 +36,10 @@ bench: install
 bench-nodes: install
 	OMP_NUM_THREADS=1 $(PY) benchmarks/bench_network.py --nodes 2x2 --rates 100mbit 1gbit --micro-batch 4 \
 		--converge-steps 120 --eval-interval 20 --out-dir runs/bench_2x2 --json runs/bench_2x2/results.json
+
+# where one step's time goes (cProfile of one step, the network benchmark's model, stock and the recommended settings)
+profile: install
+	$(PY) benchmarks/profile_step.py --docs docs
 
 # per-rank memory of the extension's state and ZeRO-3's own, flat and hierarchical (up to 8 CPU ranks, minutes)
 bench-memory: install
