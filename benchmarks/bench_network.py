@@ -538,11 +538,11 @@ def plot(args: argparse.Namespace, results: dict, path: Path) -> None:
     for ax, rate in zip(axes, rates):
         for name, r in results["rates"][rate].items():
             steps, losses = zip(*r["val_losses"])
-            ax.plot([st * r["step_s"] / 60 for st in steps], losses, marker=".", markersize=3,
+            ax.plot([st * r["step_s"] for st in steps], losses, marker=".", markersize=3,
                     label=name + (" (own run at this rate)" if r["loss_run"] != UNLIMITED else ""))
         ax.axhline(results["target"]["loss"], color="grey", linestyle="--", linewidth=0.8,
                    label=f"target: stock fp32 at step {results['target']['step']}")
-        ax.set_xlabel("modelled wall-clock (min) = step x median step time")
+        ax.set_xlabel("modelled wall-clock (s) = step x median step time at this rate")
         ax.set_ylabel("validation loss")
         ax.set_title(f"validation loss against time, {rate}" + (" (no rate limit)" if rate == UNLIMITED else ""))
         ax.set_ylim(top=results["target"]["loss"] * 1.3)  # the early losses (4 and more) would hide the rest
