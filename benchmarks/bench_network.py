@@ -24,8 +24,8 @@ What it does:
    collective), without evaluation; bytes on the wire are the namespace loopback's tx counter
    over the same step (all ranks, TCP/IP headers included). Medians over the timed steps, then
    over rounds; speed-ups are medians of the per-round ratios (same round, same drift).
-5. Time to target: the target is stock fp32's validation loss at ``--target-step`` (default: half of
-   ``--converge-steps``); a configuration's time to target at a rate is the first evaluation step at
+5. Time to target: the target is stock fp32's validation loss at ``--target-step`` (default: the last
+   evaluation at or before half of ``--converge-steps``); a configuration's time to target at a rate is the first evaluation step at
    which its validation loss is at or below the target, times its median step time at that rate
    (evaluation not counted). Link use: wire bytes per step / (rate x step time).
 
@@ -137,7 +137,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--converge-steps", type=int, default=80, help="the fixed step of the loss comparison")
     parser.add_argument("--target-step", type=int,
                         help="the target loss of the time to target is stock fp32's validation loss at this step (an "
-                        "evaluation step; default: the last evaluation at or before half of --converge-steps)")
+                        "evaluation step; default: the last evaluation at or before half of --converge-steps, or "
+                        "the first evaluation where none is)")
     parser.add_argument("--eval-interval", type=int, default=10)
     parser.add_argument("--eval-batches", type=int, default=4, help="validation batches per evaluation")
     parser.add_argument("--warmup-steps", type=int, default=3, help="untimed steps at the start of a timing launch")
@@ -181,6 +182,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("converge_steps", "eval_interval", "eval_batches", "timed_steps", "repeats", "micro_batch"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.converge_steps < args.eval_interval:
+        parser.error(f"--converge-steps {args.converge_steps} is shorter than --eval-interval {args.eval_interval}: the "
+                     "loss runs would evaluate only at their end, with no step of the target before it")
+    if args.reuse_convergence is not None and not args.reuse_convergence.is_dir():
+        parser.error(f"--reuse-convergence {args.reuse_convergence}: no such directory")
     if args.target_step is None:
         args.target_step = max(args.eval_interval, args.converge_steps // 2 // args.eval_interval * args.eval_interval)
     if args.target_step % args.eval_interval or not args.eval_interval <= args.target_step <= args.converge_steps:
@@ -200,7 +206,7 @@ def parse_rate_bits(rate: str) -> float | None:
                 value = float(rate[:-len(unit)])
             except ValueError:
                 return None
-            return value * scale if value > 0 else None
+            return value * scale if 0 < value < float("inf") else None
     return None
 
 

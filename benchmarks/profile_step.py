@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import pstats
+import signal
 import statistics
 import subprocess
 import sys
@@ -61,6 +62,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--docs", type=Path, help="write DIR/profile.md")
     parser.add_argument("--launch-timeout-s", type=float, default=900.0)
     args = parser.parse_args(argv)
+    args.configs = list(dict.fromkeys(args.configs))  # each once
+    for name in ("steps", "micro_batch"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not args.launch_timeout_s > 0:
+        parser.error(f"--launch-timeout-s must be > 0, got {args.launch_timeout_s}")
+    if args.steps < 6:
+        parser.error(f"--steps {args.steps}: at least 6 (steps 1-3 build caches, then the profiled step and "
+                     "unprofiled steps around it)")
     unknown = [c for c in args.configs if c not in bench_network.BY_NAME or bench_network.BY_NAME[c].ddp]
     if unknown:
         parser.error(f"--configs: unknown (or not ZeRO-3) {unknown}; choose from "
@@ -87,7 +97,13 @@ def run(name: str, args: argparse.Namespace) -> dict:
            "--profile-out", str(out / name), "--summary-json", str(summary_path)]
     print(f"  {name}: {' '.join(cmd[3:])}", flush=True)
     with open(out / f"{name}.log", "w") as log:
-        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, timeout=args.launch_timeout_s).returncode
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+        try:
+            code = proc.wait(timeout=args.launch_timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its ranks
+            proc.wait()
+            raise RuntimeError(f"{name} ran longer than {args.launch_timeout_s} s (log: {out / f'{name}.log'})") from None
     if code != 0 or not summary_path.is_file():
         raise RuntimeError(f"{name} failed with exit code {code} (log: {out / f'{name}.log'})")
     return json.loads(summary_path.read_text())

@@ -330,6 +330,9 @@ def main() -> None:
         recent_train.extend(client_state["recent_train"])
         val_losses = client_state["val_losses"]
         first_step = client_state["step"] + 1
+        if args.profile_step is not None and args.profile_step < first_step:
+            raise SystemExit(f"--profile-step {args.profile_step}: the run resumes at step {first_step}, so that step "
+                             "never runs")
     train_loss = val_loss = float("nan")
     progress = tqdm(total=args.max_steps, initial=first_step - 1, disable=not is_main, dynamic_ncols=True)
     step_times_s, step_net_tx_bytes = [], []  # per step: training only (no evaluation, no checkpoint)

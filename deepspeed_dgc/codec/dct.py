@@ -157,13 +157,15 @@ def pack_uint(x: torch.Tensor, bits: int) -> torch.Tensor:
 
     Every ``g`` values (``g bits`` a multiple of 8, at most 64) are shifted into one int64 word and its ``g bits / 8``
     low bytes written: a few passes over ``n / g`` words (one int32 per bit of every value otherwise, for the widths
-    where no such ``g`` exists: 9 to 11 and 13 to 15 bits). The bytes are the same either way.
+    where no such ``g`` exists: 9, 11, 13 and 15 bits). The bytes are the same either way.
     """
     R, n = x.shape
     g = _pack_group(bits)
+    if R == 0 or n == 0:
+        return torch.zeros(R, -(-n * bits // 8), dtype=torch.uint8, device=x.device)
     if g == 0:
         shifts = torch.arange(bits, dtype=torch.int32, device=x.device)
-        b = ((x.to(torch.int32)[..., None] >> shifts) & 1).view(R, n * bits)
+        b = ((x.to(torch.int32)[..., None] >> shifts) & 1).reshape(R, n * bits)
         b = torch.nn.functional.pad(b, (0, -(n * bits) % 8)).view(R, -1, 8)
         return (b << torch.arange(8, dtype=torch.int32, device=x.device)).sum(dim=2).to(torch.uint8)
     words = torch.nn.functional.pad(x.long(), (0, -n % g)).view(R, -1, g)
@@ -179,9 +181,11 @@ def unpack_uint(data: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Inverse of :func:`pack_uint`: int64 ``(R, n)``."""
     R = data.shape[0]
     g = _pack_group(bits)
+    if R == 0 or n == 0:
+        return torch.zeros(R, n, dtype=torch.long, device=data.device)
     if g == 0:
         b = (data.to(torch.int32)[..., None] >> torch.arange(8, dtype=torch.int32, device=data.device)) & 1
-        b = b.view(R, -1)[:, :n * bits].view(R, n, bits)
+        b = b.reshape(R, -1)[:, :n * bits].reshape(R, n, bits)
         return (b << torch.arange(bits, dtype=torch.int32, device=data.device)).sum(dim=2).long()
     nbytes = g * bits // 8
     words = -(-n // g)
@@ -200,19 +204,20 @@ ARGMAX_TOPK_MAX = 4
 
 
 def topk_indices(a: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k largest of each row of non-negative ``a`` ``(..., s)`` along the last dim: int64 ``(..., k)``,
-    in no particular order (``torch.topk(a, k, sorted=False).indices``; for ``k <= ARGMAX_TOPK_MAX`` by k passes of
-    argmax, each taking the chosen entries out with -1, which yields the same set where values are distinct)."""
-    if k > ARGMAX_TOPK_MAX or k >= a.shape[-1]:
+    """Indices of the k largest of each row of ``a`` ``(..., s)`` along the last dim: int64 ``(..., k)``, in no
+    particular order, NaN counting as the largest (``torch.topk(a, k, sorted=False).indices``; for
+    ``1 <= k <= ARGMAX_TOPK_MAX`` by k passes of argmax, each taking the chosen entries out with -inf: the same set
+    where values are distinct, k distinct indices in every row without -inf, as ``|X|`` rows are)."""
+    if k < 1 or k > ARGMAX_TOPK_MAX or k >= a.shape[-1]:
         return torch.topk(a, k, dim=-1, sorted=False).indices
     first = a.argmax(dim=-1, keepdim=True)
     if k == 1:
         return first
-    picked, rest = [first], a.scatter(-1, first, -1.0)
+    picked, rest = [first], a.scatter(-1, first, float("-inf"))
     for j in range(1, k):
         picked.append(rest.argmax(dim=-1, keepdim=True))
         if j + 1 < k:
-            rest.scatter_(-1, picked[-1], -1.0)
+            rest.scatter_(-1, picked[-1], float("-inf"))
     return torch.cat(picked, dim=-1)
 
 

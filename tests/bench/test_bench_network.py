@@ -118,6 +118,9 @@ def test_without_root_it_says_so_and_exits_2(monkeypatch, capsys, tmp_path):
     (["--nodes", "3x2"], "is not 2xL"),
     (["--nodes", "2x"], "is not 2xL"),
     (["--nodes", "2x2", "--configs", "dgc_d001"], "unknown ['dgc_d001'] with --nodes"),
+    (["--rates", "infgbit"], "not a tc rate"),
+    (["--converge-steps", "5", "--eval-interval", "10"], "shorter than --eval-interval"),
+    (["--reuse-convergence", "/nonexistent/dir"], "no such directory"),
 ])
 def test_bad_arguments_are_named(argv, message, capsys):
     with pytest.raises(SystemExit):

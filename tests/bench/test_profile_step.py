@@ -53,7 +53,11 @@ def test_sections_take_the_cumulative_time_of_the_named_functions(tmp_path):
 @pytest.mark.parametrize("argv, message", [(["--configs", "ddp_powersgd"], "not ZeRO-3"),
                                            (["--configs", "nope"], "unknown"),
                                            (["--profile-step", "3"], "must be 5 to"),
-                                           (["--steps", "8", "--profile-step", "8"], "must be 5 to")])
+                                           (["--steps", "8", "--profile-step", "8"], "must be 5 to"),
+                                           (["--steps", "0"], "--steps must be >= 1"),
+                                           (["--steps", "4"], "at least 6"),
+                                           (["--micro-batch", "0"], "--micro-batch must be >= 1"),
+                                           (["--launch-timeout-s", "nan"], "must be > 0")])
 def test_bad_arguments_are_named(argv, message, capsys):
     with pytest.raises(SystemExit):
         ps.parse_args(argv)

@@ -189,6 +189,20 @@ def test_bit_packing_is_little_endian_bit_strings(bits, n):
         want = list(whole.to_bytes(-(-n * bits // 8), "little"))
         assert packed[r].tolist() == want
     assert torch.equal(dct.unpack_uint(packed, bits, n), x)
+    # the same bytes from a transposed (non-contiguous) view, and back from one
+    xt = x.T.contiguous().T
+    assert torch.equal(dct.pack_uint(xt, bits), packed)
+    assert torch.equal(dct.unpack_uint(packed.T.contiguous().T, bits, n), x)
+    assert dct.pack_uint(x[:0], bits).shape == (0, packed.shape[1])
+
+
+def test_topk_indices_are_distinct_whatever_the_values():
+    """Ties, negative values and NaN: k distinct indices per row; NaN counts as the largest, as in torch.topk."""
+    a = torch.tensor([[1.0, 1.0, 1.0, 1.0], [-2.0, -2.0, -3.0, -2.0], [0.0, float("nan"), 5.0, 1.0]])
+    for k in (2, 3):
+        got = dct.topk_indices(a, k)
+        assert all(len(set(row)) == k for row in got.tolist())
+    assert set(dct.topk_indices(a, 2)[2].tolist()) == {1, 2}
 
 
 @pytest.mark.parametrize("bits", [1, 3, 6, 8, 12])
