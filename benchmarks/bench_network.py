@@ -135,10 +135,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--configs", nargs="+", default=None,
                         help=f"subset of: {', '.join(BY_NAME)} (stock_fp32 and stock_bf16 are always included)")
     parser.add_argument("--converge-steps", type=int, default=80, help="the fixed step of the loss comparison")
-    parser.add_argument("--target-step", type=int,
-                        help="the target loss of the time to target is stock fp32's validation loss at this step (an "
-                        "evaluation step; default: the last evaluation at or before half of --converge-steps, or "
-                        "the first evaluation where none is)")
+    parser.add_argument("--target-steps", "--target-step", dest="target_steps", type=int, nargs="+", metavar="STEP",
+                        help="the target losses of the time to target: stock fp32's validation loss at each of these "
+                        "evaluation steps; the first is the tables' (default: the last evaluation at or before half of "
+                        "--converge-steps, or the first evaluation where none is)")
     parser.add_argument("--eval-interval", type=int, default=10)
     parser.add_argument("--eval-batches", type=int, default=4, help="validation batches per evaluation")
     parser.add_argument("--warmup-steps", type=int, default=3, help="untimed steps at the start of a timing launch")
@@ -156,6 +156,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--converge-only", action="store_true",
                         help="train the convergence runs only (for a later --reuse-convergence, or for the loss at a "
                         "longer --converge-steps than the timing run's), print their losses, time nothing")
+    parser.add_argument("--reanalyse", type=Path, metavar="DIR",
+                        help="measure nothing: make the tables and plot again from the launches of an earlier run in "
+                        "DIR (its results.json and converge_*.json), e.g. with other --target-steps; the run's steps, "
+                        "rates and configurations are taken from it; outputs go to --out-dir")
     parser.add_argument("--reuse-convergence", type=Path, metavar="DIR",
                         help="take the convergence runs from DIR/converge_<configuration>.json of an earlier run "
                         "(same --converge-steps, model and seed) instead of training them again; configurations it lacks are trained")
@@ -187,11 +191,20 @@ def parse_args(argv=None) -> argparse.Namespace:
                      "loss runs would evaluate only at their end, with no step of the target before it")
     if args.reuse_convergence is not None and not args.reuse_convergence.is_dir():
         parser.error(f"--reuse-convergence {args.reuse_convergence}: no such directory")
-    if args.target_step is None:
-        args.target_step = max(args.eval_interval, args.converge_steps // 2 // args.eval_interval * args.eval_interval)
-    if args.target_step % args.eval_interval or not args.eval_interval <= args.target_step <= args.converge_steps:
-        parser.error(f"--target-step {args.target_step}: not an evaluation step (a multiple of --eval-interval "
-                     f"{args.eval_interval}, at most --converge-steps {args.converge_steps})")
+    if args.reanalyse is not None:
+        ran = reanalysed_run(args.reanalyse)  # the run's own steps, rates and configurations
+        for key in ("converge_steps", "eval_interval", "timed_steps", "warmup_steps", "repeats", "micro_batch",
+                    "block_size", "n_layer", "n_embd", "n_head", "rates", "configs", "seed"):
+            setattr(args, key, ran["args"][key])
+    if args.target_steps is None:
+        args.target_steps = [max(args.eval_interval,
+                                 args.converge_steps // 2 // args.eval_interval * args.eval_interval)]
+    args.target_steps = list(dict.fromkeys(args.target_steps))
+    for step in args.target_steps:
+        if step % args.eval_interval or not args.eval_interval <= step <= args.converge_steps:
+            parser.error(f"--target-step {step}: not an evaluation step (a multiple of --eval-interval "
+                         f"{args.eval_interval}, at most --converge-steps {args.converge_steps})")
+    args.target_step = args.target_steps[0]
     if args.warmup_steps < 2:
         parser.error("--warmup-steps must be >= 2 (the first steps build caches; PowerSGD compresses from step 3)")
     return args
@@ -353,6 +366,14 @@ def two_nodes_address(node: str) -> str:
     return two_nodes.NODE_ADDRESSES[node]
 
 
+def reanalysed_run(run_dir: Path) -> dict:
+    """The meta of the earlier run in ``run_dir`` (``--reanalyse``); SystemExit when there is none."""
+    path = run_dir / "results.json"
+    if not path.is_file():
+        raise SystemExit(f"bench_network.py: --reanalyse {run_dir}: no results.json there (a finished run's --out-dir)")
+    return json.loads(path.read_text())["meta"]
+
+
 def converge_tag(config: BenchConfig, rate: str | None = None) -> str:
     """The launch tag of a convergence run: ``converge_<name>`` on the unlimited link, ``converge_<rate>_<name>`` for
     a ``loss_per_rate`` configuration at a rate."""
@@ -405,9 +426,10 @@ def analyse(args: argparse.Namespace, convergence: dict, timing: dict, per_rate:
     """
     per_rate = per_rate or {}
     stock_loss = convergence["stock_fp32"]["final_val_loss"]
-    target = loss_at(convergence["stock_fp32"]["val_losses"], args.target_step)
-    results = {"rates": {}, "configs": {},
-               "target": {"step": args.target_step, "loss": target, "of": "stock_fp32"}}
+    targets = [{"step": st, "loss": loss_at(convergence["stock_fp32"]["val_losses"], st), "of": "stock_fp32"}
+               for st in args.target_steps]
+    target = targets[0]["loss"]  # the tables'
+    results = {"rates": {}, "configs": {}, "target": targets[0], "targets": targets}
     for name in args.configs:
         c = convergence[name]
         steps = c["steps"]
@@ -437,6 +459,7 @@ def analyse(args: argparse.Namespace, convergence: dict, timing: dict, per_rate:
             val_losses = own["val_losses"] if own else results["configs"][name]["val_losses"]
             val_loss = own["final_val_loss"] if own else results["configs"][name]["val_loss"]
             steps = steps_to_loss(val_losses, target)
+            reached = [steps_to_loss(val_losses, t["loss"]) for t in targets]
             per[name] = {"step_s": step_s, "net_bytes_per_step": net, "speedup_vs_fp32": vs_fp32,
                          "speedup_vs_bf16": vs_bf16,
                          "val_losses": val_losses, "val_loss": val_loss,
@@ -444,6 +467,8 @@ def analyse(args: argparse.Namespace, convergence: dict, timing: dict, per_rate:
                          "loss_run": "this rate" if own else UNLIMITED,
                          "steps_to_target": steps,
                          "time_to_target_s": None if steps is None else steps * step_s,
+                         "targets": [{"step": t["step"], "steps_to_target": n,
+                                      "time_to_target_s": None if n is None else n * step_s} for t, n in zip(targets, reached)],
                          # the share of the link's capacity the step used: wire bytes / (rate x step time)
                          "link_utilisation": None if rate_bits is None else net / (rate_bits / 8 * step_s),
                          "step_s_rounds": [r[name][0] for r in rounds]}
@@ -458,8 +483,16 @@ def analyse(args: argparse.Namespace, convergence: dict, timing: dict, per_rate:
             per[name]["wire_vs_stock_fp32"] = per["stock_fp32"]["net_bytes_per_step"] / own if own else None
             stock_t, t = per["stock_fp32"]["time_to_target_s"], per[name]["time_to_target_s"]
             per[name]["time_to_target_vs_fp32"] = None if stock_t is None or t is None else t / stock_t
+            for mine, stock in zip(per[name]["targets"], per["stock_fp32"]["targets"]):
+                a, b = mine["time_to_target_s"], stock["time_to_target_s"]
+                mine["time_to_target_vs_fp32"] = None if a is None or b is None else a / b
         results["rates"][rate] = per
     return results
+
+
+def seconds(t: float) -> str:
+    """Seconds as the tables show them: whole from 100 s, one decimal below."""
+    return f"{t:.0f}" if t >= 100 else f"{t:.1f}"
 
 
 def markdown(args: argparse.Namespace, results: dict, meta: dict) -> str:
@@ -468,7 +501,8 @@ def markdown(args: argparse.Namespace, results: dict, meta: dict) -> str:
     where = (f"{2 * args.ranks_per_node} ranks as 2 nodes of {args.ranks_per_node} (benchmarks/two_nodes.py: only the "
              "path between the nodes is rate-limited, each direction at the rate; wire bytes are those that crossed "
              "it)" if args.nodes else "2 ranks")
-    lines = ([f"Command: `{meta['command']}`", ""] if meta.get("command") else []) + [f"{meta['date']}, {meta['machine']}; {meta['n_params']:,} parameters, {where}, "
+    lines = ([f"Command: `{meta['command']}`", ""] if meta.get("command") else []) + (
+        [f"Tables made again from its launches: `{meta['reanalysed']}`", ""] if meta.get("reanalysed") else []) + [f"{meta['date']}, {meta['machine']}; {meta['n_params']:,} parameters, {where}, "
              f"{args.micro_batch} x {args.block_size} tokens per rank per step, validation loss at step "
              f"{args.converge_steps} (stock fp32: {results['configs']['stock_fp32']['val_loss']:.4f}); "
              f"step times: median of {args.timed_steps} steps after {args.warmup_steps}, median of "
@@ -497,8 +531,7 @@ def markdown(args: argparse.Namespace, results: dict, meta: dict) -> str:
                 reach = f"not reached in {args.converge_steps} | — | —"
             else:
                 vs = r["time_to_target_vs_fp32"]
-                t = r["time_to_target_s"]
-                reach = f"{r['steps_to_target']} | {t:.0f} | " if t >= 100 else f"{r['steps_to_target']} | {t:.1f} | "
+                reach = f"{r['steps_to_target']} | {seconds(r['time_to_target_s'])} | "
                 reach += "—" if vs is None else f"{vs:.2f}x"
             use = "—" if r["link_utilisation"] is None else f"{100 * r['link_utilisation']:.0f}%"
             lines.append(f"| {c['label']} | {r['step_s']:.2f} | {r['speedup_vs_fp32']:.2f}x | {r['speedup_vs_bf16']:.2f}x "
@@ -507,6 +540,29 @@ def markdown(args: argparse.Namespace, results: dict, meta: dict) -> str:
                          + f" | {use} | {split} "
                          f"| {r['val_loss']:.4f}{mark} | {r['val_gap_pct']:+.2f}% | {reach} |")
         lines.append("")
+    lines += ["Time to target, s (and against stock fp32's at the same rate): the first evaluation at or below stock "
+              "fp32's loss at each target step x the median step time" + (" (* its own loss run at that rate)"
+                                                                          if any(r["loss_run"] != UNLIMITED for per in
+                                                                                 results["rates"].values()
+                                                                                 for r in per.values()) else "")
+              + ":", "",
+              "| configuration | " + " | ".join(f"step {t['step']} ({t['loss']:.4f}), {rate}" for t in results["targets"]
+                                                for rate in results["rates"]) + " |",
+              "|---|" + "---:|" * (len(results["targets"]) * len(results["rates"]))]
+    for name, c in results["configs"].items():
+        cells = []
+        for i in range(len(results["targets"])):
+            for rate, per in results["rates"].items():
+                t = per[name]["targets"][i]
+                mark = "*" if per[name]["loss_run"] != UNLIMITED else ""
+                if t["time_to_target_s"] is None:
+                    cells.append(f"not reached in {args.converge_steps} steps{mark}")
+                else:
+                    vs = t["time_to_target_vs_fp32"]
+                    cells.append(f"{seconds(t['time_to_target_s'])}{mark} (step {t['steps_to_target']}"
+                                 + ("" if vs is None else f", {vs:.2f}x") + ")")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines.append("")
     rates = [r for r in results["rates"] if r != UNLIMITED]
     if UNLIMITED in results["rates"]:
         ceiling = results["rates"][UNLIMITED]
@@ -546,12 +602,13 @@ def plot(args: argparse.Namespace, results: dict, path: Path) -> None:
             steps, losses = zip(*r["val_losses"])
             ax.plot([st * r["step_s"] for st in steps], losses, marker=".", markersize=3,
                     label=name + (" (own run at this rate)" if r["loss_run"] != UNLIMITED else ""))
-        ax.axhline(results["target"]["loss"], color="grey", linestyle="--", linewidth=0.8,
-                   label=f"target: stock fp32 at step {results['target']['step']}")
+        for t in results["targets"]:
+            ax.axhline(t["loss"], color="grey", linestyle="--", linewidth=0.8,
+                       label=f"target: stock fp32 at step {t['step']}")
         ax.set_xlabel("modelled wall-clock (s) = step x median step time at this rate")
         ax.set_ylabel("validation loss")
         ax.set_title(f"validation loss against time, {rate}" + (" (no rate limit)" if rate == UNLIMITED else ""))
-        ax.set_ylim(top=results["target"]["loss"] * 1.3)  # the early losses (4 and more) would hide the rest
+        ax.set_ylim(top=max(t["loss"] for t in results["targets"]) * 1.2)  # the early losses (4 and more) hide the rest
         ax.legend(fontsize=7)
     ax = axes[len(rates)]
     names = list(results["configs"])
@@ -583,8 +640,33 @@ def machine() -> str:
     return f"{os.cpu_count()} cores ({cpu}), no GPU use (gloo over the namespace loopback)"
 
 
+def reanalyse(args: argparse.Namespace, argv) -> int:
+    """``--reanalyse DIR``: the tables and plot of the launches in DIR again, with this command's targets."""
+    payload = json.loads((args.reanalyse / "results.json").read_text())
+    load = lambda tag: json.loads((args.reanalyse / f"{tag}.json").read_text())  # noqa: E731
+    convergence = {name: load(converge_tag(BY_NAME[name])) for name in args.configs}
+    per_rate = {rate: {name: load(converge_tag(BY_NAME[name], rate)) for name in args.configs
+                       if BY_NAME[name].loss_per_rate} for rate in args.rates}
+    timing = {rate: [{name: tuple(v) for name, v in rnd.items()} for rnd in rounds]
+              for rate, rounds in payload["timing_rounds"].items()}
+    meta = dict(payload["meta"], reanalysed=" ".join(["python", "benchmarks/bench_network.py"]
+                                                     + list(argv if argv is not None else sys.argv[1:])))
+    results = analyse(args, convergence, timing, per_rate)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    table = markdown(args, results, meta)
+    (args.out_dir / "results.md").write_text(table)
+    plot(args, results, args.out_dir / "bench_network.png")
+    for path in filter(None, [args.out_dir / "results.json", args.json]):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"meta": meta, "results": results, "timing_rounds": timing}, indent=2) + "\n")
+    print(table, end="")
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.reanalyse is not None:
+        return reanalyse(args, argv)
     problem = check_privileges()
     if problem:
         print(f"bench_network.py: {problem}; cannot make a rate-limited link, nothing measured", file=sys.stderr)

@@ -214,3 +214,35 @@ def test_a_target_step_that_is_not_an_evaluation_step_is_refused(argv, capsys):
     with pytest.raises(SystemExit):
         bn.parse_args(["--converge-steps", "80", "--eval-interval", "10"] + argv)
     assert "not an evaluation step" in capsys.readouterr().err
+
+
+def test_several_targets_and_the_tables_made_again_from_an_earlier_runs_launches(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    args = bn.parse_args(["--configs", "int4_ef_wint4", "--rates", "100mbit", "--converge-steps", "40",
+                          "--eval-interval", "10"])
+    meta_args = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    stock = [[10, 3.0], [20, 2.5], [30, 2.3], [40, 2.2]]
+    for name, losses in [("stock_fp32", stock), ("stock_bf16", stock),
+                         ("int4_ef_wint4", [[10, 2.9], [20, 2.6], [30, 2.45], [40, 2.3]])]:
+        (run / f"converge_{name}.json").write_text(json.dumps(_summary(losses, 40)))
+    timing = {"100mbit": [{"stock_fp32": [10.0, 1e8], "stock_bf16": [7.0, 7e7], "int4_ef_wint4": [2.0, 1e7]}],
+              bn.UNLIMITED: [{"stock_fp32": [1.0, 1e8], "stock_bf16": [1.0, 7e7], "int4_ef_wint4": [1.1, 1e7]}]}
+    (run / "results.json").write_text(json.dumps({"meta": {"args": meta_args, "date": "d", "machine": "m",
+                                                           "n_params": 10, "command": "python bench"},
+                                                  "timing_rounds": timing}))
+    out = tmp_path / "out"
+    # the run's steps and configurations come from it, whatever this command says
+    assert bn.main(["--reanalyse", str(run), "--target-steps", "30", "10", "--converge-steps", "80",
+                    "--out-dir", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())["results"]
+    assert [t["step"] for t in results["targets"]] == [30, 10] and results["target"]["loss"] == 2.3
+    slow = results["rates"]["100mbit"]["int4_ef_wint4"]
+    # 2.3 first reached at step 40, 3.0 at step 10; 2 s per step
+    assert [t["time_to_target_s"] for t in slow["targets"]] == [80.0, 20.0]
+    assert slow["targets"][0]["time_to_target_vs_fp32"] == pytest.approx(80.0 / 300.0)
+    table = (out / "results.md").read_text()
+    assert "Tables made again" in table and "| int4_ef_wint4 | 80.0 (step 40, 0.27x) |" in table
+    assert (out / "bench_network.png").is_file()
+    with pytest.raises(SystemExit, match="no results.json"):
+        bn.parse_args(["--reanalyse", str(tmp_path)])
