@@ -39,7 +39,7 @@ bench-nodes: install
 
 # where one step's time goes (cProfile of one step, the network benchmark's model, stock and the recommended settings)
 profile: install
-	$(PY) benchmarks/profile_step.py --docs docs
+	$(PY) benchmarks/profile_step.py
 
 # per-rank memory of the extension's state and ZeRO-3's own, flat and hierarchical (up to 8 CPU ranks, minutes)
 bench-memory: install

@@ -2,7 +2,7 @@
 
 Run from the repository root (``make profile``)::
 
-    python benchmarks/profile_step.py --configs stock_fp32 int4_ef_wint4 dgc_adam_flat --docs docs
+    python benchmarks/profile_step.py --configs stock_fp32 int4_ef_wint4 dgc_adam_flat
 
 Each configuration (a name of ``benchmarks/bench_network.py``: the same ds_config, model and micro-batch) runs
 ``--steps`` steps with ``deepspeed --num_gpus 2`` on the plain loopback (no rate limit); step ``--profile-step`` runs
@@ -17,8 +17,8 @@ under cProfile on every rank (``examples/train_char_gpt.py --profile-step``). Wh
   a tensor operator written as ``@`` or ``>>`` counts in the caller's own time, so this is an upper bound);
 - the functions with the most own time.
 
-Outputs: ``--out-dir``/``<config>.rank<R>.prof`` and ``.txt`` (pstats), ``--out-dir``/``profile.json``, and with
-``--docs DIR`` ``DIR/profile.md``.
+Outputs: ``--out-dir``/``<config>.rank<R>.prof`` and ``.txt`` (pstats), ``--out-dir``/``profile.json`` and
+``profile.md`` (the table), and with ``--docs DIR`` the table as ``DIR/profile.md`` too.
 """
 
 import argparse
@@ -166,6 +166,7 @@ def main(argv=None) -> int:
             "command": " ".join(["python", "benchmarks/profile_step.py"] + list(argv if argv is not None else sys.argv[1:]))}
     (args.out_dir / "profile.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
     table = markdown(results, meta)
+    (args.out_dir / "profile.md").write_text(table)
     if args.docs:
         args.docs.mkdir(parents=True, exist_ok=True)
         (args.docs / "profile.md").write_text(table)
