@@ -10,7 +10,7 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 STEPS ?= 300
 SEED ?= 1234
 
-.PHONY: install test demo bench bench-nodes bench-memory bench-kernels profile report clean
+.PHONY: install test demo bench bench-target bench-nodes bench-memory bench-kernels profile report clean
 
 install: $(VENV)/.installed
 
@@ -31,6 +31,12 @@ demo: install
 # as root: a private network namespace with a tc-limited loopback (100 Mbit/s, 1 Gbit/s, unlimited), about 80 min
 bench: install
 	$(PY) benchmarks/bench_network.py --json runs/bench_network/results.json
+
+# as root: time to the same loss (stock fp32's at step 150 of 300) at 100 Mbit/s, 1 Gbit/s and unlimited, about 100 min
+bench-target: install
+	$(PY) benchmarks/bench_network.py --rates 100mbit 1gbit --configs stock_fp32 stock_bf16 zeropp_like \
+		ddp_powersgd int4_ef_wint4 dgc_adam_flat policy_auto --converge-steps 300 --eval-interval 10 \
+		--target-step 150 --repeats 2 --out-dir runs/bench_ttt --json runs/bench_ttt/bench_time_to_target.json
 
 # as root: two nodes of two in a namespace, only the path between them limited (100 Mbit/s, 1 Gbit/s, unlimited)
 bench-nodes: install
