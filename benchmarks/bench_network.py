@@ -428,7 +428,6 @@ def analyse(args: argparse.Namespace, convergence: dict, timing: dict, per_rate:
     stock_loss = convergence["stock_fp32"]["final_val_loss"]
     targets = [{"step": st, "loss": loss_at(convergence["stock_fp32"]["val_losses"], st), "of": "stock_fp32"}
                for st in args.target_steps]
-    target = targets[0]["loss"]  # the tables'
     results = {"rates": {}, "configs": {}, "target": targets[0], "targets": targets}
     for name in args.configs:
         c = convergence[name]
@@ -458,15 +457,12 @@ def analyse(args: argparse.Namespace, convergence: dict, timing: dict, per_rate:
             own = per_rate.get(rate, {}).get(name)  # a loss_per_rate configuration's own run at this rate
             val_losses = own["val_losses"] if own else results["configs"][name]["val_losses"]
             val_loss = own["final_val_loss"] if own else results["configs"][name]["val_loss"]
-            steps = steps_to_loss(val_losses, target)
             reached = [steps_to_loss(val_losses, t["loss"]) for t in targets]
             per[name] = {"step_s": step_s, "net_bytes_per_step": net, "speedup_vs_fp32": vs_fp32,
                          "speedup_vs_bf16": vs_bf16,
                          "val_losses": val_losses, "val_loss": val_loss,
                          "val_gap_pct": 100.0 * (val_loss - stock_loss) / stock_loss,
                          "loss_run": "this rate" if own else UNLIMITED,
-                         "steps_to_target": steps,
-                         "time_to_target_s": None if steps is None else steps * step_s,
                          "targets": [{"step": t["step"], "steps_to_target": n,
                                       "time_to_target_s": None if n is None else n * step_s} for t, n in zip(targets, reached)],
                          # the share of the link's capacity the step used: wire bytes / (rate x step time)
@@ -481,11 +477,11 @@ def analyse(args: argparse.Namespace, convergence: dict, timing: dict, per_rate:
             # None where nothing was counted (--nodes without a limit: no shaping class to count in)
             own = per[name]["net_bytes_per_step"]
             per[name]["wire_vs_stock_fp32"] = per["stock_fp32"]["net_bytes_per_step"] / own if own else None
-            stock_t, t = per["stock_fp32"]["time_to_target_s"], per[name]["time_to_target_s"]
-            per[name]["time_to_target_vs_fp32"] = None if stock_t is None or t is None else t / stock_t
             for mine, stock in zip(per[name]["targets"], per["stock_fp32"]["targets"]):
                 a, b = mine["time_to_target_s"], stock["time_to_target_s"]
                 mine["time_to_target_vs_fp32"] = None if a is None or b is None else a / b
+            first = per[name]["targets"][0]  # the tables' target
+            per[name].update({k: first[k] for k in ("steps_to_target", "time_to_target_s", "time_to_target_vs_fp32")})
         results["rates"][rate] = per
     return results
 
@@ -640,6 +636,22 @@ def machine() -> str:
     return f"{os.cpu_count()} cores ({cpu}), no GPU use (gloo over the namespace loopback)"
 
 
+def write_outputs(args: argparse.Namespace, convergence: dict, timing: dict, per_rate: dict, meta: dict) -> None:
+    """Analyse the launches; write ``results.md``, ``bench_network.png`` and ``results.json`` under ``--out-dir`` (and
+    ``--json``), and print the tables."""
+    results = analyse(args, convergence, timing, per_rate)
+    table = markdown(args, results, meta)
+    (args.out_dir / "results.md").write_text(table)
+    plot(args, results, args.out_dir / "bench_network.png")
+    payload = {"meta": meta, "results": results, "timing_rounds": timing}
+    for path in filter(None, [args.out_dir / "results.json", args.json]):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(payload, indent=2) + "\n")
+    print("\n" + table, end="")
+    print(f"wrote {args.out_dir / 'results.md'}, {args.out_dir / 'bench_network.png'}"
+          + (f", {args.json}" if args.json else ""), flush=True)
+
+
 def reanalyse(args: argparse.Namespace, argv) -> int:
     """``--reanalyse DIR``: the tables and plot of the launches in DIR again, with this command's targets."""
     payload = json.loads((args.reanalyse / "results.json").read_text())
@@ -651,15 +663,8 @@ def reanalyse(args: argparse.Namespace, argv) -> int:
               for rate, rounds in payload["timing_rounds"].items()}
     meta = dict(payload["meta"], reanalysed=" ".join(["python", "benchmarks/bench_network.py"]
                                                      + list(argv if argv is not None else sys.argv[1:])))
-    results = analyse(args, convergence, timing, per_rate)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    table = markdown(args, results, meta)
-    (args.out_dir / "results.md").write_text(table)
-    plot(args, results, args.out_dir / "bench_network.png")
-    for path in filter(None, [args.out_dir / "results.json", args.json]):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"meta": meta, "results": results, "timing_rounds": timing}, indent=2) + "\n")
-    print(table, end="")
+    write_outputs(args, convergence, timing, per_rate, meta)
     return 0
 
 
@@ -687,8 +692,8 @@ def main(argv=None) -> int:
                        or launch(ns, c, args, args.converge_steps, args.eval_interval, args.eval_batches,
                                  converge_tag(c)) for c in configs}
         per_rate = {}  # the loss_per_rate configurations trained again at every rate
+        again = [c for c in configs if c.loss_per_rate]
         for rate in [] if args.converge_only else args.rates:
-            again = [c for c in configs if c.loss_per_rate]
             if again:
                 print(f"convergence at {rate}: {', '.join(c.name for c in again)}", flush=True)
                 ns.set_rate(rate)
@@ -717,17 +722,7 @@ def main(argv=None) -> int:
             "n_params": convergence["stock_fp32"]["n_params"], "elapsed_s": time.time() - started,
             "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
             "command": " ".join(["python", "benchmarks/bench_network.py"] + list(argv if argv is not None else sys.argv[1:]))}
-    results = analyse(args, convergence, timing, per_rate)
-    table = markdown(args, results, meta)
-    (args.out_dir / "results.md").write_text(table)
-    plot(args, results, args.out_dir / "bench_network.png")
-    payload = {"meta": meta, "results": results, "timing_rounds": timing}
-    for path in filter(None, [args.out_dir / "results.json", args.json]):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(payload, indent=2) + "\n")
-    print("\n" + table, end="")
-    print(f"wrote {args.out_dir / 'results.md'}, {args.out_dir / 'bench_network.png'}"
-          + (f", {args.json}" if args.json else ""), flush=True)
+    write_outputs(args, convergence, timing, per_rate, meta)
     return 0
 
 
