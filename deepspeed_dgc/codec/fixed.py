@@ -4,12 +4,14 @@ This is the device path (``"layout": "fixed"``, the default on GPUs): the host o
 the host needs depends on the data, so no size exchange, no read-back of a count and one ``all_to_all_single``
 per bucket with equal splits; every owner row gets a payload of the same size.
 
-Selection (:func:`select`): DGC's sampled top-k threshold of the whole tensor, with its lowering rounds
-(Lin et al., ICLR 2018, section 3 and appendix), computed on the device (every candidate threshold counted in
-one pass); then each owner's slice sends what reaches the threshold up to a fixed **capacity** of
+Selection (:func:`select`): DGC's sampled top-k threshold of the whole tensor, with its lowering rounds and its
+cut to the k-th largest above 1.3 k (Lin et al., ICLR 2018, section 3 and appendix), computed on the device
+(every candidate threshold counted in one pass) and equal bit for bit to the exact layout's, from the same sample;
+then each owner's slice sends what reaches the threshold up to a fixed **capacity** of
 ``ceil(capacity_factor * density * c)`` values, the largest first: Ok-Topk's cut above capacity (Li and Hoefler,
 PPoPP 2022, section 3.1), per owner. Error feedback keeps what a full row could not send; a row with fewer values
-pads its payload with empty slots, counted on the wire. The threshold is global but the capacity is per owner, so
+pads its payload with empty slots, counted on the wire. Where no row reaches its capacity, INT4, FP8 and raw
+values send exactly what the exact layout sends. The threshold is global but the capacity is per owner, so
 a tensor whose slices differ (the q, k and v blocks of an attention projection fall in different owners) needs a
 factor well above DGC's 1.3 (``dgc.capacity_factor``, default 2).
 
@@ -45,7 +47,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .formats import FP8_DTYPES, FP8_MAX, INT2_LEVEL, INT4_QMAX, VALUE_BITS, _divide_by_scale
-from .selection import LOWER_FACTOR, LOWER_SLACK, MAX_LOWER_ROUNDS
+from .selection import LOWER_FACTOR, LOWER_SLACK, MAX_LOWER_ROUNDS, UPPER_SLACK
 
 MAGIC = 0x44474346  # "DGCF"
 HEADER_BYTES = 12
@@ -186,7 +188,6 @@ class _Constants:
                               1 << (bits * torch.arange(8 // bits, dtype=torch.int32))).to(device)
         self.slots = {k: torch.arange(k).to(device) for k, s in zip(plan.counts, plan.sparse) if s}
         self.column_index = {c: torch.arange(c).to(device) for c, s in zip(plan.chunks, plan.sparse) if s}
-        self.lower = (LOWER_FACTOR**torch.arange(MAX_LOWER_ROUNDS + 1, dtype=torch.float64)).float().to(device)
 
 
 _CONSTANTS: Dict[Tuple[FixedPlan, str], _Constants] = {}
@@ -206,34 +207,72 @@ def constants(plan: FixedPlan, device) -> _Constants:
 # ---- selection -----------------------------------------------------------------------------------------
 
 
-def threshold_on_device(mag: torch.Tensor, k: int, sample: Optional[torch.Tensor], lower: torch.Tensor) -> torch.Tensor:
-    """DGC's sampled top-k threshold with its lowering rounds, as a 0-d device tensor (nothing read back).
-
-    The threshold is the ``ceil(s * k / m)``-th largest of the ``s`` sampled magnitudes; while it keeps fewer than
-    0.8 k elements it is multiplied by 0.8, at most 10 times (Lin et al., ICLR 2018, section 3 and appendix; the
-    exact layout's :func:`~deepspeed_dgc.codec.selection.topk_threshold` runs the same rounds one by one). All eleven
-    candidates are counted in one pass (``bucketize``), and the first that keeps 0.8 k is taken on the device. The
-    cut above 1.3 k is the per-row capacity (:func:`select`).
+def sample_threshold(mag: torch.Tensor, k: int, sample: Optional[torch.Tensor], numel: int) -> torch.Tensor:
+    """DGC's first estimate: the ``ceil(s * k / m)``-th largest of the ``s`` sampled magnitudes (0-d fp32).
 
     Args:
-        mag: 1-D fp32 magnitudes, m >= 1; k: target count, ``1 <= k``; sample: int64 positions into ``mag`` or None.
-        lower: fp32 ``(11,)`` factors ``0.8^j``.
+        mag: 1-D fp32 magnitudes (padding 0 after the ``numel`` real elements); k: target count, ``1 <= k``;
+        sample: int64 positions into ``mag`` or None (all of it); numel: real elements m.
     """
     s = mag if sample is None else mag[sample]
-    k_sample = max(1, math.ceil(s.numel() * k / mag.numel()))
-    t0 = torch.topk(s, min(k_sample, s.numel()), sorted=False).values.min()
-    candidates = t0 * lower  # descending
+    k_sample = max(1, math.ceil(s.numel() * k / numel))
+    return torch.topk(s, min(k_sample, s.numel()), sorted=False).values.min()
+
+
+def lowering_candidates(first: torch.Tensor) -> torch.Tensor:
+    """The thresholds DGC's lowering rounds try, for several tensors at once: fp32 ``(T, 11)`` from the ``(T,)``
+    first estimates, column j the estimate multiplied by 0.8 j times in fp32, one multiplication after the other
+    (as :func:`~deepspeed_dgc.codec.selection.topk_threshold` does; ``cumprod`` accumulates in float64 on CPU)."""
+    columns = [first]
+    for _ in range(MAX_LOWER_ROUNDS):
+        columns.append(columns[-1] * LOWER_FACTOR)
+    return torch.stack(columns, dim=1)
+
+
+def corrected_threshold(mag: torch.Tensor, k: int, candidates: torch.Tensor, numel: int) -> torch.Tensor:
+    """DGC's two corrections on the device (0-d fp32, nothing read back): the first of ``candidates`` (descending,
+    :func:`lowering_candidates`) that keeps at least 0.8 k elements, else the last; if that keeps more than 1.3 k,
+    the k-th largest magnitude instead. All candidates are counted in one pass (``bucketize``); the k-th largest is
+    computed whether or not it is taken.
+
+    Args:
+        mag: 1-D fp32 magnitudes (padding 0 after the ``numel`` real elements); k: target count, ``1 <= k``;
+        candidates: fp32 ``(11,)``; numel: real elements m.
+    """
     bucket = torch.bucketize(mag, candidates.flip(0), right=True)  # how many candidates each magnitude reaches
-    reached = torch.zeros(lower.numel() + 1, dtype=torch.long, device=mag.device).scatter_add_(
+    reached = torch.zeros(candidates.numel() + 1, dtype=torch.long, device=mag.device).scatter_add_(
         0, bucket, torch.ones_like(bucket))
-    kept = reached.flip(0).cumsum(0)[:lower.numel()]  # kept[j]: elements >= candidates[j]
+    kept = reached.flip(0).cumsum(0)[:candidates.numel()]  # kept[j]: elements >= candidates[j]
     enough = kept >= LOWER_SLACK * k
     enough[-1] = True  # the last round is taken when none keeps 0.8 k
-    return candidates[enough.int().argmax()]  # the first that does
+    first = enough.int().argmax()
+    threshold = candidates[first]
+    if k < numel:
+        kth = torch.topk(mag, k, sorted=False).values.min()
+        threshold = torch.where(kept[first] > UPPER_SLACK * k, kth, threshold)
+    return threshold
 
 
-def select(acc_m: torch.Tensor, plan: FixedPlan, targets: Sequence[int],
-           samples: Sequence[Optional[torch.Tensor]]) -> Tuple[torch.Tensor, torch.Tensor]:
+def threshold_on_device(mag: torch.Tensor, k: int, sample: Optional[torch.Tensor],
+                        numel: Optional[int] = None) -> torch.Tensor:
+    """DGC's sampled top-k threshold with both its corrections, as a 0-d device tensor (nothing read back).
+
+    The exact layout's :func:`~deepspeed_dgc.codec.selection.topk_threshold`, bit for bit (Lin et al., ICLR 2018,
+    section 3 and appendix): the ``ceil(s * k / m)``-th largest of the ``s`` sampled magnitudes; while it keeps
+    fewer than 0.8 k elements it is multiplied by 0.8 in fp32, at most 10 times; if it then keeps more than 1.3 k
+    it becomes the k-th largest magnitude. :func:`select` runs the same three steps with the rounds of all a
+    bucket's tensors in one set of launches.
+
+    Args:
+        mag: 1-D fp32 magnitudes (padding 0 after the real elements); k: target count, ``1 <= k``;
+        sample: int64 positions into ``mag`` or None (all of it); numel: real elements m (default ``mag.numel()``).
+    """
+    m = mag.numel() if numel is None else numel
+    return corrected_threshold(mag, k, lowering_candidates(sample_threshold(mag, k, sample, m).view(1))[0], m)
+
+
+def select(acc_m: torch.Tensor, plan: FixedPlan, targets: Sequence[int], samples: Sequence[Optional[torch.Tensor]],
+           real_numels: Optional[Sequence[int]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """What every row sends: sparsified tensors by threshold and capacity, the others whole.
 
     Args:
@@ -241,6 +280,7 @@ def select(acc_m: torch.Tensor, plan: FixedPlan, targets: Sequence[int],
         plan: the bucket's :class:`FixedPlan`.
         targets: top-k target count k of each tensor (over its real elements).
         samples: per tensor, positions into its ``(R, c_i)`` block (flattened) to estimate the threshold on, or None.
+        real_numels: real elements of each tensor (default ``R * c_i``): the m of the threshold's sample fraction.
 
     Returns:
         ``(values, positions)``: fp32 ``(R, K)`` in payload order (0 in empty slots) and int64 ``(R, Ks)`` columns
@@ -248,15 +288,21 @@ def select(acc_m: torch.Tensor, plan: FixedPlan, targets: Sequence[int],
     """
     R = acc_m.shape[0]
     consts = constants(plan, acc_m.device)
-    values, positions, col = [], [], 0
-    for c, s, cap, k, sample in zip(plan.chunks, plan.sparse, plan.counts, targets, samples):
-        block = acc_m[:, col:col + c]
+    values, positions = [], []
+    reals = [R * c for c in plan.chunks] if real_numels is None else real_numels
+    blocks, col = [], 0
+    for c in plan.chunks:
+        blocks.append(acc_m[:, col:col + c])
         col += c
-        if not s:
+    mags = {i: b.abs() for i, (b, s) in enumerate(zip(blocks, plan.sparse)) if s}
+    firsts = [sample_threshold(mags[i].reshape(-1), targets[i], samples[i], reals[i]) for i in mags]
+    candidates = dict(zip(mags, lowering_candidates(torch.stack(firsts)))) if firsts else {}
+    for i, (block, c, cap) in enumerate(zip(blocks, plan.chunks, plan.counts)):
+        if i not in mags:
             values.append(block)
             continue
-        mag = block.abs()
-        t = threshold_on_device(mag.reshape(-1), k, sample, consts.lower)
+        mag = mags[i]
+        t = corrected_threshold(mag.reshape(-1), targets[i], candidates[i], reals[i])
         # unique keys: |acc| as ordered int bits, then the lower column; empty where below the threshold
         key = torch.where(mag >= t, (mag.view(torch.int32).long() << 32) + (c - 1 - consts.column_index[c]), -1)
         top = torch.topk(key, cap, dim=1, sorted=False)

@@ -266,10 +266,9 @@ class CompressedReduceScatter:
             job.reuse_thresholds = [self._reusable(k, density) for k in bucket.keys]
         estimate = [s and (job.reuse_thresholds is None or job.reuse_thresholds[i] is None)
                     for i, s in enumerate(bucket.sparse)]
-        # positions of the threshold's sample: over the real elements (exact layout), over each tensor's (R, c_i)
-        # block (fixed layout: no mask of the real ones to read)
-        totals = ([job.rows * c for c in bucket.chunks] if self.layout(device.type) == "fixed" else
-                  [sum(job.real_counts(i)) for i in range(len(bucket.numels))])
+        # positions of the threshold's sample, over the real elements (known from the shape). Both layouts draw the
+        # same ones: the fixed layout's (R, c_i) block holds the real elements first, row-major, then the padding
+        totals = [sum(job.real_counts(i)) for i in range(len(bucket.numels))]
         job.samples = draw_samples(totals, estimate, density, self._generator(device), device)
         if self.cfg.stochastic_rounding and quantization in ("int4", "int2"):
             job.rounding_generator = self._generator(device)

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from deepspeed_dgc.codec import fixed
 from deepspeed_dgc.codec.formats import FP8_MAX, VALUE_BITS
 from deepspeed_dgc.codec.reference import REFERENCE
+from deepspeed_dgc.codec.selection import topk_threshold
 
 from .jobs import SIZES, acc64, make_job
 
@@ -43,28 +44,37 @@ def test_payload_size_is_the_plans_whatever_the_data(sizes, density):
         assert out.kept == 3 * plan.values
 
 
-def test_threshold_is_dgcs_with_its_lowering_rounds():
-    """threshold_on_device against DGC's rounds run one by one in float32: the ceil(s k / m)-th largest sampled
-    magnitude, times 0.8 while it keeps fewer than 0.8 k (at most 10 times); for heavy-tailed data, for data whose
-    sample overestimates (most values tiny), and for all-zero data."""
+@pytest.mark.parametrize("case", ["heavy", "tiny", "zeros", "overestimate", "padded"])
+def test_threshold_is_the_exact_layouts_bit_for_bit(case):
+    """threshold_on_device equals the exact layout's topk_threshold (DGC's rounds run one by one in fp32, then the
+    k-th largest above 1.3 k) bit for bit: heavy-tailed data; a sample that overestimates (most values tiny: the
+    lowering rounds run); all zeros; a sample that underestimates (its largest values removed: the upper
+    correction runs); and a tensor followed by padding zeros (m is the real count). Each case checks that its
+    correction really ran."""
     g = torch.Generator().manual_seed(_seed())
-    lower = fixed.constants(fixed.FixedPlan.build([8], [True], 0.1, True, "int4", 16, torch.float32), "cpu").lower
-    for case in ("heavy", "tiny", "zeros"):
-        mag = (torch.randn(50000, generator=g) ** 3).abs()
+    m, k = 50000, 700
+    rounds = upper = 0
+    for _ in range(20):
+        mag = (torch.randn(m, generator=g) ** 3).abs()
+        sample = torch.randint(0, m, (500, ), generator=g)
         if case == "tiny":
-            mag[torch.rand(50000, generator=g) < 0.97] *= 1e-3
+            mag[torch.rand(m, generator=g) < 0.97] *= 1e-3
         if case == "zeros":
             mag.zero_()
-        k = 700
-        sample = torch.randint(0, 50000, (500, ), generator=g)
-        got = fixed.threshold_on_device(mag, k, sample, lower)
-        s = mag[sample]
-        t0 = torch.topk(s, math.ceil(500 * k / 50000)).values.min()
-        t, j = t0 * lower[0], 0
-        while int((mag >= t).sum()) < 0.8 * k and j < 10:
-            j += 1
-            t = t0 * lower[j]
-        assert torch.equal(got, t), (case, float(got), float(t))
+        if case == "overestimate":  # the sample holds the small values only
+            sample = torch.argsort(mag)[torch.randint(0, m // 2, (500, ), generator=g)]
+        padded = torch.cat([mag, torch.zeros(m // 2)]) if case == "padded" else mag
+        got = fixed.threshold_on_device(padded, k, sample, m)
+        want = topk_threshold(mag, k, sample)
+        assert got.dtype == want.dtype == torch.float32
+        assert torch.equal(got, want), (case, float(got), float(want))
+        t0 = torch.topk(mag[sample], math.ceil(500 * k / m)).values.min()
+        rounds += bool(t0 > want) and float(want) != float(torch.topk(mag, k).values.min())
+        upper += float(want) == float(torch.topk(mag, k).values.min()) and bool(t0 != want)
+    if case == "tiny":
+        assert rounds > 0
+    if case == "overestimate":
+        assert upper > 0
 
 
 @pytest.mark.parametrize("density", [0.3, 0.02, 0.001])
@@ -219,3 +229,22 @@ def test_a_bad_payload_is_flagged_and_poisons_the_row():
     for r in range(2):
         row, bad = REFERENCE.decode_sum_fixed(received[r], jobs[0])
         assert not bool(bad.any()) and bool(torch.isnan(row).all())
+
+
+@pytest.mark.parametrize("value_format", ["int4", "fp8_e4m3", "fp8_e5m2", "raw"])
+@pytest.mark.parametrize("density", [0.1, 0.01])
+def test_without_a_cut_the_fixed_layout_sends_what_the_exact_layout_sends(value_format, density):
+    """Where no owner row reaches its capacity (factor 1 / density: a capacity of the whole slice), the fixed
+    layout selects and quantizes exactly what the exact layout does: the new residuals (accumulator minus what
+    was sent) are equal bit for bit, for INT4, FP8 and raw values, over buckets with padding, tensors sent whole
+    and thresholds that need either of DGC's corrections. (INT2 and INT1 differ by design: the fixed layout codes a
+    scale group holding zeros in three levels.)"""
+    first = _seed()
+    for seed in range(first, first + 6):
+        job = make_job([5000, 300, 70001, 20000, 40], 3, density=density, seed=seed, group_size=128,
+                       value_format="int4" if value_format == "raw" else value_format)
+        job.quantize = value_format != "raw"
+        job.capacity_factor = 1.0 / density
+        exact, fixed_out = REFERENCE.compress(job), REFERENCE.compress_fixed(job)
+        for a, b in zip(exact.residuals, fixed_out.residuals):
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (seed, value_format)
