@@ -16,7 +16,7 @@ import torch
 from dist_launch import launch
 from deepspeed_dgc.memory.error_feedback import ErrorFeedback
 
-from .test_engine import SPARSE, engine_argv, run_engine
+from .test_engine import SPARSE, engine_argv, run_engine, run_engines
 
 STEPS = 10
 MOMENTUM = {"dgc": dict(SPARSE, compressed_momentum={"freeze_step": 3, "quantization": "int2"})}
@@ -182,12 +182,31 @@ def test_world_size_2_saved_loaded_at_3():
         assert torch.equal(loaded[0][k], loaded[2][k])  # an even split
 
 
-@pytest.mark.parametrize("config,world", [(MOMENTUM, 2), (MC, 2), (DEMO, 2), (MASK, 2), (MOMENTUM_HIER, 4),
-                                          (MC_HIER, 4), (DEMO_HIER, 4), (MASK_HIER, 4)],
-                         ids=["compressed_momentum", "momentum_correction", "decoupled_momentum", "shared_mask",
-                              "compressed_momentum-fp8-2x2", "momentum_correction-2x2", "decoupled_momentum-2x2",
-                              "shared_mask-2x2"])
-def test_resume_with_local_momentum_is_bit_identical(config, world):
+LOCAL_MOMENTUM = {  # case -> (ds_config, world size)
+    "compressed_momentum": (MOMENTUM, 2), "momentum_correction": (MC, 2), "decoupled_momentum": (DEMO, 2),
+    "shared_mask": (MASK, 2), "compressed_momentum-fp8-2x2": (MOMENTUM_HIER, 4), "momentum_correction-2x2": (MC_HIER, 4),
+    "decoupled_momentum-2x2": (DEMO_HIER, 4), "shared_mask-2x2": (MASK_HIER, 4)}
+
+
+@pytest.fixture(scope="module")
+def local_momentum_runs():
+    """Every LOCAL_MOMENTUM case run for 10 steps saving at step 5, and resumed from that checkpoint in new processes.
+    Per world size, one launch runs every case's full run in turn (each into its own checkpoint directory) and one
+    launch resumes them all in turn: case -> (full run's records, resumed run's records)."""
+    runs, by_world = {}, {}
+    for case, (_, world) in LOCAL_MOMENTUM.items():
+        by_world.setdefault(world, []).append(case)
+    for world, cases in by_world.items():
+        out = tempfile.mkdtemp()
+        jobs = {case: dict(steps=STEPS, ckpt=f"{out}/{case}", config=LOCAL_MOMENTUM[case][0]) for case in cases}
+        full = run_engines({case: dict(job, save_at=5) for case, job in jobs.items()}, world=world)
+        second = run_engines({case: dict(job, resume_at=5) for case, job in jobs.items()}, world=world)
+        runs.update({case: (full[case], second[case]) for case in cases})
+    return runs
+
+
+@pytest.mark.parametrize("case", list(LOCAL_MOMENTUM))
+def test_resume_with_local_momentum_is_bit_identical(local_momentum_runs, case):
     """Saved at step 5, resumed in new processes: losses, parameters, residuals and the local momenta equal the
     uninterrupted run's bit for bit. compressed_momentum: frozen after step 3, and the resumed run is frozen again.
     decoupled_momentum: INT2 coefficients, the momentum stored in bf16 (the sign update in the owners' step).
@@ -195,10 +214,10 @@ def test_resume_with_local_momentum_is_bit_identical(config, world):
     momentum_correction: SGD (density 0.1, INT4, masking, local clipping, weight decay, thresholds reused for 3
     steps): the velocities and the thresholds being reused are in the side-car, the weight-decay momentum in the
     optimizer state. ``-2x2``: the same on 4 ranks as 2 nodes of 2 (hierarchical topology: residuals and momenta of
-    the node-level sums; compressed momentum with fp8 residuals; the masks shared between nodes)."""
-    out = tempfile.mkdtemp()
-    full = run_engine(world, out=out, steps=STEPS, ckpt=f"{out}/ckpt", save_at=5, config=config)
-    second, _ = resume(out, config, world)
+    the node-level sums; compressed momentum with fp8 residuals; the masks shared between nodes). The cases of a
+    world size save in one launch and resume in another, one after the other in the same processes."""
+    config, world = LOCAL_MOMENTUM[case]
+    full, second = local_momentum_runs[case]
     for r in range(world):
         assert second[r]["losses"] == full[r]["losses"][5:]
         assert all(torch.equal(a, b) for a, b in zip(second[r]["params"][-1], full[r]["params"][-1]))

@@ -38,12 +38,23 @@ def run_engine(world=2, timeout_s=240, out=None, logs=False, **options):
     return (records, results) if logs else records
 
 
+def run_engines(jobs, world=2, timeout_s=300, out=None):
+    """One launch of ``world`` ranks running every job (name -> :func:`run_engine`'s options) in turn in the same
+    processes (the start-up of a launch, most of a short test's time, is paid once): name -> the records of every
+    rank."""
+    out = out or tempfile.mkdtemp()
+    names = list(jobs)
+    argv = ["--out", out, "--jobs", json.dumps([engine_argv(out, **jobs[name])[2:] for name in names])]
+    check_ok(launch(world, "engine_worker.py", argv, timeout_s=timeout_s))
+    return {name: [torch.load(f"{out}/rank{r}_{i}.pt") for r in range(world)] for i, name in enumerate(names)}
+
+
 @pytest.mark.parametrize("comm", [{}, {"communication_data_type": "bf16"}], ids=["fp32comm", "bf16comm"])
 def test_lossless_bit_identical_to_stock(comm):
     """density 1 + no quantization, gradient accumulation 2, 4 steps: same losses, full gradients and fp32
     parameters as stock ZeRO-3, bit for bit (fp32 or bf16 communication)."""
-    stock = run_engine(config=comm, gas=2)
-    ours = run_engine(config=dict(comm, dgc=LOSSLESS), gas=2)
+    runs = run_engines({"stock": dict(config=comm, gas=2), "ours": dict(config=dict(comm, dgc=LOSSLESS), gas=2)})
+    stock, ours = runs["stock"], runs["ours"]
     for r in range(2):
         assert ours[r]["losses"] == stock[r]["losses"]
         for step, (a, b) in enumerate(zip(ours[r]["grads"], stock[r]["grads"])):
@@ -67,8 +78,9 @@ def test_lossless_bit_identical_to_stock_for_every_reduce_path(reduce_scatter, c
     false and contiguous gradients, stock all-reduces each bucket instead: that path is compressed too): lossless
     DGC gives stock's losses, gradients and parameters bit for bit, and every step's gradients went through it."""
     zero = {"reduce_scatter": reduce_scatter, "contiguous_gradients": contiguous}
-    stock = run_engine(config={"zero_optimization": zero}, gas=2)
-    ours = run_engine(config={"zero_optimization": zero, "dgc": LOSSLESS}, gas=2)
+    runs = run_engines({"stock": dict(config={"zero_optimization": zero}, gas=2),
+                        "ours": dict(config={"zero_optimization": zero, "dgc": LOSSLESS}, gas=2)})
+    stock, ours = runs["stock"], runs["ours"]
     for r in range(2):
         assert ours[r]["losses"] == stock[r]["losses"]
         for a, b in zip(ours[r]["grads"] + ours[r]["params"], stock[r]["grads"] + stock[r]["params"]):
@@ -99,7 +111,8 @@ def test_an_engine_without_optimizer_runs_with_quantized_weights():
 def test_lossless_matches_stock_within_rounding(world, dgc):
     """At 3 ranks, or 4 ranks as 2 nodes of 2 (a sum inside each node, then across nodes), the summation order
     differs from gloo's, so equality is within float32 rounding."""
-    stock, ours = run_engine(world, gas=2), run_engine(world, gas=2, config={"dgc": dgc})
+    runs = run_engines({"stock": dict(gas=2), "ours": dict(gas=2, config={"dgc": dgc})}, world=world)
+    stock, ours = runs["stock"], runs["ours"]
     for r in range(world):
         for a, b in zip(ours[r]["losses"], stock[r]["losses"]):
             assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
@@ -181,8 +194,26 @@ OVERFLOW = {
 }
 
 
+@pytest.fixture(scope="module")
+def overflow_runs():
+    """Every OVERFLOW case with an Inf in rank 1's input at step 2: one launch per world size, and the directory
+    that holds the CSV monitor's output."""
+    out = tempfile.mkdtemp()
+    jobs = {}
+    for case, options in OVERFLOW.items():
+        options = dict(options, inf_at=2)
+        if "csv_monitor" in options["config"]:
+            options["config"] = dict(options["config"], csv_monitor={"enabled": True, "output_path": out,
+                                                                     "job_name": "monitor"})
+        jobs.setdefault(options.pop("world", 2), {})[case] = options
+    runs = {}
+    for world, cases in jobs.items():
+        runs.update(run_engines(cases, world=world, out=tempfile.mkdtemp(dir=out)))
+    return runs, out
+
+
 @pytest.mark.parametrize("case", list(OVERFLOW))
-def test_inf_on_one_rank_skips_step_everywhere(case):
+def test_inf_on_one_rank_skips_step_everywhere(overflow_runs, case):
     """Inf in rank 1's input at step 2: every rank skips that step, parameters and residuals stay as they were,
     residuals stay finite, and training goes on. ``bf16_offload``: residuals offloaded to host memory, telemetry to
     DeepSpeed's CSV monitor. ``bf16_momentum``: compressed_momentum frozen after step 1 (step 2 sends momentum): the
@@ -191,12 +222,8 @@ def test_inf_on_one_rank_skips_step_everywhere(case):
     roll back too. ``bf16_momentum_2x2``: the same on 4 ranks as 2 nodes of 2 (hierarchical: node-level momenta, fp8
     residuals). ``bf16_decoupled``: decoupled momentum (no residual; the sign step would turn NaN into NaN
     weights): its momenta roll back and stay finite."""
-    out = tempfile.mkdtemp()
-    options = dict(OVERFLOW[case])
-    if "csv_monitor" in options["config"]:
-        options["config"] = dict(options["config"], csv_monitor={"enabled": True, "output_path": out,
-                                                                 "job_name": "monitor"})
-    ranks = run_engine(out=out, inf_at=2, **options)
+    runs, out = overflow_runs
+    options, ranks = OVERFLOW[case], runs[case]
     for r, rec in enumerate(ranks):
         assert rec["skipped"] == [0, 0, 1, 1], f"rank {r}"
         for x, y in zip(rec["params"][2], rec["params"][3]):  # params before / after step 2
@@ -385,14 +412,20 @@ UNUSED_ROWS = {
 }
 
 
+@pytest.fixture(scope="module")
+def unused_rows_runs():
+    adam = {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True, "weight_decay": 0.0}}  # DeepSpeed's default: 0.01
+    return run_engines({case: dict(steps=6, model="embed", config={"optimizer": adam, "dgc": dict(enabled=True, **row)})
+                        for case, row in UNUSED_ROWS.items()})
+
+
 @pytest.mark.parametrize("case", sorted(UNUSED_ROWS))
-def test_embedding_rows_no_input_uses_never_move(case):
+def test_embedding_rows_no_input_uses_never_move(unused_rows_runs, case):
     """An embedding of 64 rows of 12 whose inputs use only the first 16, Adam, 6 steps, INT1/INT2 (which have no code
     for 0) on gradients or on the momentum after a freeze at step 2, scale groups of 128 spanning used and unused rows:
     the unused rows stay bit for bit at their initial values (their gradient, momentum and residual are exactly 0),
     the used rows move."""
-    adam = {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True, "weight_decay": 0.0}}  # DeepSpeed's default: 0.01
-    ranks = run_engine(steps=6, model="embed", config={"optimizer": adam, "dgc": dict(enabled=True, **UNUSED_ROWS[case])})
+    ranks = unused_rows_runs[case]
     for r, rec in enumerate(ranks):
         first = rec["params"][0][0]
         for t, params in enumerate(rec["params"][1:], 1):
@@ -421,16 +454,25 @@ DEVICE_PATH = {
 }
 
 
+def _device_path_config(case):
+    own_codec = "decoupled_momentum" in DEVICE_PATH[case] or "shared_mask" in DEVICE_PATH[case]
+    return dict(DEVICE_PATH[case], kernels="reference", stats_interval=2, **({} if own_codec else {"layout": "fixed"}))
+
+
+@pytest.fixture(scope="module")
+def device_path_runs():
+    return run_engines({case: dict(steps=6, count_syncs=True, config={"dgc": _device_path_config(case)})
+                        for case in DEVICE_PATH})
+
+
 @pytest.mark.parametrize("case", sorted(DEVICE_PATH))
-def test_the_fixed_layout_reads_nothing_back_on_the_host(case):
+def test_the_fixed_layout_reads_nothing_back_on_the_host(device_path_runs, case):
     """The device path ("layout": "fixed", "kernels": "reference": the Python path a GPU runs) on 2 ranks, 6 steps,
     telemetry logged every 2 steps: after step 2 deepspeed_dgc's own code makes no host-synchronising tensor call
     (deepspeed_dgc.syncs counts item, tolist, nonzero, bool/int/float of a tensor, boolean masks, torch.tensor of
     host data on a device, ...) but the one read-back of the residual norm at a logged step; so a step holds at most
     that and stock's own (its gradient-norm or overflow check). The run also trains: losses finite, weights moved."""
-    own_codec = "decoupled_momentum" in DEVICE_PATH[case] or "shared_mask" in DEVICE_PATH[case]
-    cfg = dict(DEVICE_PATH[case], kernels="reference", stats_interval=2, **({} if own_codec else {"layout": "fixed"}))
-    ranks = run_engine(steps=6, count_syncs=True, config={"dgc": cfg})
+    ranks = device_path_runs[case]
     for r, rec in enumerate(ranks):
         for step, sites in enumerate(rec["host_syncs"][2:], 3):
             logged = step % 2 == 0

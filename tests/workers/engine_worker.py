@@ -28,6 +28,8 @@ Options:
                              cycled) for every bucket, the ranks' own times disagreeing (the real exchanges still run)
   --fault die|hang           rank 1 is killed, or hangs, inside its reduce-scatter of step --fault-step (3);
                              rank 0 saves the error it got and when to DIR/rank0_error.pt and re-raises it
+  --jobs JSON                a list of argument lists (the options above, without --out): each runs in turn in
+                             this process, its records to DIR/rank<r>_<i>.pt (one launch for several cases)
 """
 
 import argparse
@@ -308,10 +310,13 @@ def main(argv=None):
     ap.add_argument("--policy-script", default=None)
     ap.add_argument("--fault", choices=["die", "hang"], default=None)
     ap.add_argument("--fault-step", type=int, default=3)
+    ap.add_argument("--jobs", default=None)
     args = ap.parse_args(argv)
     rank = init()
-    record = run(args, rank)
-    torch.save(record, f"{args.out}/rank{rank}.pt")
+    if args.jobs is None:
+        torch.save(run(args, rank), f"{args.out}/rank{rank}.pt")
+    for i, job in enumerate(json.loads(args.jobs or "[]")):
+        torch.save(run(ap.parse_args(["--out", args.out, *job]), rank), f"{args.out}/rank{rank}_{i}.pt")
     finish()
 
 

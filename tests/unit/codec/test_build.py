@@ -69,27 +69,30 @@ def test_nvcc_flags_give_ieee_math_and_leave_the_arch_list_alone(cuda_builder, m
         assert not bad, f"{arch}: {bad}"
 
 
-def test_cuda_sources_compile_with_the_builders_flags(cuda_builder, tmp_path):
+def test_cuda_sources_compile_with_the_builders_flags(cuda_builder, jit_check, tmp_path):
     """dgc_cuda.cu with nvcc and the builder's nvcc_args() (objects for every target architecture), and the binding
     dgc_cuda_binding.cpp with the host compiler and the builder's cxx_args() against torch's headers and the CUDA
-    runtime's."""
+    runtime's. The two compilers (single-threaded, most of a minute each) run at the same time, beside the JIT
+    build of ``jit_check``."""
     gencode, flags = _nvcc_flags(cuda_builder)
     csrc = os.path.join(ROOT, "csrc", "dgc")
-    cmd = ["nvcc", "-c", os.path.join(csrc, "dgc_cuda.cu"), "-o", str(tmp_path / "cu.o"), f"-I{csrc}",
-           *_torch_includes(), "-Xcompiler", "-fPIC", *gencode, *flags]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert (tmp_path / "cu.o").stat().st_size > 0
+    nvcc = ["nvcc", "-c", os.path.join(csrc, "dgc_cuda.cu"), "-o", str(tmp_path / "cu.o"), f"-I{csrc}",
+            *_torch_includes(), "-Xcompiler", "-fPIC", *gencode, *flags]
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    cxx = os.environ.get("CXX", "c++")
-    cmd = [cxx, "-c", os.path.join(csrc, "dgc_cuda_binding.cpp"), "-o", str(tmp_path / "binding.o"), "-fPIC",
-           f"-I{csrc}", *_torch_includes(), f"-I{sysconfig.get_paths()['include']}",
-           f"-I{os.path.join(_cuda_home(), 'include')}",
+    cxx = [os.environ.get("CXX", "c++"), "-c", os.path.join(csrc, "dgc_cuda_binding.cpp"), "-o",
+           str(tmp_path / "binding.o"), "-fPIC", f"-I{csrc}", *_torch_includes(),
+           f"-I{sysconfig.get_paths()['include']}", f"-I{os.path.join(_cuda_home(), 'include')}",
            "-DTORCH_EXTENSION_NAME=dgc_cuda_op", "-DTORCH_API_INCLUDE_EXTENSION_H", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
            *cuda_builder.strip_empty_entries(cuda_builder.cxx_args())]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert (tmp_path / "binding.o").stat().st_size > 0
+    procs = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for cmd in (nvcc, cxx)]
+    try:
+        errors = [p.communicate(timeout=900)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, err, out in zip(procs, errors, ("cu.o", "binding.o")):
+        assert p.returncode == 0, err[-4000:]
+        assert (tmp_path / out).stat().st_size > 0
 
 
 CHECK_OP = """
@@ -105,17 +108,34 @@ print("OP_FILE", op.__file__)
 """
 
 
-def _run_check(load: str, env=None, cwd=ROOT):
-    code = CHECK_OP.format(root=ROOT, load=load)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900, cwd=cwd,
-                          env=dict(os.environ, PYTHONPATH=ROOT, **(env or {})))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout.split("OP_FILE ")[1].strip()
+def _start_check(load: str, env=None, cwd=ROOT) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", CHECK_OP.format(root=ROOT, load=load)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=cwd,
+                            env=dict(os.environ, PYTHONPATH=ROOT, **(env or {})))
 
 
-def test_jit_path_loads():
+def _check_result(proc: subprocess.Popen, timeout: float = 900) -> str:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    return out.split("OP_FILE ")[1].strip()
+
+
+@pytest.fixture(scope="module")
+def jit_check():
+    """The JIT build's check (a single-threaded compile of about a minute), started once in the background: the CUDA
+    compile test runs beside it, so the compilers share the cores; :func:`test_jit_path_loads` waits for it."""
+    proc = _start_check("__import__('op_builder').DGCCPUBuilder().jit_load(verbose=False)")
+    yield proc
+    proc.kill()
+    proc.communicate()
+
+
+def test_jit_path_loads(jit_check):
     """The JIT build (torch cpp_extension through DeepSpeed's builder) loads and equals the reference."""
-    path = _run_check("__import__('op_builder').DGCCPUBuilder().jit_load(verbose=False)")
+    path = _check_result(jit_check)
     assert "torch_extensions" in path or os.environ["TORCH_EXTENSIONS_DIR"] in path
 
 
