@@ -272,7 +272,7 @@ def threshold_on_device(mag: torch.Tensor, k: int, sample: Optional[torch.Tensor
 
 
 def select(acc_m: torch.Tensor, plan: FixedPlan, targets: Sequence[int], samples: Sequence[Optional[torch.Tensor]],
-           real_numels: Optional[Sequence[int]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+           reals: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor]:
     """What every row sends: sparsified tensors by threshold and capacity, the others whole.
 
     Args:
@@ -280,7 +280,8 @@ def select(acc_m: torch.Tensor, plan: FixedPlan, targets: Sequence[int], samples
         plan: the bucket's :class:`FixedPlan`.
         targets: top-k target count k of each tensor (over its real elements).
         samples: per tensor, positions into its ``(R, c_i)`` block (flattened) to estimate the threshold on, or None.
-        real_numels: real elements of each tensor (default ``R * c_i``): the m of the threshold's sample fraction.
+        reals: real elements of each tensor (:meth:`~deepspeed_dgc.codec.job.CompressJob.real_totals`): the m of
+            its threshold (the rest of its block is padding).
 
     Returns:
         ``(values, positions)``: fp32 ``(R, K)`` in payload order (0 in empty slots) and int64 ``(R, Ks)`` columns
@@ -289,7 +290,6 @@ def select(acc_m: torch.Tensor, plan: FixedPlan, targets: Sequence[int], samples
     R = acc_m.shape[0]
     consts = constants(plan, acc_m.device)
     values, positions = [], []
-    reals = [R * c for c in plan.chunks] if real_numels is None else real_numels
     blocks, col = [], 0
     for c in plan.chunks:
         blocks.append(acc_m[:, col:col + c])

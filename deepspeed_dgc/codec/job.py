@@ -96,9 +96,13 @@ class CompressJob:
         """Bool ``(R, c_i)``: True where row r of tensor i holds a real element, not padding."""
         return torch.tensor(self.real_counts(i), device=device)[:, None] > torch.arange(self.chunks[i], device=device)
 
+    def real_totals(self) -> List[int]:
+        """Real elements of each tensor in all rows (the m of its top-k; its rows hold them first, row-major)."""
+        return [sum(self.real_counts(i)) for i in range(len(self.numels))]
+
     def targets(self) -> List[int]:
         """Top-k target count per tensor (over its real elements in all rows)."""
-        return [target_count(sum(self.real_counts(i)), self.density) for i in range(len(self.numels))]
+        return [target_count(m, self.density) for m in self.real_totals()]
 
     def fixed_plan(self) -> FixedPlan:
         """The sizes of this job's payloads in the fixed layout (the same for every row)."""

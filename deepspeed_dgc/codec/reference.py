@@ -56,8 +56,7 @@ class ReferenceOps:
         (:mod:`~deepspeed_dgc.codec.fixed`), reading nothing back on the host."""
         plan = job.fixed_plan()
         acc_m = self.accumulate(job)
-        values, positions = fixed.select(acc_m, plan, job.targets(), job.samples,
-                                         [sum(job.real_counts(i)) for i in range(len(job.srcs))])
+        values, positions = fixed.select(acc_m, plan, job.targets(), job.samples, job.real_totals())
         payloads, decoded = fixed.encode_rows(values, positions, plan, job.fingerprint, ~torch.isfinite(acc_m).all(),
                                               job.raw_scale, job.rounding_generator)
         residuals = None

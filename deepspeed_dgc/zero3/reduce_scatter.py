@@ -268,8 +268,7 @@ class CompressedReduceScatter:
                     for i, s in enumerate(bucket.sparse)]
         # positions of the threshold's sample, over the real elements (known from the shape). Both layouts draw the
         # same ones: the fixed layout's (R, c_i) block holds the real elements first, row-major, then the padding
-        totals = [sum(job.real_counts(i)) for i in range(len(bucket.numels))]
-        job.samples = draw_samples(totals, estimate, density, self._generator(device), device)
+        job.samples = draw_samples(job.real_totals(), estimate, density, self._generator(device), device)
         if self.cfg.stochastic_rounding and quantization in ("int4", "int2"):
             job.rounding_generator = self._generator(device)
         return job

@@ -31,22 +31,21 @@ def engine_argv(out, **options):
 def run_engine(world=2, timeout_s=240, out=None, logs=False, **options):
     """engine_worker.py on ``world`` ranks with these options; the records of every rank (and with ``logs`` the
     launch's per-rank results, holding their output)."""
-    out = out or tempfile.mkdtemp()
-    results = launch(world, "engine_worker.py", engine_argv(out, **options), timeout_s=timeout_s)
-    check_ok(results)
-    records = [torch.load(f"{out}/rank{r}.pt") for r in range(world)]
-    return (records, results) if logs else records
+    runs, results = run_engines({"run": options}, world, timeout_s, out, logs=True)
+    return (runs["run"], results) if logs else runs["run"]
 
 
-def run_engines(jobs, world=2, timeout_s=300, out=None):
+def run_engines(jobs, world=2, timeout_s=300, out=None, logs=False):
     """One launch of ``world`` ranks running every job (name -> :func:`run_engine`'s options) in turn in the same
     processes (the start-up of a launch, most of a short test's time, is paid once): name -> the records of every
-    rank."""
+    rank (and with ``logs`` the launch's per-rank results)."""
     out = out or tempfile.mkdtemp()
     names = list(jobs)
     argv = ["--out", out, "--jobs", json.dumps([engine_argv(out, **jobs[name])[2:] for name in names])]
-    check_ok(launch(world, "engine_worker.py", argv, timeout_s=timeout_s))
-    return {name: [torch.load(f"{out}/rank{r}_{i}.pt") for r in range(world)] for i, name in enumerate(names)}
+    results = launch(world, "engine_worker.py", argv, timeout_s=timeout_s)
+    check_ok(results)
+    runs = {name: [torch.load(f"{out}/rank{r}_{i}.pt") for r in range(world)] for i, name in enumerate(names)}
+    return (runs, results) if logs else runs
 
 
 @pytest.mark.parametrize("comm", [{}, {"communication_data_type": "bf16"}], ids=["fp32comm", "bf16comm"])

@@ -50,8 +50,7 @@ def make_job(numels, rows, *, hierarchical=False, dtype=torch.float32, residual=
     job = CompressJob(srcs, offsets, strides, list(numels), chunks, sparse, owners, residuals, res_numels, divisor,
                       density, [], group_size, True, torch.float32, 1234, residual, value_format=value_format,
                       index_coding=index_coding)
-    reals = [sum(job.real_counts(i)) for i in range(len(numels))]
-    job.samples = samples(job) if samples else draw_samples(reals, sparse, density,
+    job.samples = samples(job) if samples else draw_samples(job.real_totals(), sparse, density,
                                                             torch.Generator().manual_seed(seed + 1), "cpu")
     return job
 
