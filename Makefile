@@ -32,11 +32,12 @@ demo: install
 bench: install
 	$(PY) benchmarks/bench_network.py --json runs/bench_network/results.json
 
-# as root: time to the same loss (stock fp32's at step 150 of 300) at 100 Mbit/s, 1 Gbit/s and unlimited, about 100 min
+# as root: time to the same loss (stock fp32's at step 100 of 200, and at step 50) at 100 Mbit/s, 1 Gbit/s and
+# unlimited, about 75 min
 bench-target: install
 	$(PY) benchmarks/bench_network.py --rates 100mbit 1gbit --configs stock_fp32 stock_bf16 zeropp_like \
-		ddp_powersgd int4_ef_wint4 dgc_adam_flat policy_auto --converge-steps 300 --eval-interval 10 \
-		--target-step 150 --repeats 2 --out-dir runs/bench_ttt --json runs/bench_ttt/bench_time_to_target.json
+		ddp_powersgd int4_ef_wint4 dgc_adam_flat policy_auto --converge-steps 200 --eval-interval 10 \
+		--target-steps 100 50 --repeats 2 --out-dir runs/bench_ttt --json runs/bench_ttt/bench_time_to_target.json
 
 # as root: two nodes of two in a namespace, only the path between them limited (100 Mbit/s, 1 Gbit/s, unlimited)
 bench-nodes: install

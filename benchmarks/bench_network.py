@@ -12,7 +12,9 @@ What it does:
    Ctrl-C, SIGTERM or failure. Without root, ``ip`` or ``tc`` it says so and exits with status 2.
 2. Model: the main job's char GPT at about 10M parameters (6 layers x 384, 128-character context),
    2 ranks, 8 sequences per rank per step, ``stage3_param_persistence_threshold: 0`` so that
-   weights are gathered as in a large model. Same data, seed and steps for every configuration.
+   weights are gathered as in a large model, and ``stage3_prefetch_bucket_size`` (``--prefetch-bucket-size``)
+   about two layers' matrices for every ZeRO-3 configuration, stock's too, so that the gathers overlap the
+   forward. Same data, seed and steps for every configuration.
 3. Convergence: each configuration trains once for ``--converge-steps`` steps on the unlimited
    loopback of the namespace (losses do not depend on the link; CPU runs are deterministic),
    evaluating every ``--eval-interval`` steps. A configuration whose choices depend on the link
@@ -52,6 +54,11 @@ ROOT = Path(__file__).resolve().parent.parent
 TRAIN_SCRIPT = ROOT / "examples" / "train_char_gpt.py"
 DDP_SCRIPT = ROOT / "benchmarks" / "ddp_powersgd.py"
 BASE_CONFIG = ROOT / "configs" / "zero3_p0_baseline.json"
+# stage3_prefetch_bucket_size of every ZeRO-3 configuration (--prefetch-bucket-size): about two of the model's
+# 6 x 1.77M-parameter layers' matrices, so that each gather overlaps the forward of the layer before. Measured at
+# 100 Mbit/s (one launch each, 2026-12-02): stock fp32 11.24 s -> 10.95 s, bf16 7.62 -> 7.42, the recommended Adam
+# setting 1.83 -> 1.53 (DeepSpeed's default, 5e7, gathers all 10.7M parameters at once before the first layer).
+PREFETCH_BUCKET_SIZE = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -150,6 +157,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--n-head", type=int, default=6)
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--micro-batch", type=int, default=8, help="sequences per rank per step")
+    parser.add_argument("--prefetch-bucket-size", type=int, default=PREFETCH_BUCKET_SIZE, metavar="ELEMENTS",
+                        help="stage3_prefetch_bucket_size of every ZeRO-3 configuration, stock's too (DeepSpeed's "
+                        "default, 5e7, gathers this whole model in one all-gather that the first layer waits for; "
+                        "about a layer's worth lets the gathers overlap the forward); 0: DeepSpeed's default")
     parser.add_argument("--out-dir", type=Path, default=Path("runs/bench_network"))
     parser.add_argument("--json", type=Path, help="write all results here too")
     parser.add_argument("--launch-timeout-s", type=float, default=1800.0, help="kill a launch that runs longer")
@@ -270,12 +281,16 @@ def check_privileges() -> str | None:
     return None
 
 
-def ds_config_for(config: BenchConfig, micro_batch: int, ranks_per_node: int | None = None) -> dict:
+def ds_config_for(config: BenchConfig, micro_batch: int, ranks_per_node: int | None = None,
+                  prefetch_bucket_size: int = PREFETCH_BUCKET_SIZE) -> dict:
     """The ds_config of a ZeRO-3 configuration: configs/zero3_p0_baseline.json (persistence threshold 0)
-    with this micro-batch, plus the configuration's keys; a ``node_level`` one with ``ranks_per_node`` also gets the
-    hierarchical topology and hpZ over the node."""
+    with this micro-batch and ``stage3_prefetch_bucket_size`` (elements; 0: DeepSpeed's default), plus the
+    configuration's keys; a ``node_level`` one with ``ranks_per_node`` also gets the hierarchical topology and hpZ
+    over the node."""
     ds = json.loads(BASE_CONFIG.read_text())
     ds["train_micro_batch_size_per_gpu"] = micro_batch
+    if prefetch_bucket_size:
+        ds["zero_optimization"]["stage3_prefetch_bucket_size"] = prefetch_bucket_size
     ds.update(copy.deepcopy(config.ds_extra))
     if config.dgc is not None:
         ds["dgc"] = copy.deepcopy(config.dgc)
@@ -307,7 +322,7 @@ def launch(ns: Namespace, config: BenchConfig, args: argparse.Namespace, steps: 
     else:
         config_path = args.out_dir / "configs" / f"{config.name}.json"
         config_path.parent.mkdir(parents=True, exist_ok=True)
-        config_path.write_text(json.dumps(ds_config_for(config, args.micro_batch, args.ranks_per_node), indent=2) + "\n")
+        config_path.write_text(json.dumps(ds_config_for(config, args.micro_batch, args.ranks_per_node, args.prefetch_bucket_size), indent=2) + "\n")
         cmd = launcher + [str(TRAIN_SCRIPT), "--deepspeed_config", str(config_path)] + model_args + common
     log_path = args.out_dir / "logs" / f"{tag}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
