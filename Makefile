@@ -33,7 +33,7 @@ bench: install
 	$(PY) benchmarks/bench_network.py --json runs/bench_network/results.json
 
 # as root: time to the same loss (stock fp32's at step 100 of 200, and at step 50) at 100 Mbit/s, 1 Gbit/s and
-# unlimited, about 75 min
+# unlimited, about 95 min
 bench-target: install
 	$(PY) benchmarks/bench_network.py --rates 100mbit 1gbit --configs stock_fp32 stock_bf16 zeropp_like \
 		ddp_powersgd int4_ef_wint4 dgc_adam_flat policy_auto --converge-steps 200 --eval-interval 10 \
