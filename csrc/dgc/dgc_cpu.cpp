@@ -226,10 +226,11 @@ void encode_block(float* __restrict a, int64_t len, int64_t j0, int64_t gs, Kept
       }
     } else if constexpr (F == dgc::kFp8E4M3 || F == dgc::kFp8E5M2) {  // decoded through the unit table (exact)
       const float* unit = fp8_units<F>();
+      const uint8_t sat = dgc::e4m3_saturated_code();
       for (int64_t y = g0; y < g1; ++y) {
         const float v = a[y];
         const float x = dgc::divide_by_scale(v, scale);
-        const uint8_t c = F == dgc::kFp8E4M3 ? c10::Float8_e4m3fn(x).x : c10::Float8_e5m2(x).x;
+        const uint8_t c = F == dgc::kFp8E4M3 ? dgc::fp8_e4m3_code(x, sat) : dgc::fp8_e5m2_code(x);
         a[y] = v - unit[c] * scale;
         codes[y] = c;
       }
@@ -910,6 +911,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_weights(at::Tensor x, int64_t wfmt, 
   float* sc = scales.data_ptr<float>();
   uint8_t* out = codes.data_ptr<uint8_t>();
   const float qmax = dgc::weight_qmax(static_cast<int>(wfmt));
+  const uint8_t sat = dgc::e4m3_saturated_code();
   const bool int4 = wfmt == dgc::kWInt4;
   // INT4: unpacked first (a byte may hold two groups' codes); every element written
   std::unique_ptr<uint8_t[]> nibbles(int4 ? new uint8_t[std::max<int64_t>(n, 1)] : nullptr);
@@ -920,18 +922,23 @@ std::tuple<at::Tensor, at::Tensor> quantize_weights(at::Tensor x, int64_t wfmt, 
     const int64_t grain = std::max<int64_t>(1, kBlock / std::max<int64_t>(group_size, 1));
     at::parallel_for(0, G, grain, [&](int64_t b, int64_t e) {  // per group: absmax, scale, codes
       for (int64_t g = b; g < e; ++g) {
+        // the group's bounds and pointers in locals: a uint8 store may alias anything, so loops bounded by
+        // starts[g + 1] or writing through dst would reload them every element and not vectorize
+        const int64_t len = starts[g + 1] - starts[g];
+        const T* __restrict vg = v + starts[g];
+        uint8_t* __restrict dg = dst + starts[g];
         // four running maxima (the same max in any order: std::max never picks a NaN, as the serial loop)
         float m[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        int64_t i = starts[g];
-        for (; i + 4 <= starts[g + 1]; i += 4)
-          for (int l = 0; l < 4; ++l) m[l] = std::max(m[l], std::fabs(static_cast<float>(v[i + l])));
-        for (; i < starts[g + 1]; ++i) m[0] = std::max(m[0], std::fabs(static_cast<float>(v[i])));
+        int64_t i = 0;
+        for (; i + 4 <= len; i += 4)
+          for (int l = 0; l < 4; ++l) m[l] = std::max(m[l], std::fabs(static_cast<float>(vg[i + l])));
+        for (; i < len; ++i) m[0] = std::max(m[0], std::fabs(static_cast<float>(vg[i])));
         const float absmax = std::max(std::max(m[0], m[1]), std::max(m[2], m[3]));
         const float scale = absmax / qmax;
         sc[g] = scale;
         auto encode = [&](auto w) {  // the format a constant in each loop
-          for (int64_t i = starts[g]; i < starts[g + 1]; ++i)
-            dst[i] = dgc::encode_weight(decltype(w)::value, static_cast<float>(v[i]), scale);
+          for (int64_t x = 0; x < len; ++x)
+            dg[x] = dgc::encode_weight(decltype(w)::value, static_cast<float>(vg[x]), scale, sat);
         };
         if (wfmt == dgc::kWInt8)
           encode(std::integral_constant<int, dgc::kWInt8>());
@@ -976,10 +983,12 @@ void dequantize_weights(at::Tensor codes, at::Tensor scales, at::Tensor out, int
     at::parallel_for(0, G, grain, [&](int64_t b, int64_t e) {
       for (int64_t g = b; g < e; ++g) {
         const float scale = sc[g];
+        const int64_t s0 = starts[g], s1 = starts[g + 1];  // locals: stores through o must not reload them
+        T* __restrict og = o;
         if (wfmt == dgc::kWInt4)
-          for (int64_t i = starts[g]; i < starts[g + 1]; ++i) o[i] = static_cast<T>(unit[(in[i >> 1] >> ((i & 1) * 4)) & 0x0F] * scale);
+          for (int64_t i = s0; i < s1; ++i) og[i] = static_cast<T>(unit[(in[i >> 1] >> ((i & 1) * 4)) & 0x0F] * scale);
         else
-          for (int64_t i = starts[g]; i < starts[g + 1]; ++i) o[i] = static_cast<T>(unit[in[i]] * scale);
+          for (int64_t i = s0; i < s1; ++i) og[i] = static_cast<T>(unit[in[i]] * scale);
       }
     });
   });

@@ -13,6 +13,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #if defined(__CUDACC__)
 #define DGC_HD __host__ __device__ __forceinline__
@@ -187,6 +188,69 @@ DGC_HD uint8_t encode_weight(int wfmt, float v, float scale) {
   q = q < -127.0f ? -127.0f : (q > 127.0f ? 127.0f : q);
   return static_cast<uint8_t>(static_cast<int8_t>(q));
 }
+
+#if !defined(__CUDACC__)
+// fp32 -> float8 on the host as c10 converts (torch/headeronly/util/Float8_e4m3fn.h, Float8_e5m2.h: round to
+// nearest even, subnormals kept), but with selects instead of branches, so that the loops calling them vectorize
+// (c10's own conversion, called per value, does not). Both paths of c10's conversion are computed and one is kept.
+//
+// e4m3fn has no infinity, and torch versions differ in what magnitudes above 464 (the midpoint of 448 and 480, the
+// first that rounds past 448), infinity included, become: 0x7f (NaN) in older ones, 0x7e (448, saturated) in 2.13.
+// `sat` is that code as this build's c10 makes it (e4m3_saturated_code()); NaN stays 0x7f either way.
+inline uint32_t f32_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+inline float f32_from_bits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// c10's two paths for a magnitude `bits` (sign cleared) below the format's overflow, of a float8 with E exponent
+// and M mantissa bits (bias 2^(E-1) - 1): below the smallest normal, the magic-number addition that rounds into the
+// subnormal codes; from it, the exponent rebias with round-to-nearest-even on the bits cut off.
+template <int E, int M>
+inline uint8_t fp8_finite_code(uint32_t bits) {
+  constexpr int bias = (1 << (E - 1)) - 1;
+  constexpr uint32_t denorm_mask = static_cast<uint32_t>((127 - bias) + (23 - M) + 1) << 23;
+  constexpr uint32_t smallest_normal = static_cast<uint32_t>(127 - bias + 1) << 23;
+  constexpr int cut = 23 - M;
+  const uint8_t denormal = static_cast<uint8_t>(f32_bits(f32_from_bits(bits) + f32_from_bits(denorm_mask)) - denorm_mask);
+  const uint8_t normal = static_cast<uint8_t>((bits + (static_cast<uint32_t>(bias - 127) << 23) +
+                                               ((UINT32_C(1) << (cut - 1)) - 1) + ((bits >> cut) & 1u)) >> cut);
+  return bits < smallest_normal ? denormal : normal;
+}
+
+inline uint8_t fp8_e4m3_code(float f, uint8_t sat) {
+  uint32_t bits = f32_bits(f);
+  const uint32_t sign = bits & UINT32_C(0x80000000);
+  bits ^= sign;
+  uint8_t r = fp8_finite_code<4, 3>(bits);
+  r = bits > UINT32_C(0x43E80000) ? sat : r;            // above 464.0f
+  r = bits > UINT32_C(0x7F800000) ? uint8_t(0x7F) : r;  // NaN
+  return static_cast<uint8_t>(r | (sign >> 24));
+}
+
+inline uint8_t fp8_e5m2_code(float f) {
+  uint32_t bits = f32_bits(f);
+  const uint32_t sign = bits & UINT32_C(0x80000000);
+  bits ^= sign;
+  uint8_t r = fp8_finite_code<5, 2>(bits);
+  r = bits >= (UINT32_C(143) << 23) ? (bits > UINT32_C(0x7F800000) ? uint8_t(0x7F) : uint8_t(0x7C)) : r;  // 65536.0f up
+  return static_cast<uint8_t>(r | (sign >> 24));
+}
+
+// What c10 makes of an e4m3fn magnitude above 464 (see fp8_e4m3_code).
+inline uint8_t e4m3_saturated_code() { return c10::Float8_e4m3fn(470.0f).x; }
+
+// encode_weight with fp8_e4m3_code for FP8 (the same code; `sat` from e4m3_saturated_code()), for the host's loops.
+inline uint8_t encode_weight(int wfmt, float v, float scale, uint8_t sat) {
+  return wfmt == kWFp8E4M3 ? fp8_e4m3_code(divide_by_scale(v, scale), sat) : encode_weight(wfmt, v, scale);
+}
+#endif
 
 // What a weight code decodes to with scale 1 (decode_weight(w, code, s) == decode_weight_unit(w, code) * s exactly).
 DGC_HD float decode_weight_unit(int wfmt, uint8_t code) {

@@ -134,6 +134,62 @@ def test_weight_codes_equal_reference(fused, fmt, dtype):
                 ops.quantize_weights(x, fmt, 32, [n - 1, 2])
 
 
+SUBNORMAL = 2.0**-149  # the smallest fp32 subnormal
+
+
+def _subnormal_units(n: int, seed: int, high: int) -> torch.Tensor:
+    """``n`` fp32 values that are whole multiples (1 to ``high``, random signs) of the smallest subnormal: in a group
+    of them the scale absmax / qmax is a subnormal that rounds to a whole unit, so value / scale reaches past the
+    format's largest code (up to about 1.5 qmax)."""
+    g = torch.Generator().manual_seed(seed)
+    units = torch.randint(1, high + 1, (n, ), generator=g).float()
+    signs = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
+    return units * signs * SUBNORMAL
+
+
+def test_fp8_codes_past_the_largest_value_equal_reference(fused):
+    """FP8 codes of values past the format's largest after the division by the group's scale (groups of subnormals,
+    whose scale loses its precision): e4m3 magnitudes above 464 become what this torch's c10 makes of them (0x7e,
+    saturated, in torch 2.13; 0x7f in older ones), e5m2's from 61440 become infinity; weights and gradients sent
+    whole, the fused op's codes, scales, residual bits and decoded sums as the reference's."""
+    # weights: groups of 32 whose absmax is 465-671 units (scale rounds to 1 unit, values up to 671 > 464)
+    x = _subnormal_units(4096, 1, 671)
+    x[::32] = torch.randint(465, 672, (128, ), generator=torch.Generator().manual_seed(2)).float() * SUBNORMAL
+    ref = REFERENCE.quantize_weights(x, "fp8_e4m3", 32, None)
+    got = fused.quantize_weights(x, "fp8_e4m3", 32, None)
+    assert torch.equal(ref[0], got[0]) and torch.equal(ref[1].view(torch.int32), got[1].view(torch.int32))
+    assert (x.view(-1, 32).abs() / ref[1][:, None]).max().item() > 464  # values past e4m3's largest were coded
+    for fmt, high in (("fp8_e4m3", 671), ("fp8_e5m2", 90000)):
+        job = make_job([3000, 20000], 1, value_format=fmt, density=1.0, residual=False, min_numel=10**9, seed=3)
+        for i, src in enumerate(job.srcs):
+            src.copy_(_subnormal_units(src.numel(), 10 + i, high))
+        ref = REFERENCE.compress(job)
+        assert_same(ref, fused.compress(job))
+        sums = [decode_row(ops, job, 0, ref.payloads[0])[0] for ops in (REFERENCE, fused)]
+        assert torch.equal(sums[0].view(torch.int32), sums[1].view(torch.int32))
+
+
+def test_fp8_conversion_of_every_magnitude_class_equals_torch(fused):
+    """The fused op's FP8 e4m3 weight codes of values at scale 1 (a group whose absmax is 448 exactly) over every
+    class of fp32 magnitude: zeros, fp32 subnormals, fp8 subnormals, normals, halfway cases and random bits; the codes
+    torch's own conversion gives."""
+    g = torch.Generator().manual_seed(4)
+    bits = torch.randint(0, 2**31 - 1, (1 << 16, ), generator=g, dtype=torch.int64).to(torch.int32)
+    x = bits.view(torch.float32).abs()
+    x = x[torch.isfinite(x) & (x <= 448.0)]
+    grid = torch.arange(0, 448.0625, 0.0625)  # 0 to 448: every e4m3 value and every midpoint between two of them
+    small = torch.tensor([2.0**-9, 2.0**-10, 3 * 2.0**-11, 2.0**-6, 2.0**-7 * 1.5, 1e-40, 1e-45, 0.0])
+    x = torch.cat([x, grid, small, 2.0**-9 * torch.arange(0, 16, 0.25)])
+    x = torch.cat([x, -x])
+    n = x.numel() - x.numel() % 32
+    x = x[:n].view(-1, 32).clone()
+    x[:, 0] = 448.0  # every group's scale is 1 exactly: the codes are the conversion of the values themselves
+    x = x.view(-1)
+    codes, scales = fused.quantize_weights(x, "fp8_e4m3", 32, None)
+    assert torch.equal(scales, torch.ones_like(scales))
+    assert torch.equal(codes, x.to(torch.float8_e4m3fn).view(torch.uint8))
+
+
 def _sample_of(which):
     """Samples made of the smallest (forces the exact top-k step) or largest (forces lowering) magnitudes."""
 
