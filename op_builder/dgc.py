@@ -15,7 +15,9 @@ Flags: the JIT build may use ``-march=native`` (it runs where it was built); a p
 uses portable flags (x86-64-v2 at most, no ``-march=native``). Floating-point contraction is
 off everywhere (``-ffp-contract=off``, nvcc ``--fmad=false``), and the CUDA build drops DeepSpeed's
 ``--use_fast_math`` for IEEE division and square root without flush-to-zero (``EXACT_NVCC_MATH``), so
-results equal the PyTorch reference bit for bit. CUDA architectures come from ``TORCH_CUDA_ARCH_LIST``,
+results equal the PyTorch reference bit for bit. The CPU build adds ``-fno-trapping-math``: it changes no value
+(IEEE rounding and signed zeros stay), only lets GCC compute both sides of a select such as the FP8 conversion's
+(``dgc_math.h``) so that its loops vectorize. CUDA architectures come from ``TORCH_CUDA_ARCH_LIST``,
 default ``8.0;9.0`` (A100, H100/H200); the variable is as it was once the flags are computed (DeepSpeed's
 ``jit_load`` restores it after a JIT build).
 """
@@ -119,7 +121,7 @@ class DGCCPUBuilder(_DGCBuilderMixin, CPUOpBuilder):
 
     def cxx_args(self):
         std = "-std=c++20" if tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 12) else "-std=c++17"
-        args = ["-O3", std, "-fopenmp", "-ffp-contract=off", "-Wno-reorder"]
+        args = ["-O3", std, "-fopenmp", "-ffp-contract=off", "-fno-trapping-math", "-Wno-reorder"]
         if os.environ.get(PORTABLE_ENV) == "1":
             return args + ["-march=x86-64-v2"] if _is_x86() else args
         return args + [self.cpu_arch()]
