@@ -983,12 +983,10 @@ void dequantize_weights(at::Tensor codes, at::Tensor scales, at::Tensor out, int
     at::parallel_for(0, G, grain, [&](int64_t b, int64_t e) {
       for (int64_t g = b; g < e; ++g) {
         const float scale = sc[g];
-        const int64_t s0 = starts[g], s1 = starts[g + 1];  // locals: stores through o must not reload them
-        T* __restrict og = o;
         if (wfmt == dgc::kWInt4)
-          for (int64_t i = s0; i < s1; ++i) og[i] = static_cast<T>(unit[(in[i >> 1] >> ((i & 1) * 4)) & 0x0F] * scale);
+          for (int64_t i = starts[g]; i < starts[g + 1]; ++i) o[i] = static_cast<T>(unit[(in[i >> 1] >> ((i & 1) * 4)) & 0x0F] * scale);
         else
-          for (int64_t i = s0; i < s1; ++i) og[i] = static_cast<T>(unit[in[i]] * scale);
+          for (int64_t i = starts[g]; i < starts[g + 1]; ++i) o[i] = static_cast<T>(unit[in[i]] * scale);
       }
     });
   });

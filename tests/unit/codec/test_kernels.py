@@ -163,6 +163,9 @@ def test_fp8_codes_past_the_largest_value_equal_reference(fused):
         job = make_job([3000, 20000], 1, value_format=fmt, density=1.0, residual=False, min_numel=10**9, seed=3)
         for i, src in enumerate(job.srcs):
             src.copy_(_subnormal_units(src.numel(), 10 + i, high))
+        groups = job.srcs[1].view(-1, job.group_size).abs()  # one row: the scale groups are the source's
+        largest, past = {"fp8_e4m3": (448.0, 464), "fp8_e5m2": (57344.0, 61440)}[fmt]
+        assert (groups / (groups.amax(1, keepdim=True) / largest)).max().item() > past  # past the largest code
         ref = REFERENCE.compress(job)
         assert_same(ref, fused.compress(job))
         sums = [decode_row(ops, job, 0, ref.payloads[0])[0] for ops in (REFERENCE, fused)]
@@ -177,7 +180,8 @@ def test_fp8_conversion_of_every_magnitude_class_equals_torch(fused):
     bits = torch.randint(0, 2**31 - 1, (1 << 16, ), generator=g, dtype=torch.int64).to(torch.int32)
     x = bits.view(torch.float32).abs()
     x = x[torch.isfinite(x) & (x <= 448.0)]
-    grid = torch.arange(0, 448.0625, 0.0625)  # 0 to 448: every e4m3 value and every midpoint between two of them
+    values = torch.arange(128, dtype=torch.uint8).view(torch.float8_e4m3fn).float()[:127]  # every finite e4m3 >= 0
+    grid = torch.cat([values, (values[1:] + values[:-1]) / 2])  # and every midpoint between two neighbours
     small = torch.tensor([2.0**-9, 2.0**-10, 3 * 2.0**-11, 2.0**-6, 2.0**-7 * 1.5, 1e-40, 1e-45, 0.0])
     x = torch.cat([x, grid, small, 2.0**-9 * torch.arange(0, 16, 0.25)])
     x = torch.cat([x, -x])
