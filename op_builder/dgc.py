@@ -12,7 +12,9 @@ install and only imports a prebuilt op that its own ``setup.py`` recorded
   log line.
 
 Flags: the JIT build may use ``-march=native`` (it runs where it was built); a prebuilt module
-uses portable flags (x86-64-v2 at most, no ``-march=native``). Floating-point contraction is
+uses portable flags (x86-64-v2 at most, no ``-march=native``), and its passes over every element are also
+built for AVX2 and picked at load time where the CPU has it (GCC ``target_clones`` in ``dgc_cpu.cpp``; the same
+results: no contraction either way). Floating-point contraction is
 off everywhere (``-ffp-contract=off``, nvcc ``--fmad=false``), and the CUDA build drops DeepSpeed's
 ``--use_fast_math`` for IEEE division and square root without flush-to-zero (``EXACT_NVCC_MATH``), so
 results equal the PyTorch reference bit for bit. The CPU build adds ``-fno-trapping-math``: it changes no value

@@ -26,6 +26,16 @@
 
 #include "dgc_math.h"
 
+// The passes over every element are built twice on x86-64 where the build's own target lacks AVX2 (the prebuilt op
+// is portable: x86-64-v2): once for the target and once for AVX2, picked at load time by the CPU (GCC's
+// target_clones). Both round every operation the same (IEEE, no contraction: -ffp-contract=off), only the vectors
+// are wider.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__AVX2__)
+#define DGC_SIMD_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define DGC_SIMD_CLONES
+#endif
+
 namespace {
 
 constexpr int64_t kBlock = 1 << 15;  // elements per task of the dense pass
@@ -149,24 +159,79 @@ int64_t count_at_least(const Spec& t, const Params& p, float thr) {
   return total;
 }
 
-// acc of elements [j0, j1) of row r into buf (vectorizable loops: the branches are hoisted).
+// acc of elements [j0, j1) of row r into buf, and how many of them are Inf or NaN (vectorizable loops: the branches
+// are hoisted; the count costs nothing in a pass bound by memory).
 template <typename T>
-void accumulate_block(const Spec& t, const Params& p, int64_t r, int64_t j0, int64_t j1, float* buf) {
-  const T* s = static_cast<const T*>(t.src) + t.offset + r * t.stride + j0;
+DGC_SIMD_CLONES int64_t accumulate_block(const Spec& t, const Params& p, int64_t r, int64_t j0, int64_t j1,
+                                         float* __restrict buf) {
+  const T* __restrict s = static_cast<const T*>(t.src) + t.offset + r * t.stride + j0;
   const int64_t len = j1 - j0;
   const float d = p.divisor;
-  if (t.residual == nullptr) {
+  const float* __restrict res = t.residual ? t.residual + r * t.c + j0 : nullptr;
+  int64_t nonfinite = 0;
+  auto run = [&](auto acc_of) {
+    for (int64_t x = 0; x < len; ++x) {
+      const float a = acc_of(x);
+      buf[x] = a;
+      nonfinite += !(std::fabs(a) <= FLT_MAX);
+    }
+  };
+  if (res == nullptr) {
     if (p.divide)
-      for (int64_t x = 0; x < len; ++x) buf[x] = static_cast<float>(s[x]) / d;
+      run([&](int64_t x) { return static_cast<float>(s[x]) / d; });
     else
-      for (int64_t x = 0; x < len; ++x) buf[x] = static_cast<float>(s[x]);
-    return;
+      run([&](int64_t x) { return static_cast<float>(s[x]); });
+  } else if (p.divide) {
+    run([&](int64_t x) { return static_cast<float>(s[x]) / d + res[x]; });
+  } else {
+    run([&](int64_t x) { return static_cast<float>(s[x]) + res[x]; });
   }
-  const float* res = t.residual + r * t.c + j0;
-  if (p.divide)
-    for (int64_t x = 0; x < len; ++x) buf[x] = static_cast<float>(s[x]) / d + res[x];
-  else
-    for (int64_t x = 0; x < len; ++x) buf[x] = static_cast<float>(s[x]) + res[x];
+  return nonfinite;
+}
+
+// Appends the columns j0 + x and values of a[0, len) with |a[x]| >= thr to out (rare: about the density). A filter
+// first, 16 elements at a time: the largest magnitude's bits against thr's, an unsigned integer max (which vectorizes;
+// a float max does not without -ffast-math). For magnitudes and a threshold >= +0 the bits order as the values, so the
+// filter passes every block holding a kept element (and a NaN, which the exact test then drops).
+DGC_SIMD_CLONES void compact_at_least(const float* __restrict a, int64_t len, float thr, int64_t j0, Kept& out) {
+  typedef uint32_t __attribute__((may_alias)) bits_t;
+  const bits_t* __restrict u = reinterpret_cast<const bits_t*>(a);
+  const uint32_t thr_bits = thr > 0.0f ? dgc::f32_bits(thr) : 0u;
+  auto take = [&](int64_t x0, int64_t x1) {
+    for (int64_t x = x0; x < x1; ++x)
+      if (std::fabs(a[x]) >= thr) {
+        out.j.push_back(j0 + x);
+        out.acc.push_back(a[x]);
+      }
+  };
+  int64_t x0 = 0;
+  for (; x0 + 16 <= len; x0 += 16) {
+    uint32_t m = 0;
+    for (int k = 0; k < 16; ++k) {
+      const uint32_t b = u[x0 + k] & UINT32_C(0x7FFFFFFF);
+      m = m > b ? m : b;
+    }
+    if (m >= thr_bits) take(x0, x0 + 16);
+  }
+  take(x0, len);
+}
+
+// max |v[x]| over v[0, len) as float, 0 for none, the same max a serial std::max loop finds (a NaN is never picked):
+// eight running maxima in a GCC vector, which the compiler keeps in registers of the target's width.
+template <typename T>
+inline float absmax_of(const T* __restrict v, int64_t len) {
+  typedef float v8f __attribute__((vector_size(32)));
+  v8f m = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  int64_t x = 0;
+  for (; x + 8 <= len; x += 8) {
+    v8f a;
+    for (int l = 0; l < 8; ++l) a[l] = std::fabs(static_cast<float>(v[x + l]));
+    m = a > m ? a : m;
+  }
+  float r = 0.0f;
+  for (int l = 0; l < 8; ++l) r = std::max(r, m[l]);
+  for (; x < len; ++x) r = std::max(r, std::fabs(static_cast<float>(v[x])));
+  return r;
 }
 
 // How the dense pass codes a row sent whole while its block is in cache: value format and scale group size.
@@ -175,22 +240,11 @@ struct PreEncode {
   int64_t group_size;
 };
 
-// Value at scale 1 of every FP8 code of format F (exact: the code decodes to unit[code] * scale).
-template <int F>
-const float* fp8_units() {
-  static const std::vector<float> units = [] {
-    std::vector<float> u(256);
-    for (int c = 0; c < 256; ++c) u[c] = dgc::decode_unit(F, static_cast<uint8_t>(c));
-    return u;
-  }();
-  return units.data();
-}
-
 // Codes the scale groups of a[0, len) (columns j0 + x of a row sent whole; j0 a multiple of the group size):
 // the group statistics and scale as step 4 of compress_bucket computes them, one code byte per value, and
 // a[x] -= what the code decodes to (the new residual). The same results, bit for bit, as step 4's loops.
 template <int F>
-void encode_block(float* __restrict a, int64_t len, int64_t j0, int64_t gs, Kept& dst) {
+DGC_SIMD_CLONES void encode_block(float* __restrict a, int64_t len, int64_t j0, int64_t gs, Kept& dst) {
   constexpr bool masked = F == dgc::kInt2 || F == dgc::kInt1;
   uint8_t* __restrict codes = dst.codes.get() + j0;
   const uint8_t sat = dgc::e4m3_saturated_code();  // FP8 e4m3 only: c10's code above 464, once per block
@@ -198,12 +252,7 @@ void encode_block(float* __restrict a, int64_t len, int64_t j0, int64_t gs, Kept
     const int64_t g1 = std::min(g0 + gs, len);
     // the block is finite (checked by the caller), so a max in any order is the same max; INT1's sum of
     // magnitudes stays in value order (its scale must equal the reference's bit for bit)
-    float m[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    int64_t x = g0;
-    for (; x + 4 <= g1; x += 4)
-      for (int l = 0; l < 4; ++l) m[l] = std::max(m[l], std::fabs(a[x + l]));
-    for (; x < g1; ++x) m[0] = std::max(m[0], std::fabs(a[x]));
-    const float absmax = std::max(std::max(m[0], m[1]), std::max(m[2], m[3]));
+    const float absmax = absmax_of(a + g0, g1 - g0);
     float mag_sum = 0.0f;
     int64_t nonzero = g1 - g0;
     if (masked) {
@@ -225,15 +274,14 @@ void encode_block(float* __restrict a, int64_t len, int64_t j0, int64_t gs, Kept
         a[y] = v - (nz ? signed_scale : 0.0f);
         codes[y] = static_cast<uint8_t>(static_cast<uint8_t>(pos) | (static_cast<uint8_t>(nz) << 7));
       }
-    } else if constexpr (F == dgc::kFp8E4M3 || F == dgc::kFp8E5M2) {  // decoded through the unit table (exact)
-      const float* unit = fp8_units<F>();
+    } else if constexpr (F == dgc::kFp8E4M3 || F == dgc::kFp8E5M2) {
+      // codes, then what they decode to, with selects: two loops that each vectorize (GCC gives up on one)
       for (int64_t y = g0; y < g1; ++y) {
-        const float v = a[y];
-        const float x = dgc::divide_by_scale(v, scale);
-        const uint8_t c = F == dgc::kFp8E4M3 ? dgc::fp8_e4m3_code(x, sat) : dgc::fp8_e5m2_code(x);
-        a[y] = v - unit[c] * scale;
-        codes[y] = c;
+        const float x = dgc::divide_by_scale(a[y], scale);
+        codes[y] = F == dgc::kFp8E4M3 ? dgc::fp8_e4m3_code(x, sat) : dgc::fp8_e5m2_code(x);
       }
+      for (int64_t y = g0; y < g1; ++y)
+        a[y] -= (F == dgc::kFp8E4M3 ? dgc::fp8_unit<4, 3>(codes[y]) : dgc::fp8_unit<5, 2>(codes[y])) * scale;
     } else {
       for (int64_t y = g0; y < g1; ++y) {
         const float v = a[y];
@@ -246,25 +294,34 @@ void encode_block(float* __restrict a, int64_t len, int64_t j0, int64_t gs, Kept
   }
 }
 
-// Packs n codes of BITS bits (< 8) into bytes, the first code in the low bits (formats.pack_bits); bit 7 of a
-// code (the dense pass's zero mark) is dropped.
+// Packs the n codes of one segment, codes v0 .. v0 + n - 1 of a row, into the row's zeroed value bytes: BITS bits
+// (< 8) each, the first code in the low bits (formats.pack_bits); bit 7 of a code (the dense pass's zero mark) is
+// dropped. A byte shared with the segment before or after (v0 or v0 + n not a multiple of 8 / BITS) is or-ed into,
+// so the segments of one row must be packed one after another; the whole bytes between are written in parallel.
 template <int BITS>
-void pack_codes(const uint8_t* codes, uint8_t* values, int64_t n) {
+void pack_segment(const uint8_t* codes, int64_t n, int64_t v0, uint8_t* values) {
   constexpr int per = 8 / BITS;
   constexpr uint8_t low = (1 << BITS) - 1;
-  const int64_t full = n / per;
-  at::parallel_for(0, full, kBlock, [&](int64_t b, int64_t e) {
+  auto put = [&](int64_t x) {  // one code into its (possibly shared) byte
+    const int64_t v = v0 + x;
+    values[v / per] |= static_cast<uint8_t>((codes[x] & low) << ((v % per) * BITS));
+  };
+  int64_t x = 0;
+  for (; x < n && (v0 + x) % per != 0; ++x) put(x);
+  const int64_t full = (n - x) / per;
+  const uint8_t* src = codes + x;
+  uint8_t* dst = values + (v0 + x) / per;
+  at::parallel_for(0, full, kBlock, [src, dst](int64_t b, int64_t e) {
+    // pointers in locals: a uint8 store may alias anything, so captured references would be reloaded per byte
+    const uint8_t* __restrict s = src;
+    uint8_t* __restrict d = dst;
     for (int64_t k = b; k < e; ++k) {
       uint8_t byte = 0;
-      for (int q = 0; q < per; ++q) byte |= static_cast<uint8_t>((codes[k * per + q] & low) << (q * BITS));
-      values[k] = byte;
+      for (int q = 0; q < per; ++q) byte |= static_cast<uint8_t>((s[k * per + q] & low) << (q * BITS));
+      d[k] = byte;
     }
   });
-  if (full * per < n) {
-    uint8_t byte = 0;
-    for (int64_t x = full * per; x < n; ++x) byte |= static_cast<uint8_t>((codes[x] & low) << ((x - full * per) * BITS));
-    values[full] = byte;
-  }
+  for (x += full * per; x < n; ++x) put(x);
 }
 
 // The dense pass over one block: acc, residual write (acc), compaction of |acc| >= thr.
@@ -273,20 +330,16 @@ void pack_codes(const uint8_t* codes, uint8_t* values, int64_t n) {
 template <typename T>
 int64_t dense_block(const Spec& t, const Params& p, int64_t r, int64_t j0, int64_t j1, float thr, Kept& out,
                     bool write_residual, float* direct, const PreEncode* pre) {
+  // acc goes to `direct`, else straight into the new residual (which is acc where nothing is sent), else a buffer
   thread_local std::vector<float> buf;
-  float* a = direct;
+  float* res = write_residual && t.residual_out ? t.residual_out + r * t.c + j0 : nullptr;
+  float* a = direct ? direct + j0 : res;
   if (a == nullptr) {
     buf.resize(kBlock);
     a = buf.data();
-  } else {
-    a += j0;
   }
   const int64_t len = j1 - j0;
-  accumulate_block<T>(t, p, r, j0, j1, a);
-  int64_t nonfinite = 0;
-  for (int64_t x = 0; x < len; ++x) nonfinite += !(std::fabs(a[x]) <= FLT_MAX);  // Inf and NaN
-  float* res = write_residual && t.residual_out ? t.residual_out + r * t.c + j0 : nullptr;
-  if (res && res != a) std::memcpy(res, a, len * sizeof(float));
+  const int64_t nonfinite = accumulate_block<T>(t, p, r, j0, j1, a);
   if (direct) {
     if (pre && nonfinite == 0) {
       switch (pre->fmt) {
@@ -299,23 +352,7 @@ int64_t dense_block(const Spec& t, const Params& p, int64_t r, int64_t j0, int64
     }
     return nonfinite;
   }
-  // compaction: a vectorizable test of 16 elements at a time, the scalar one only where one is kept
-  int64_t x0 = 0;
-  for (; x0 + 16 <= len; x0 += 16) {
-    int any = 0;
-    for (int k = 0; k < 16; ++k) any |= std::fabs(a[x0 + k]) >= thr;
-    if (!any) continue;
-    for (int64_t x = x0; x < x0 + 16; ++x)
-      if (std::fabs(a[x]) >= thr) {
-        out.j.push_back(j0 + x);
-        out.acc.push_back(a[x]);
-      }
-  }
-  for (int64_t x = x0; x < len; ++x)
-    if (std::fabs(a[x]) >= thr) {
-      out.j.push_back(j0 + x);
-      out.acc.push_back(a[x]);
-    }
+  compact_at_least(a, len, thr, j0, out);
   return nonfinite;
 }
 
@@ -693,10 +730,14 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
     }
   });
   // codes and residuals, in parallel over groups: 8-bit codes straight into the payload, narrower ones unpacked
-  // into a scratch row first and packed after (a byte may hold the codes of two groups)
+  // into a scratch row first and packed after (a byte may hold the codes of two groups); codes the dense pass made
+  // (rows sent whole) are packed from where it put them, with no copy
   std::vector<std::unique_ptr<uint8_t[]>> scratch(R);
-  if (bits < 8)
-    for (int64_t r = 0; r < R; ++r) scratch[r].reset(new uint8_t[std::max<int64_t>(n_kept[r], 1)]);
+  for (int64_t r = 0; r < R && bits < 8; ++r) {
+    bool coded_here = false;
+    for (size_t i = 0; i < T; ++i) coded_here |= !kept[i][r].pre && kept[i][r].size() > 0;
+    if (coded_here) scratch[r].reset(new uint8_t[std::max<int64_t>(n_kept[r], 1)]);
+  }
   auto encode_groups = [&](auto fmt_tag) {
     constexpr int F = decltype(fmt_tag)::value;
     const int64_t grain = std::max<int64_t>(1, kBlock / group_size);
@@ -708,13 +749,12 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
         const Kept& kr = kept[gr.i][r];
         const Spec& t = specs[gr.i];
         const float* acc = kr.values();
-        uint8_t* codes = (bits < 8 ? scratch[r].get() : values_of(r)) + gr.v0 - gr.x0;
-        if (kr.pre) {  // codes made by the dense pass (bit 7: its zero-bitmap mark), residual written there too
-          const uint8_t* pre_codes = kr.codes.get();
-          const uint8_t low = bits < 8 ? static_cast<uint8_t>((1 << bits) - 1) : static_cast<uint8_t>(0xFF);
-          for (int64_t x = gr.x0; x < gr.x1; ++x) codes[x] = pre_codes[x] & low;
+        if (kr.pre) {  // codes made by the dense pass, residual written there too; 8-bit ones (FP8: no zero mark)
+          if (bits == 8)  // are copied here, narrower ones packed below
+            std::memcpy(values_of(r) + gr.v0, kr.codes.get() + gr.x0, gr.x1 - gr.x0);
           continue;
         }
+        uint8_t* codes = (bits < 8 ? scratch[r].get() : values_of(r)) + gr.v0 - gr.x0;
         float* res = t.residual_out ? t.residual_out + r * t.c : nullptr;
         const float scale = gr.scale;
         if (res && kr.all)  // columns are x: a loop without indirection
@@ -738,10 +778,18 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
     case dgc::kFp8E4M3: encode_groups(std::integral_constant<int, dgc::kFp8E4M3>()); break;
     default: encode_groups(std::integral_constant<int, dgc::kFp8E5M2>()); break;
   }
-  for (int64_t r = 0; r < R && bits < 8; ++r) {
-    if (bits == 4) pack_codes<4>(scratch[r].get(), values_of(r), n_kept[r]);
-    else if (bits == 2) pack_codes<2>(scratch[r].get(), values_of(r), n_kept[r]);
-    else pack_codes<1>(scratch[r].get(), values_of(r), n_kept[r]);
+  for (int64_t r = 0; r < R && bits < 8; ++r) {  // each tensor's codes in turn (neighbours may share a byte)
+    int64_t v0 = 0;
+    for (size_t i = 0; i < T; ++i) {
+      const Kept& kr = kept[i][r];
+      const int64_t cnt = kr.size();
+      if (cnt == 0) continue;
+      const uint8_t* codes = kr.pre ? kr.codes.get() : scratch[r].get() + v0;
+      if (bits == 4) pack_segment<4>(codes, cnt, v0, values_of(r));
+      else if (bits == 2) pack_segment<2>(codes, cnt, v0, values_of(r));
+      else pack_segment<1>(codes, cnt, v0, values_of(r));
+      v0 += cnt;
+    }
   }
   std::vector<double> used(T, -1.0);
   for (size_t i = 0; i < T; ++i)
@@ -894,6 +942,83 @@ std::vector<int64_t> weight_group_starts(int64_t n, int64_t group_size, const st
   return starts;
 }
 
+// Weight groups [b, e) of the layout `starts` (formats.quantize_weights): each group's scale absmax / qmax into sc[g]
+// and one code per weight into dst (INT4: a nibble per byte, packed after). Bounds and pointers in locals: a uint8
+// store may alias anything, so they would be reloaded every element and the loops not vectorize.
+template <int W, typename T>
+DGC_SIMD_CLONES void quantize_weight_groups(const T* v, const int64_t* starts, int64_t b, int64_t e, uint8_t* dst,
+                                            float* sc, float qmax, uint8_t sat) {
+  for (int64_t g = b; g < e; ++g) {
+    const int64_t len = starts[g + 1] - starts[g];
+    const T* __restrict vg = v + starts[g];
+    uint8_t* __restrict dg = dst + starts[g];
+    const float scale = absmax_of(vg, len) / qmax;
+    sc[g] = scale;
+    for (int64_t x = 0; x < len; ++x) dg[x] = dgc::encode_weight(W, static_cast<float>(vg[x]), scale, sat);
+  }
+}
+
+// What a weight code decodes to at scale 1, as decode_weight_unit, without a table (a lookup per value is a gather,
+// which keeps the loop scalar): INT8 the signed byte, INT4 the nibble - 8, FP8 e4m3 fp8_unit.
+template <int W>
+inline float weight_unit(uint8_t code) {
+  if constexpr (W == dgc::kWInt8) return static_cast<float>(static_cast<int8_t>(code));
+  else if constexpr (W == dgc::kWInt4) return static_cast<float>(static_cast<int>(code) - dgc::kInt4Offset);
+  else return dgc::fp8_unit<4, 3>(code);
+}
+
+// v rounded to T as torch's copy_ rounds it; bf16 as c10's round_to_nearest_even, with an integer select instead of
+// its NaN branch (so that the loops storing it vectorize), stored as its bits.
+template <typename T>
+struct WeightStore {
+  using type = T;
+  static T from(float v) { return static_cast<T>(v); }
+};
+template <>
+struct WeightStore<c10::BFloat16> {
+  using type = uint16_t;
+  static uint16_t from(float v) {
+    const uint32_t u = dgc::f32_bits(v);
+    const uint16_t r = static_cast<uint16_t>((u + ((u >> 16) & 1u) + UINT32_C(0x7FFF)) >> 16);
+    return (u & UINT32_C(0x7FFFFFFF)) > UINT32_C(0x7F800000) ? static_cast<uint16_t>(0x7FC0) : r;
+  }
+};
+
+// Weight groups [b, e) decoded into o: weight_unit(code) * scale rounded once to T (INT4: two codes a byte, low
+// nibble first). Each run of up to 256 weights is decoded to fp32, then rounded to T: two loops that vectorize.
+template <int W, typename T>
+DGC_SIMD_CLONES void dequantize_weight_groups(const uint8_t* in, const float* sc, const int64_t* starts, int64_t b,
+                                              int64_t e, T* o) {
+  using S = WeightStore<T>;
+  static_assert(sizeof(typename S::type) == sizeof(T), "a weight is stored as T's bits");
+  typename S::type* __restrict out = reinterpret_cast<typename S::type*>(o);
+  const uint8_t* __restrict codes = in;
+  constexpr int64_t kRun = 256;
+  float tmp[kRun];
+  for (int64_t g = b; g < e; ++g) {
+    const float scale = sc[g];
+    for (int64_t i = starts[g]; i < starts[g + 1]; i += kRun) {
+      const int64_t len = std::min(kRun, starts[g + 1] - i);
+      if constexpr (W == dgc::kWInt4) {
+        auto nibble = [&](int64_t k) { return static_cast<uint8_t>((codes[k >> 1] >> ((k & 1) * 4)) & 0x0F); };
+        const int64_t x0 = i & 1;  // a run starting in a byte's high nibble (segments of odd length)
+        if (x0) tmp[0] = weight_unit<W>(nibble(i)) * scale;
+        const int64_t pairs = (len - x0) / 2;
+        const uint8_t* __restrict bytes = codes + ((i + x0) >> 1);
+        float* __restrict t = tmp + x0;
+        for (int64_t k = 0; k < pairs; ++k) {  // whole bytes: low nibble, high nibble
+          t[2 * k] = weight_unit<W>(bytes[k] & 0x0F) * scale;
+          t[2 * k + 1] = weight_unit<W>(bytes[k] >> 4) * scale;
+        }
+        if (x0 + 2 * pairs < len) tmp[len - 1] = weight_unit<W>(nibble(i + len - 1)) * scale;
+      } else {
+        for (int64_t x = 0; x < len; ++x) tmp[x] = weight_unit<W>(codes[i + x]) * scale;
+      }
+      for (int64_t x = 0; x < len; ++x) out[i + x] = S::from(tmp[x]);
+    }
+  }
+}
+
 }  // namespace
 
 // Group-wise absmax quantization of a flat weight shard (formats.quantize_weights): wfmt 0 INT8, 1 FP8 e4m3,
@@ -921,39 +1046,18 @@ std::tuple<at::Tensor, at::Tensor> quantize_weights(at::Tensor x, int64_t wfmt, 
     const T* v = static_cast<const T*>(x.data_ptr());
     const int64_t grain = std::max<int64_t>(1, kBlock / std::max<int64_t>(group_size, 1));
     at::parallel_for(0, G, grain, [&](int64_t b, int64_t e) {  // per group: absmax, scale, codes
-      for (int64_t g = b; g < e; ++g) {
-        // the group's bounds and pointers in locals: a uint8 store may alias anything, so loops bounded by
-        // starts[g + 1] or writing through dst would reload them every element and not vectorize
-        const int64_t len = starts[g + 1] - starts[g];
-        const T* __restrict vg = v + starts[g];
-        uint8_t* __restrict dg = dst + starts[g];
-        // four running maxima (the same max in any order: std::max never picks a NaN, as the serial loop)
-        float m[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        int64_t i = 0;
-        for (; i + 4 <= len; i += 4)
-          for (int l = 0; l < 4; ++l) m[l] = std::max(m[l], std::fabs(static_cast<float>(vg[i + l])));
-        for (; i < len; ++i) m[0] = std::max(m[0], std::fabs(static_cast<float>(vg[i])));
-        const float absmax = std::max(std::max(m[0], m[1]), std::max(m[2], m[3]));
-        const float scale = absmax / qmax;
-        sc[g] = scale;
-        auto encode = [&](auto w) {  // the format a constant in each loop
-          for (int64_t x = 0; x < len; ++x)
-            dg[x] = dgc::encode_weight(decltype(w)::value, static_cast<float>(vg[x]), scale, sat);
-        };
-        if (wfmt == dgc::kWInt8)
-          encode(std::integral_constant<int, dgc::kWInt8>());
-        else if (wfmt == dgc::kWFp8E4M3)
-          encode(std::integral_constant<int, dgc::kWFp8E4M3>());
-        else
-          encode(std::integral_constant<int, dgc::kWInt4>());
-      }
+      if (wfmt == dgc::kWInt8)
+        quantize_weight_groups<dgc::kWInt8>(v, starts.data(), b, e, dst, sc, qmax, sat);
+      else if (wfmt == dgc::kWFp8E4M3)
+        quantize_weight_groups<dgc::kWFp8E4M3>(v, starts.data(), b, e, dst, sc, qmax, sat);
+      else
+        quantize_weight_groups<dgc::kWInt4>(v, starts.data(), b, e, dst, sc, qmax, sat);
     });
   });
-  if (int4)
-    at::parallel_for(0, (n + 1) / 2, kBlock, [&](int64_t b, int64_t e) {
-      for (int64_t k = b; k < e; ++k)
-        out[k] = static_cast<uint8_t>(nibbles[2 * k] | (2 * k + 1 < n ? nibbles[2 * k + 1] << 4 : 0));
-    });
+  if (int4) {
+    if (n % 2) out[n / 2] = 0;  // the last byte holds one nibble, or-ed into it
+    pack_segment<4>(nibbles.get(), n, 0, out);
+  }
   return {codes, scales};
 }
 
@@ -977,17 +1081,14 @@ void dequantize_weights(at::Tensor codes, at::Tensor scales, at::Tensor out, int
   dispatch_dtype(out.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     T* o = static_cast<T*>(out.data_ptr());
-    float unit[256];  // code -> weight at scale 1 (exact: weight = unit[code] * scale)
-    for (int c = 0; c < 256; ++c) unit[c] = dgc::decode_weight_unit(static_cast<int>(wfmt), static_cast<uint8_t>(c));
     const int64_t grain = std::max<int64_t>(1, kBlock / std::max<int64_t>(group_size, 1));
     at::parallel_for(0, G, grain, [&](int64_t b, int64_t e) {
-      for (int64_t g = b; g < e; ++g) {
-        const float scale = sc[g];
-        if (wfmt == dgc::kWInt4)
-          for (int64_t i = starts[g]; i < starts[g + 1]; ++i) o[i] = static_cast<T>(unit[(in[i >> 1] >> ((i & 1) * 4)) & 0x0F] * scale);
-        else
-          for (int64_t i = starts[g]; i < starts[g + 1]; ++i) o[i] = static_cast<T>(unit[in[i]] * scale);
-      }
+      if (wfmt == dgc::kWInt8)
+        dequantize_weight_groups<dgc::kWInt8>(in, sc, starts.data(), b, e, o);
+      else if (wfmt == dgc::kWFp8E4M3)
+        dequantize_weight_groups<dgc::kWFp8E4M3>(in, sc, starts.data(), b, e, o);
+      else
+        dequantize_weight_groups<dgc::kWInt4>(in, sc, starts.data(), b, e, o);
     });
   });
 }
@@ -1006,11 +1107,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("topk_threshold", &topk_threshold, "DGC's sampled top-k threshold of a 1-D fp32 magnitude tensor",
         py::call_guard<py::gil_scoped_release>());
-  m.def("simd_info", []() {
+  m.def("simd_info", []() {  // the widest vectors the element passes run with here
 #if defined(__AVX512F__)
     return std::string("avx512");
 #elif defined(__AVX2__)
     return std::string("avx2");
+#elif defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+    return std::string(__builtin_cpu_supports("avx2") ? "avx2 (target_clones)" : "baseline (target_clones)");
 #else
     return std::string("baseline");
 #endif

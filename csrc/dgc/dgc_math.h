@@ -243,6 +243,29 @@ inline uint8_t fp8_e5m2_code(float f) {
   return static_cast<uint8_t>(r | (sign >> 24));
 }
 
+// The value of a float8 code at scale 1, as decode_unit gives it (c10's conversion), computed with selects so that
+// loops calling it vectorize (a 256-entry table would be a gather): the exponent rebiased for normal codes, the
+// mantissa times 2^(1 - bias - M) (exact) for subnormal ones; e4m3fn's 0x7f / 0xff are NaN, e5m2's top exponent is
+// infinity or NaN.
+template <int E, int M>
+inline float fp8_unit(uint8_t code) {
+  constexpr int bias = (1 << (E - 1)) - 1;
+  constexpr uint32_t emax = (1u << E) - 1;
+  const uint32_t c = code;
+  const uint32_t sign = (c & 0x80u) << 24;
+  const uint32_t e = (c >> M) & emax;
+  const uint32_t m = c & ((1u << M) - 1);
+  const uint32_t normal = sign | ((e + 127 - bias) << 23) | (m << (23 - M));
+  constexpr float sub_unit = 1.0f / static_cast<float>(1u << (bias - 1 + M));  // 2^(1 - bias - M)
+  const uint32_t subnormal = sign | f32_bits(static_cast<float>(static_cast<int32_t>(m)) * sub_unit);
+  uint32_t bits = e == 0 ? subnormal : normal;
+  if constexpr (E == 4)
+    bits = (c & 0x7Fu) == 0x7Fu ? (sign | UINT32_C(0x7FF00000)) : bits;  // e4m3fn: the only NaN (c10's bits), no infinity
+  else
+    bits = e == emax ? (sign | UINT32_C(0x7F800000) | (m << (23 - M)) | (m ? UINT32_C(0x400000) : 0u)) : bits;
+  return f32_from_bits(bits);
+}
+
 // What c10 makes of an e4m3fn magnitude above 464 (see fp8_e4m3_code).
 inline uint8_t e4m3_saturated_code() { return c10::Float8_e4m3fn(470.0f).x; }
 
