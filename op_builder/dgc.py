@@ -123,7 +123,9 @@ class DGCCPUBuilder(_DGCBuilderMixin, CPUOpBuilder):
 
     def cxx_args(self):
         std = "-std=c++20" if tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 12) else "-std=c++17"
-        args = ["-O3", std, "-fopenmp", "-ffp-contract=off", "-fno-trapping-math", "-Wno-reorder"]
+        # -g0: Python's CFLAGS ask for debug info, which makes this build (torch's headers) 40% slower (87 s against
+        # 62 s on 2 cores) and the module 20x larger (13.8 MB against 0.6 MB)
+        args = ["-O3", std, "-fopenmp", "-ffp-contract=off", "-fno-trapping-math", "-Wno-reorder", "-g0"]
         if os.environ.get(PORTABLE_ENV) == "1":
             return args + ["-march=x86-64-v2"] if _is_x86() else args
         return args + [self.cpu_arch()]
