@@ -958,13 +958,12 @@ DGC_SIMD_CLONES void quantize_weight_groups(const T* v, const int64_t* starts, i
   }
 }
 
-// What a weight code decodes to at scale 1, as decode_weight_unit, without a table (a lookup per value is a gather,
-// which keeps the loop scalar): INT8 the signed byte, INT4 the nibble - 8, FP8 e4m3 fp8_unit.
+// What a weight code decodes to at scale 1 (decode_weight_unit), without a table (a lookup per value is a gather,
+// which keeps the loop scalar): FP8 e4m3 through fp8_unit's selects instead of c10's branches.
 template <int W>
 inline float weight_unit(uint8_t code) {
-  if constexpr (W == dgc::kWInt8) return static_cast<float>(static_cast<int8_t>(code));
-  else if constexpr (W == dgc::kWInt4) return static_cast<float>(static_cast<int>(code) - dgc::kInt4Offset);
-  else return dgc::fp8_unit<4, 3>(code);
+  if constexpr (W == dgc::kWFp8E4M3) return dgc::fp8_unit<4, 3>(code);
+  else return dgc::decode_weight_unit(W, code);
 }
 
 // v rounded to T as torch's copy_ rounds it; bf16 as c10's round_to_nearest_even, with an integer select instead of
