@@ -91,13 +91,32 @@ def _momentum_note(state: DGCState, saved: Optional[dict]) -> str:
     """Restore nothing more, but say what happens to momenta saved or missing (for the log)."""
     if state.momentum is None:
         if saved and saved.get("momenta"):
-            return (f"; its {len(saved['momenta'])} saved local momenta are IGNORED: this run has neither "
-                    "'dgc.momentum_correction' nor 'dgc.compressed_momentum', so that momentum is lost")
+            return (f"; its {len(saved['momenta'])} saved local momenta are IGNORED: this run has none of "
+                    "'dgc.momentum_correction', 'dgc.compressed_momentum' and 'dgc.decoupled_momentum', so that "
+                    "momentum is lost")
         return ""
     if not saved:
         state.momentum.clear()
         return "; no saved momentum: the local momentum restarts at zero (compressed momentum: its warm-up too)"
     return f"; local momentum of {len(saved['momenta'])} tensors, {int(saved['steps_done'])} steps done"
+
+
+def _settings_note(state: DGCState, saved: Optional[dict]) -> str:
+    """Say which ``dgc`` settings the saved run had that this run changes (for the log), e.g.
+    ``"; the saved run's 'dgc' settings differ from this run's: density 0.01 -> 0.1"``; "" where they agree or the
+    side-car does not record them. A resumed run may change them on purpose, but what the saved state meant then
+    (residuals of another density or format, momenta of another method) is not what this run would have built."""
+    if not isinstance(saved, dict):
+        return ""
+    now = state.cfg.model_dump(mode="json")  # keys of one version only: a setting added since was not recorded
+    changed = [f"{key} {saved[key]!r} -> {now[key]!r}" for key in sorted(set(saved) & set(now)) if saved[key] != now[key]]
+    if not changed:
+        return ""
+    return ("; the saved run's 'dgc' settings differ from this run's (" + ", ".join(changed) + "): the state it "
+            "left was loaded for this run's settings, and what they do not use is dropped")
+
+
+NOT_ROUTINE = ("IGNORED", "rounded once", "restarts at zero", "restart at zero", "differ from this run's")
 
 
 def load_state(state: DGCState, ckpt_dir: str, tag: str, world_size: int, device: torch.device) -> str:
@@ -154,6 +173,7 @@ def _load_same_world(state: DGCState, sdir: str, head: dict, device) -> str:
     if saved_storage != state.memory.storage and len(state.memory):
         note += (f"; the residuals were stored in {saved_storage} and are now stored in {state.memory.storage} "
                  "('dgc.residual_dtype'), so they were rounded once")
+    note += _settings_note(state, payload.get("config"))
     return f"restored deepspeed_dgc state from {path}: {len(state.memory)} residuals, step {state.stats.steps}{note}"
 
 
@@ -190,7 +210,7 @@ def _load_resharded(state: DGCState, sdir: str, head: dict, world_size: int, dev
     state.stats.restore_totals(head["stats"])  # step counters (the density schedule's clock) are global: rank 0's
     state.reducer.restore_state({"steps_applied": head.get("steps_applied", head["stats"].get("steps", 0))})
     saved = None if momenta is None else {"momenta": momenta, "steps_done": sides[0]["momentum"]["steps_done"]}
-    note = _momentum_note(state, saved)
+    note = _momentum_note(state, saved) + _settings_note(state, head.get("config"))
     if state.momentum is not None and saved:
         state.momentum.restore(saved, device, 1.0 / world_size)
     return (f"{where}: re-sharded {len(total)} residuals (summed over the {saved_world} saved ranks, split evenly "

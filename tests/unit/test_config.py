@@ -3,7 +3,7 @@
 import pydantic
 import pytest
 
-from deepspeed_dgc.config import DGCConfig, DGCConfigError, parse_dgc_config
+from deepspeed_dgc.config import DGCConfig, DGCConfigError, parse_dgc_config, switched_off_by_default
 
 
 def test_config_defaults_and_lossless():
@@ -99,3 +99,14 @@ def test_config_is_frozen():
     with pytest.raises(pydantic.ValidationError, match="Instance is frozen"):
         cfg.density = 0.5
     assert cfg.density == 1.0
+
+
+def test_a_section_without_enabled_warns_that_compression_is_off():
+    """A "dgc" section that leaves out "enabled" (false by default) gets a warning naming its settings; an explicit
+    "enabled" either way, or no section, gets none."""
+    msg = switched_off_by_default(parse_dgc_config({"dgc": {"quantization": "int2", "density": 0.1}}))
+    assert "sets 'density', 'quantization' but not 'dgc.enabled'" in msg and "compression is OFF" in msg
+    assert "is empty" in switched_off_by_default(parse_dgc_config({"dgc": {}}))
+    assert switched_off_by_default(parse_dgc_config({"dgc": {"enabled": False, "density": 0.1}})) is None
+    assert switched_off_by_default(parse_dgc_config({"dgc": {"enabled": True, "density": 0.1}})) is None
+    assert switched_off_by_default(parse_dgc_config({"train_batch_size": 8})) is None

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from deepspeed_dgc.config import DGCConfig
-from deepspeed_dgc.zero3.checkpoint import DGCCheckpointError, load_state, save_state
+from deepspeed_dgc.zero3.checkpoint import NOT_ROUTINE, DGCCheckpointError, load_state, save_state
 from deepspeed_dgc.zero3.state import DGCState
 
 CPU = torch.device("cpu")
@@ -105,3 +105,22 @@ def test_fp8_residuals_restore_bit_for_bit_and_an_older_sidecar_still_loads(tmp_
     for k, v in (("a", old[3]), ("b", old[4])):
         got = resumed.memory.get(k)
         assert bool(((got - v).abs() <= 2**-4 * v.abs() + 1e-5 * float(v.abs().max())).all()) and not torch.equal(got, v)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_run_resumed_with_other_dgc_settings_is_told_which(tmp_path, world):
+    """Saved with density 0.01 and INT4, resumed with density 0.1 and INT2 (at the same world size and re-sharded at
+    another): the message names each changed setting with both values, and is not a routine one; resumed with the
+    saved settings, it names none."""
+    saved_cfg = DGCConfig(enabled=True, residual_dtype="fp32", density=0.01, quantization="int4")
+    for rank in range(2):
+        state = _state(saved_cfg, rank=rank)
+        state.memory.load({"a": torch.randn(10), "b": torch.randn(5)})
+        save_state(state, str(tmp_path), "tag", world_size=2)
+    changed = _state(DGCConfig(enabled=True, residual_dtype="fp32", density=0.1, quantization="int2"), world=world)
+    msg = load_state(changed, str(tmp_path), "tag", world_size=world, device=CPU)
+    assert "settings differ from this run's (density 0.01 -> 0.1, quantization 'int4' -> 'int2')" in msg, msg
+    assert any(mark in msg for mark in NOT_ROUTINE)
+    same = _state(saved_cfg, world=world)
+    msg = load_state(same, str(tmp_path), "tag", world_size=world, device=CPU)
+    assert "differ" not in msg and not any(mark in msg for mark in NOT_ROUTINE), msg
