@@ -314,6 +314,10 @@ def main() -> None:
     device = engine.device
     batch_size = engine.train_micro_batch_size_per_gpu()
     grad_accum = engine.gradient_accumulation_steps()
+    if is_main:  # whether compression is on, and how, in the log of every run (DeepSpeed's logger is at WARNING)
+        active = deepspeed_dgc.get_stats(engine)
+        print("deepspeed_dgc: " + ("off: stock ZeRO-3 reduce-scatter" if active is None else
+                                   f"on ({active.kernels} kernels), 'dgc' = {json.dumps(ds_config['dgc'])}"), flush=True)
 
     val_gen = torch.Generator().manual_seed(args.seed)  # same validation set on every rank
     val_batches = [get_batch(val_data, batch_size, args.block_size, val_gen) for _ in range(args.eval_batches)]
