@@ -639,16 +639,51 @@ def plot(args: argparse.Namespace, results: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def machine() -> str:
-    cpu = "unknown CPU"
+def cpu_description(cpuinfo: str | None = None) -> str:
+    """The CPU as /proc/cpuinfo names it, with its family and model numbers, clock and widest vector extension
+    (hosts that all call themselves "AMD EPYC" differ 2x in this benchmark's step time)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return "unknown CPU"
+    fields = {}
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() not in fields:
+            fields[key.strip()] = value.strip()
+    if "model name" not in fields:
+        return "unknown CPU"
+    flags = set(fields.get("flags", "").split())
+    simd = next((f.upper() for f in ("avx512f", "avx2", "avx", "sse4_2") if f in flags), "no AVX")
+    details = [f"family {fields['cpu family']} model {fields['model']}" if "cpu family" in fields and "model" in fields
+               else None, f"{float(fields['cpu MHz']):.0f} MHz" if "cpu MHz" in fields else None,
+               simd.replace("AVX512F", "AVX-512").replace("SSE4_2", "SSE4.2")]
+    return f"{fields['model name']} ({', '.join(d for d in details if d)})"
+
+
+def matmul_gflops(n: int = 1024, repeats: int = 5) -> float:
+    """One thread's fp32 matrix-product rate, GFLOP/s (the median of ``repeats`` n x n products): what the step
+    times' compute part scales with."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{os.cpu_count()} cores ({cpu}), no GPU use (gloo over the namespace loopback)"
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        a @ b
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            a @ b
+            times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return 2 * n**3 / statistics.median(times) / 1e9
+
+
+def machine() -> str:
+    return (f"{os.cpu_count()} cores ({cpu_description()}; one core's fp32 matmul {matmul_gflops():.0f} GFLOP/s), "
+            "no GPU use (gloo over the namespace loopback)")
 
 
 def write_outputs(args: argparse.Namespace, convergence: dict, timing: dict, per_rate: dict, meta: dict) -> None:

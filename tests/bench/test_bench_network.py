@@ -246,3 +246,17 @@ def test_several_targets_and_the_tables_made_again_from_an_earlier_runs_launches
     assert (out / "bench_network.png").is_file()
     with pytest.raises(SystemExit, match="no results.json"):
         bn.parse_args(["--reanalyse", str(tmp_path)])
+
+
+def test_machine_names_the_cpu_model_clock_and_vector_width():
+    """Two hosts that both call themselves "AMD EPYC" are told apart (family, model, clock, widest vector extension),
+    and the measured matmul rate is a positive number."""
+    zen1 = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 23\nmodel\t\t: 1\nmodel name\t: AMD EPYC\n"
+            "cpu MHz\t\t: 1996.249\nflags\t\t: fpu sse4_2 avx avx2 fma\n\nprocessor\t: 1\nmodel name\t: other\n")
+    assert bn.cpu_description(zen1) == "AMD EPYC (family 23 model 1, 1996 MHz, AVX2)"
+    zen4 = zen1.replace(": 1\nmodel name", ": 17\nmodel name").replace("cpu family\t: 23", "cpu family\t: 25") \
+        .replace("fma", "fma avx512f").replace("1996.249", "2600.0")
+    assert bn.cpu_description(zen4) == "AMD EPYC (family 25 model 17, 2600 MHz, AVX-512)"
+    assert bn.cpu_description("flags: sse2\n") == "unknown CPU"
+    assert bn.cpu_description("model name\t: Some CPU\nflags\t: sse2 sse4_2\n") == "Some CPU (SSE4.2)"
+    assert 0 < bn.matmul_gflops(n=128, repeats=3) < 10_000
