@@ -6,6 +6,7 @@ an error naming the key; ``strict``: ``"0.5"`` or ``true`` is not a density). Ev
 ``Field`` description; ``python -m deepspeed_dgc docs`` renders them as ``docs/config.md``.
 """
 
+import difflib
 import json
 from typing import Any, List, Literal, Mapping, Optional, Union
 
@@ -499,6 +500,21 @@ def switched_off_by_default(cfg: Optional[DGCConfig]) -> Optional[str]:
     return (f"deepspeed_dgc: the ds_config's '{DGC_SECTION}' section {holds} but not '{DGC_SECTION}.enabled', which "
             "defaults to false: gradient compression is OFF and ZeRO-3 reduces as stock. Add \"enabled\": true to "
             "switch it on (or \"enabled\": false to keep it off without this warning)")
+
+
+def misspelled_section(ds_config: Optional[Mapping[str, Any]]) -> Optional[str]:
+    """The warning for top-level ds_config keys that look like a misspelled ``"dgc"`` (``"DGC"``, ``"dcg"``,
+    ``"dgc_config"``), which DeepSpeed ignores as it ignores every unknown key; None where there are none."""
+    if not isinstance(ds_config, Mapping):
+        return None
+    near = [k for k in ds_config if isinstance(k, str) and k != DGC_SECTION and (
+        k.lower().replace("-", "_") in ("dgc", "dgc_config", "deepspeed_dgc")
+        or difflib.get_close_matches(k.lower(), [DGC_SECTION], n=1, cutoff=0.6))]
+    if not near:
+        return None
+    return (f"deepspeed_dgc: the ds_config has {', '.join(repr(k) for k in near)} at its top level, which DeepSpeed "
+            f"ignores; the section deepspeed_dgc reads is spelled '{DGC_SECTION}' (lower case)"
+            + ("" if DGC_SECTION in ds_config else ", and there is none: gradient compression is OFF"))
 
 
 def check_engine_compatible(cfg: DGCConfig, engine) -> None:

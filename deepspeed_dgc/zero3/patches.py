@@ -43,7 +43,8 @@ from ..codec.kernels import DGCKernelError
 from ..comm.agreement import check_agreement, ranks_failing
 from ..comm.communicators import DGCBackendError, check_mpi_world
 from ..comm.topology import resolve_ranks_per_node
-from ..config import DGCConfig, DGCConfigError, check_engine_compatible, parse_dgc_config, switched_off_by_default
+from ..config import (DGCConfig, DGCConfigError, check_engine_compatible, misspelled_section, parse_dgc_config,
+                      switched_off_by_default)
 from ..memory.momentum import CompressedMomentum, DecoupledMomentum, MomentumCorrection
 from ..telemetry import ReduceResult
 from . import checkpoint
@@ -160,9 +161,11 @@ def _wrap_engine_init(orig):
     def __init__(self, *args, **kwargs):
         orig(self, *args, **kwargs)
         cfg = _engine_dgc_config(self)
-        slip = switched_off_by_default(cfg)
-        if slip and getattr(self, "global_rank", 0) == 0:
-            logger.warning(slip)
+        if getattr(self, "global_rank", 0) == 0:
+            for slip in (switched_off_by_default(cfg), misspelled_section(self.config if isinstance(self.config, dict)
+                                                                          else None)):
+                if slip:
+                    logger.warning(slip)
         if cfg is not None and cfg.enabled and getattr(self, STATE_ATTR, None) is None:
             check_engine_compatible(cfg, self)  # names the clashing key, e.g. a stage other than 3
             raise RuntimeError("'dgc.enabled' is true but no ZeRO-3 engine was built to compress "

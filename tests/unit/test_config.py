@@ -3,7 +3,7 @@
 import pydantic
 import pytest
 
-from deepspeed_dgc.config import DGCConfig, DGCConfigError, parse_dgc_config, switched_off_by_default
+from deepspeed_dgc.config import DGCConfig, DGCConfigError, misspelled_section, parse_dgc_config, switched_off_by_default
 
 
 def test_config_defaults_and_lossless():
@@ -110,3 +110,16 @@ def test_a_section_without_enabled_warns_that_compression_is_off():
     assert switched_off_by_default(parse_dgc_config({"dgc": {"enabled": False, "density": 0.1}})) is None
     assert switched_off_by_default(parse_dgc_config({"dgc": {"enabled": True, "density": 0.1}})) is None
     assert switched_off_by_default(parse_dgc_config({"train_batch_size": 8})) is None
+
+
+def test_a_misspelled_section_name_is_named():
+    """Top-level keys that look like "dgc" ("DGC", "dcg", "dgc_config") are named, and the warning says compression
+    is off where no "dgc" section exists; DeepSpeed's own keys are not taken for one."""
+    msg = misspelled_section({"DGC": {"enabled": True}, "train_batch_size": 8})
+    assert "'DGC' at its top level" in msg and "compression is OFF" in msg
+    assert "'dcg'" in misspelled_section({"dcg": {}}) and "'dgc_config'" in misspelled_section({"dgc_config": {}})
+    both = misspelled_section({"dgc": {"enabled": True}, "Dgc": {}})
+    assert "'Dgc'" in both and "OFF" not in both
+    stock = {k: {} for k in ("amp", "aio", "fp16", "bf16", "zero_optimization", "optimizer", "scheduler", "dgc",
+                             "checkpoint", "compile", "timers", "pipeline", "comms_logger", "csv_monitor", "wandb")}
+    assert misspelled_section(stock) is None and misspelled_section(None) is None
