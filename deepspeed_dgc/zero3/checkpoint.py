@@ -15,6 +15,7 @@ import torch
 from deepspeed.utils import logger
 
 from ..memory.error_feedback import ErrorFeedback
+from ..memory.momentum import CompressedMomentum
 from .state import DGCState
 
 FORMAT = 2  # 2: state keyed by parameter name; 1: keyed by ZeRO-3's ds_id (read by mapping the ds_ids in order)
@@ -97,7 +98,8 @@ def _momentum_note(state: DGCState, saved: Optional[dict]) -> str:
         return ""
     if not saved:
         state.momentum.clear()
-        return "; no saved momentum: the local momentum restarts at zero (compressed momentum: its warm-up too)"
+        warm_up = " (and its warm-up)" if isinstance(state.momentum, CompressedMomentum) else ""
+        return f"; no saved momentum: the local momentum restarts at zero{warm_up}"
     return f"; local momentum of {len(saved['momenta'])} tensors, {int(saved['steps_done'])} steps done"
 
 
