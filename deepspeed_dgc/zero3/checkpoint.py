@@ -118,7 +118,8 @@ def _settings_note(state: DGCState, saved: Optional[dict]) -> str:
             "left was loaded for this run's settings, and what they do not use is dropped")
 
 
-NOT_ROUTINE = ("IGNORED", "rounded once", "restarts at zero", "restart at zero", "differ from this run's")
+# what makes a "restored ..." message a warning: state dropped, rounded or loaded for other settings
+NOT_ROUTINE = ("IGNORED", "rounded once", "restarts at zero", "differ from this run's")
 
 
 def load_state(state: DGCState, ckpt_dir: str, tag: str, world_size: int, device: torch.device) -> str:

@@ -128,8 +128,12 @@ def deactivate() -> None:
             setattr(DeepSpeedEngine, name, original)
 
 
+def _engine_ds_config(engine) -> dict:
+    return engine.config if isinstance(engine.config, dict) else {}
+
+
 def _engine_dgc_config(engine) -> Optional[DGCConfig]:
-    return parse_dgc_config(engine.config if isinstance(engine.config, dict) else {})
+    return parse_dgc_config(_engine_ds_config(engine))
 
 
 def _wrap_configure_zero_optimizer(orig):
@@ -162,8 +166,7 @@ def _wrap_engine_init(orig):
         orig(self, *args, **kwargs)
         cfg = _engine_dgc_config(self)
         if getattr(self, "global_rank", 0) == 0:
-            for slip in (switched_off_by_default(cfg), misspelled_section(self.config if isinstance(self.config, dict)
-                                                                          else None)):
+            for slip in (switched_off_by_default(cfg), misspelled_section(_engine_ds_config(self))):
                 if slip:
                     logger.warning(slip)
         if cfg is not None and cfg.enabled and getattr(self, STATE_ATTR, None) is None:
