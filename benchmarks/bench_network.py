@@ -639,6 +639,9 @@ def plot(args: argparse.Namespace, results: dict, path: Path) -> None:
     plt.close(fig)
 
 
+SIMD_NAMES = {"avx512f": "AVX-512", "avx2": "AVX2", "avx": "AVX", "sse4_2": "SSE4.2"}  # /proc/cpuinfo flag, widest first
+
+
 def cpu_description(cpuinfo: str | None = None) -> str:
     """The CPU as /proc/cpuinfo names it, with its family and model numbers, clock and widest vector extension
     (hosts that all call themselves "AMD EPYC" differ 2x in this benchmark's step time)."""
@@ -655,10 +658,9 @@ def cpu_description(cpuinfo: str | None = None) -> str:
     if "model name" not in fields:
         return "unknown CPU"
     flags = set(fields.get("flags", "").split())
-    simd = next((f.upper() for f in ("avx512f", "avx2", "avx", "sse4_2") if f in flags), "no AVX")
+    simd = next((name for flag, name in SIMD_NAMES.items() if flag in flags), "no AVX")
     details = [f"family {fields['cpu family']} model {fields['model']}" if "cpu family" in fields and "model" in fields
-               else None, f"{float(fields['cpu MHz']):.0f} MHz" if "cpu MHz" in fields else None,
-               simd.replace("AVX512F", "AVX-512").replace("SSE4_2", "SSE4.2")]
+               else None, f"{float(fields['cpu MHz']):.0f} MHz" if "cpu MHz" in fields else None, simd]
     return f"{fields['model name']} ({', '.join(d for d in details if d)})"
 
 
