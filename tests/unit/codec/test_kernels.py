@@ -434,3 +434,19 @@ def test_dense_jobs_stay_on_the_fused_op_whatever_the_index_coding():
     assert fused_can_code(job)
     job.sparse = [True]
     assert not fused_can_code(job)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int2", "fp8_e4m3"])
+@pytest.mark.parametrize("group_size", [16, 2048])
+def test_large_buckets_equal_reference(fused, fmt, group_size):
+    """Sizes the small random buckets do not reach: samples of more than 4096 magnitudes (the op's radix select of
+    the threshold), a tensor spanning several of the dense pass's blocks and L1 pieces at odd offsets into its rows,
+    scale groups wider than a piece, and rows sent whole coded piece by piece."""
+    seed = int(torch.randint(0, 1 << 30, ()))
+    for density in (0.01, 1.0):
+        job = make_job([450_001, 70_003, 5], 2, density=density, value_format=fmt, group_size=group_size, seed=seed,
+                       min_numel=64 if density < 1 else 10**9)
+        assert_same(REFERENCE.compress(job), fused.compress(job))
+        hier = make_job([200_003, 901], 2, hierarchical=True, density=density, value_format=fmt,
+                        group_size=group_size, seed=seed + 1, min_numel=64 if density < 1 else 10**9)
+        assert_same(REFERENCE.compress(hier), fused.compress(hier))
