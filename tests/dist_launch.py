@@ -141,6 +141,8 @@ def launch(world: int, worker: str, args: Sequence[str] = (), timeout_s: float =
                     results.append(RankResult(rank, p.exitcode, out.read(), err.read(), ended))
         finally:
             for p in procs:
+                if p.pid is None:  # never started
+                    continue
                 if p.is_alive():
                     p.kill()
                 p.join()
