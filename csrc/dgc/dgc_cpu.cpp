@@ -1204,6 +1204,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("topk_threshold", &topk_threshold, "DGC's sampled top-k threshold of a 1-D fp32 magnitude tensor",
         py::call_guard<py::gil_scoped_release>());
+  m.def("avx2_paths", []() {  // whether the hand-written AVX2 passes (compaction, streamed residual) run here
+#ifdef DGC_X86_AVX2_PATHS
+    return kHaveAvx2;
+#else
+    return false;
+#endif
+  });
   m.def("simd_info", []() {  // the widest vectors the element passes run with here
 #if defined(__AVX512F__)
     return std::string("avx512");

@@ -7,6 +7,7 @@ top-k step; a NaN makes both send nothing.
 """
 
 import math
+import platform
 import types
 import zlib
 
@@ -450,3 +451,18 @@ def test_large_buckets_equal_reference(fused, fmt, group_size):
         hier = make_job([200_003, 901], 2, hierarchical=True, density=density, value_format=fmt,
                         group_size=group_size, seed=seed + 1, min_numel=64 if density < 1 else 10**9)
         assert_same(REFERENCE.compress(hier), fused.compress(hier))
+
+
+def _cpu_has_avx2() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return platform.machine() == "x86_64" and "avx2" in flags
+
+
+def test_the_avx2_passes_run_where_the_cpu_has_avx2(fused):
+    """The comparisons with the reference give the same bytes whether the op's hand-written AVX2 passes (compaction,
+    streamed residual) ran or not; this says that they run on an x86-64 CPU with AVX2 (the op is built by GCC)."""
+    assert fused.op.avx2_paths() == _cpu_has_avx2()
