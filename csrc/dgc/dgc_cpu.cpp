@@ -220,6 +220,14 @@ DGC_SIMD_CLONES int64_t accumulate_block(const Spec& t, const Params& p, int64_t
   return nonfinite;
 }
 
+// Appends column j0 + x and value a[x] to out if |a[x]| >= thr (never for a NaN).
+inline void keep_at_least(const float* a, int64_t x, float thr, int64_t j0, Kept& out) {
+  if (std::fabs(a[x]) >= thr) {
+    out.j.push_back(j0 + x);
+    out.acc.push_back(a[x]);
+  }
+}
+
 // Appends the columns j0 + x and values of a[0, len) with |a[x]| >= thr to out (rare: about the density). A filter
 // first, 16 elements at a time: the largest magnitude's bits against thr's, an unsigned integer max (which vectorizes;
 // a float max does not without -ffast-math). For magnitudes and a threshold >= +0 the bits order as the values, so the
@@ -229,11 +237,7 @@ DGC_SIMD_CLONES void compact_at_least(const float* __restrict a, int64_t len, fl
   const bits_t* __restrict u = reinterpret_cast<const bits_t*>(a);
   const uint32_t thr_bits = thr > 0.0f ? dgc::f32_bits(thr) : 0u;
   auto take = [&](int64_t x0, int64_t x1) {
-    for (int64_t x = x0; x < x1; ++x)
-      if (std::fabs(a[x]) >= thr) {
-        out.j.push_back(j0 + x);
-        out.acc.push_back(a[x]);
-      }
+    for (int64_t x = x0; x < x1; ++x) keep_at_least(a, x, thr, j0, out);
   };
   int64_t x0 = 0;
   for (; x0 + 16 <= len; x0 += 16) {
@@ -256,21 +260,15 @@ __attribute__((target("avx2"))) void compact_at_least_avx2(const float* __restri
   const uint32_t thr_bits = thr > 0.0f ? dgc::f32_bits(thr) : 0u;
   const __m256i below = _mm256_set1_epi32(static_cast<int32_t>(thr_bits) - 1);
   const __m256i abs_bits = _mm256_set1_epi32(0x7FFFFFFF);
-  auto take = [&](int64_t x) {
-    if (std::fabs(a[x]) >= thr) {
-      out.j.push_back(j0 + x);
-      out.acc.push_back(a[x]);
-    }
-  };
   int64_t x0 = 0;
   for (; x0 + 16 <= len; x0 += 16) {
     const __m256i lo = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + x0)), abs_bits);
     const __m256i hi = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + x0 + 8)), abs_bits);
     uint32_t m = static_cast<uint32_t>(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(lo, below)))) |
                  static_cast<uint32_t>(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(hi, below)))) << 8;
-    for (; m; m &= m - 1) take(x0 + __builtin_ctz(m));
+    for (; m; m &= m - 1) keep_at_least(a, x0 + __builtin_ctz(m), thr, j0, out);
   }
-  for (; x0 < len; ++x0) take(x0);
+  for (; x0 < len; ++x0) keep_at_least(a, x0, thr, j0, out);
 }
 const bool kHaveAvx2 = __builtin_cpu_supports("avx2");
 
@@ -281,6 +279,14 @@ __attribute__((target("avx2"))) void stream_copy(float* __restrict dst, const fl
   for (; x + 8 <= n; x += 8) _mm256_stream_ps(dst + x, _mm256_loadu_ps(src + x));
   for (; x < n; ++x) dst[x] = src[x];
 }
+inline void stream_fence() { _mm_sfence(); }  // streamed stores are seen by every thread after it
+#else
+constexpr bool kHaveAvx2 = false;
+inline void compact_at_least_avx2(const float* a, int64_t len, float thr, int64_t j0, Kept& out) {
+  compact_at_least(a, len, thr, j0, out);
+}
+inline void stream_copy(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void stream_fence() {}
 #endif
 
 // max |v[x]| over v[0, len) as float, 0 for none, the same max a serial std::max loop finds (a NaN is never picked):
@@ -411,11 +417,7 @@ int64_t dense_block(const Spec& t, const Params& p, int64_t r, int64_t j0, int64
   const int64_t len = j1 - j0;
   // pieces of whole scale groups when coding (the group size divides kBlock, so it is a power of two)
   const int64_t piece = pre ? std::max<int64_t>(kPiece, pre->group_size) : kPiece;
-#ifdef DGC_X86_AVX2_PATHS
   const bool stream = kHaveAvx2 && res != nullptr && a == res;
-#else
-  const bool stream = false;
-#endif
   if (stream) scratch.resize(piece);
   int64_t nonfinite = 0;
   for (int64_t x0 = 0; x0 < len; x0 += piece) {
@@ -424,11 +426,8 @@ int64_t dense_block(const Spec& t, const Params& p, int64_t r, int64_t j0, int64
     const int64_t bad = accumulate_block<T>(t, p, r, j0 + x0, j0 + x0 + n, v);
     nonfinite += bad;
     if (!direct) {
-#ifdef DGC_X86_AVX2_PATHS
       if (kHaveAvx2) compact_at_least_avx2(v, n, thr, j0 + x0, out);
-      else
-#endif
-        compact_at_least(v, n, thr, j0 + x0, out);
+      else compact_at_least(v, n, thr, j0 + x0, out);
     } else if (pre && bad == 0) {  // a piece that is not finite is not coded: the whole bucket is given up
       switch (pre->fmt) {
         case dgc::kInt4: encode_block<dgc::kInt4>(v, n, j0 + x0, pre->group_size, out); break;
@@ -438,13 +437,9 @@ int64_t dense_block(const Spec& t, const Params& p, int64_t r, int64_t j0, int64
         default: encode_block<dgc::kFp8E5M2>(v, n, j0 + x0, pre->group_size, out); break;
       }
     }
-#ifdef DGC_X86_AVX2_PATHS
     if (stream) stream_copy(a + x0, v, n);
-#endif
   }
-#ifdef DGC_X86_AVX2_PATHS
-  if (stream) _mm_sfence();  // the streamed stores are seen by every thread before the pass returns
-#endif
+  if (stream) stream_fence();  // before the pass returns
   return nonfinite;
 }
 
@@ -1204,13 +1199,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("topk_threshold", &topk_threshold, "DGC's sampled top-k threshold of a 1-D fp32 magnitude tensor",
         py::call_guard<py::gil_scoped_release>());
-  m.def("avx2_paths", []() {  // whether the hand-written AVX2 passes (compaction, streamed residual) run here
-#ifdef DGC_X86_AVX2_PATHS
-    return kHaveAvx2;
-#else
-    return false;
-#endif
-  });
+  m.def("avx2_paths", []() { return kHaveAvx2; });  // whether the hand-written AVX2 passes run here
   m.def("simd_info", []() {  // the widest vectors the element passes run with here
 #if defined(__AVX512F__)
     return std::string("avx512");
