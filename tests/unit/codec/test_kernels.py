@@ -437,7 +437,60 @@ def test_dense_jobs_stay_on_the_fused_op_whatever_the_index_coding():
     assert not fused_can_code(job)
 
 
-@pytest.mark.parametrize("fmt", ["int4", "int2", "fp8_e4m3"])
+# the absmax that makes a group's scale exactly 1 (INT1's scale is a mean: its groups keep random values)
+UNIT_SCALE_ABSMAX = {"int4": 7.0, "int2": 1.5, "fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
+
+
+def _value_classes(fmt, g):
+    """Magnitudes every rounding path of ``fmt``'s coder meets at scale 1, both signs: its grid, the midpoints and the
+    points one fp32 ulp either side of them, fp32 and fp8 subnormals, zeros, and random bits up to the absmax."""
+    top = UNIT_SCALE_ABSMAX.get(fmt, 4.0)
+    if fmt.startswith("fp8"):
+        dt = torch.float8_e4m3fn if fmt == "fp8_e4m3" else torch.float8_e5m2
+        grid = torch.arange(128, dtype=torch.uint8).view(dt).float()
+        grid = grid[torch.isfinite(grid) & (grid <= top)]
+    else:
+        grid = torch.arange(0.0, top + 1.0, 0.5)  # INT4's ties at k + 0.5, INT2's at the integers
+    mid = (grid[1:] + grid[:-1]) / 2
+    near = torch.cat([grid, mid])
+    near = torch.cat([near, torch.nextafter(near, torch.tensor(math.inf)), torch.nextafter(near, torch.tensor(0.0))])
+    tiny = torch.tensor([0.0, 1e-45, 1e-40, 2.0**-126, 2.0**-9, 2.0**-10, 3 * 2.0**-11, 2.0**-16, 2.0**-17, 3 * 2.0**-18])
+    bits = torch.randint(0, 0x7F800000, (4096, ), generator=g, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    x = torch.cat([near, tiny, bits[bits <= top]])
+    x = x[x <= top]
+    x = torch.cat([x, -x])
+    return x[torch.randperm(x.numel(), generator=g)]
+
+
+@pytest.mark.parametrize("fmt", ["int4"] + OTHER_FORMATS)
+@pytest.mark.parametrize("group_size", [32, 64, 2048])
+def test_rows_sent_whole_code_every_value_class_as_the_reference(fused, fmt, group_size):
+    """Rows sent whole are coded by the dense pass, whose vector coders take 32 values at a time from groups of 32 or
+    more (the other tests' groups of 16 never reach them). Groups at scale 1 exactly (their first value is the
+    format's absmax) hold every value class of the format's rounding: ties and the fp32 neighbours of ties, the FP8
+    grid, subnormals of fp32 and of the FP8 formats, +0 and -0, random bits; one group is all zeros and the last is
+    short. The same payload bytes and residual bits as the reference."""
+    seed = int(torch.randint(0, 1 << 30, ()))
+    g = torch.Generator().manual_seed(seed)
+    x = _value_classes(fmt, g)
+    n = (x.numel() // group_size + 2) * group_size + 37
+    top = UNIT_SCALE_ABSMAX.get(fmt)
+    x = torch.cat([x, torch.randn(n - x.numel(), generator=g).clamp(-(top or 4.0), top or 4.0)])[:n]
+    if top is not None:
+        x[::group_size] = torch.where(torch.arange(x[::group_size].numel()) % 2 == 0, top, -top)
+    x[group_size:2 * group_size] = 0.0  # an all-zero group (scale 0)
+    job = make_job([n], 1, density=1.0, value_format=fmt, group_size=group_size, min_numel=10**9, seed=seed)
+    job.srcs[0].copy_(x)
+    job.residuals[0].zero_()
+    assert job.divisor == 1.0
+    out = fused.compress(job)
+    assert_same(REFERENCE.compress(job), out)
+    if top is not None:  # the groups really were at scale 1
+        scales = wire.parse(out.payloads[0], 0, job.row_layout(0)).scales[:-(-n // group_size)].abs()
+        assert scales[1] == 0.0 and (scales[0] == 1.0) and (scales[2:] == 1.0).all()
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int2", "fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("group_size", [16, 2048])
 def test_large_buckets_equal_reference(fused, fmt, group_size):
     """Sizes the small random buckets do not reach: samples of more than 4096 magnitudes (the op's radix select of
