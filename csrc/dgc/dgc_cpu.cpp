@@ -18,6 +18,7 @@
 #include <cfloat>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <type_traits>
 #include <stdexcept>
@@ -311,12 +312,12 @@ __attribute__((target("avx2"))) int64_t encode_group_avx2(float* __restrict a, u
       __m256 q, decoded;
       if constexpr (F == dgc::kInt4) {
         q = _mm256_round_ps(_mm256_div_ps(v, s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        q = _mm256_min_ps(_mm256_max_ps(q, lo), hi);
+        q = _mm256_min_ps(hi, _mm256_max_ps(lo, q));  // NaN kept, as the scalar clamp
         decoded = _mm256_mul_ps(q, s);
         w[k] = _mm256_add_epi32(_mm256_cvttps_epi32(q), offset);
       } else {
         q = _mm256_floor_ps(_mm256_add_ps(_mm256_sub_ps(_mm256_div_ps(v, s), half), half));
-        q = _mm256_min_ps(_mm256_max_ps(q, lo), hi);
+        q = _mm256_min_ps(hi, _mm256_max_ps(lo, q));  // NaN kept, as the scalar clamp
         const __m256 nz = _mm256_cmp_ps(v, zero, _CMP_NEQ_OQ);
         decoded = _mm256_and_ps(_mm256_mul_ps(_mm256_add_ps(q, half), s), nz);  // +0 for a zero value
         w[k] = _mm256_or_si256(_mm256_add_epi32(_mm256_cvttps_epi32(q), offset),
@@ -393,6 +394,39 @@ __attribute__((target("avx2"))) inline __m256 fp8_unit_avx2(__m256i c) {
   return _mm256_castsi256_ps(bits);
 }
 
+// fp8_code_avx2 and fp8_unit_avx2 of its codes in one: the rounded magnitude's fp32 bits are the code's value below
+// the format's largest finite value (the cut-off bits cleared after the round-to-nearest-even carry; below the smallest
+// normal, c10's magic-number sum less the magic number, exact), so the unit costs no decode. Vectors with a magnitude
+// past that (e4m3 above 464, e5m2 from 61440, NaN: saturated, infinite or NaN codes) take the two functions instead.
+template <int E, int M>
+__attribute__((target("avx2"))) inline __m256i fp8_code_unit_avx2(__m256 x, __m256i sat, __m256* unit) {
+  constexpr int bias = (1 << (E - 1)) - 1;
+  constexpr uint32_t denorm_mask = static_cast<uint32_t>((127 - bias) + (23 - M) + 1) << 23;
+  constexpr uint32_t smallest_normal = static_cast<uint32_t>(127 - bias + 1) << 23;
+  constexpr int cut = 23 - M;
+  constexpr uint32_t limit = E == 4 ? UINT32_C(0x43E80000) : (UINT32_C(143) << 23) - (UINT32_C(1) << (cut - 1)) - 1;
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i sign = _mm256_and_si256(bits, u32(0x80000000u));
+  const __m256i mag = _mm256_xor_si256(bits, sign);
+  if (!_mm256_testz_si256(_mm256_cmpgt_epi32(mag, u32(limit)), _mm256_set1_epi32(-1))) {
+    const __m256i code = fp8_code_avx2<E, M>(x, sat);
+    *unit = fp8_unit_avx2<E, M>(code);
+    return code;
+  }
+  const __m256 magic = _mm256_castsi256_ps(u32(denorm_mask));
+  const __m256 den_sum = _mm256_add_ps(_mm256_castsi256_ps(mag), magic);
+  const __m256i den_code = _mm256_sub_epi32(_mm256_castps_si256(den_sum), u32(denorm_mask));
+  const __m256i den_unit = _mm256_castps_si256(_mm256_sub_ps(den_sum, magic));
+  const __m256i carried = _mm256_add_epi32(_mm256_add_epi32(mag, u32((UINT32_C(1) << (cut - 1)) - 1)),
+                                           _mm256_and_si256(_mm256_srli_epi32(mag, cut), u32(1)));
+  const __m256i norm_unit = _mm256_and_si256(carried, u32(~((UINT32_C(1) << cut) - 1)));
+  const __m256i norm_code = _mm256_add_epi32(_mm256_srli_epi32(carried, cut), u32(static_cast<uint32_t>(bias - 127) << M));
+  const __m256i sub = _mm256_cmpgt_epi32(u32(smallest_normal), mag);
+  *unit = _mm256_castsi256_ps(_mm256_or_si256(_mm256_blendv_epi8(norm_unit, den_unit, sub), sign));
+  return _mm256_or_si256(_mm256_and_si256(_mm256_blendv_epi8(norm_code, den_code, sub), u32(0xFF)),
+                         _mm256_srli_epi32(sign, 24));
+}
+
 // encode_block's FP8 loops over one scale group of scale > 0 with AVX2 where the CPU has it: codes of a[x] / scale
 // and a[x] -= unit(code) * scale, each lane the same operations as the scalar loops. Returns the count done (a
 // multiple of 32); the caller codes the rest. `sat` is e4m3_saturated_code() (e4m3 only).
@@ -407,12 +441,51 @@ __attribute__((target("avx2"))) int64_t encode_fp8_group_avx2(float* __restrict 
     __m256i w[4];
     for (int k = 0; k < 4; ++k) {
       const __m256 v = _mm256_loadu_ps(a + x + 8 * k);
-      w[k] = fp8_code_avx2<E, M>(_mm256_div_ps(v, s), satv);
-      _mm256_storeu_ps(a + x + 8 * k, _mm256_sub_ps(v, _mm256_mul_ps(fp8_unit_avx2<E, M>(w[k]), s)));
+      __m256 unit;
+      w[k] = fp8_code_unit_avx2<E, M>(_mm256_div_ps(v, s), satv, &unit);
+      _mm256_storeu_ps(a + x + 8 * k, _mm256_sub_ps(v, _mm256_mul_ps(unit, s)));
     }
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + x), narrow_to_bytes(w[0], w[1], w[2], w[3]));
   }
   return x;
+}
+
+// 8 values from v as fp32: loaded (float) or widened exactly (bf16: its bits shifted up)
+__attribute__((target("avx2"))) inline __m256 load8(const float* v) { return _mm256_loadu_ps(v); }
+__attribute__((target("avx2"))) inline __m256 load8(const c10::BFloat16* v) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// The INT8 or FP8 e4m3 weight codes of one group of scale > 0 (quantize_weight_groups' loop: dgc::encode_weight of
+// v / scale) with AVX2 where the CPU has it, for fp32 and bf16 weights; returns the count done (a multiple of 32, 0
+// for fp16).
+template <int W, typename T>
+__attribute__((target("avx2"))) int64_t weight_codes_avx2(const T* __restrict v, uint8_t* __restrict codes,
+                                                          int64_t len, float scale, uint8_t sat) {
+  static_assert(W == dgc::kWInt8 || W == dgc::kWFp8E4M3, "INT8 and FP8 e4m3 only");
+  if constexpr (!std::is_same<T, float>::value && !std::is_same<T, c10::BFloat16>::value) {
+    return 0;
+  } else {
+    const __m256 s = _mm256_set1_ps(scale), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+    const __m256i satv = _mm256_set1_epi32(sat);
+    int64_t x = 0;
+    for (; x + 32 <= len; x += 32) {
+      __m256i w[4];
+      for (int k = 0; k < 4; ++k) {
+        const __m256 q = _mm256_div_ps(load8(v + x + 8 * k), s);
+        if constexpr (W == dgc::kWFp8E4M3) {
+          __m256 unit;  // not needed here
+          w[k] = fp8_code_unit_avx2<4, 3>(q, satv, &unit);
+        } else {  // round half to even, clamp, the int8's two's-complement byte
+          const __m256 r = _mm256_round_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+          w[k] = _mm256_and_si256(_mm256_cvttps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, r))), u32(0xFF));
+        }
+      }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + x), narrow_to_bytes(w[0], w[1], w[2], w[3]));
+    }
+    return x;
+  }
 }
 #else
 constexpr bool kHaveAvx2 = false;
@@ -425,24 +498,38 @@ template <int F>
 inline int64_t encode_group_avx2(float*, uint8_t*, int64_t, float) { return 0; }
 template <int F>
 inline int64_t encode_fp8_group_avx2(float*, uint8_t*, int64_t, float, uint8_t) { return 0; }
+template <int W, typename T>
+inline int64_t weight_codes_avx2(const T*, uint8_t*, int64_t, float, uint8_t) { return 0; }
 #endif
 
 // max |v[x]| over v[0, len) as float, 0 for none, the same max a serial std::max loop finds (a NaN is never picked):
-// eight running maxima in a GCC vector, which the compiler keeps in registers of the target's width.
-template <typename T>
+// eight running maxima in a GCC vector, which the compiler keeps in registers of the target's width. With kNanWins, NaN
+// where v holds one (torch's amax, which the weight quantizer must follow: a NaN weight makes its group's scale NaN).
+template <bool kNanWins = false, typename T>
 inline float absmax_of(const T* __restrict v, int64_t len) {
   typedef float v8f __attribute__((vector_size(32)));
+  typedef int32_t v8i __attribute__((vector_size(32)));
   v8f m = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  v8i nan = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t x = 0;
   for (; x + 8 <= len; x += 8) {
     v8f a;
     for (int l = 0; l < 8; ++l) a[l] = std::fabs(static_cast<float>(v[x + l]));
     m = a > m ? a : m;
+    if (kNanWins) nan |= a != a;
   }
   float r = 0.0f;
-  for (int l = 0; l < 8; ++l) r = std::max(r, m[l]);
-  for (; x < len; ++x) r = std::max(r, std::fabs(static_cast<float>(v[x])));
-  return r;
+  bool any_nan = false;
+  for (int l = 0; l < 8; ++l) {
+    r = std::max(r, m[l]);
+    any_nan |= nan[l] != 0;
+  }
+  for (; x < len; ++x) {
+    const float a = std::fabs(static_cast<float>(v[x]));
+    r = std::max(r, a);
+    any_nan |= std::isnan(a);
+  }
+  return kNanWins && any_nan ? std::numeric_limits<float>::quiet_NaN() : r;
 }
 
 // How the dense pass codes a row sent whole while its block is in cache: value format and scale group size.
@@ -459,7 +546,7 @@ DGC_SIMD_CLONES void encode_block(float* __restrict a, int64_t len, int64_t j0, 
   constexpr bool masked = F == dgc::kInt2 || F == dgc::kInt1;
   uint8_t* __restrict codes = dst.codes.get() + j0;
   const uint8_t sat = dgc::e4m3_saturated_code();  // FP8 e4m3 only: c10's code above 464, once per block
-  for (int64_t g0 = 0; g0 < len; g0 += gs) {
+  for (int64_t g0 = 0, g = j0 / gs; g0 < len; g0 += gs, ++g) {  // g: the group's index in the row
     const int64_t g1 = std::min(g0 + gs, len);
     // the block is finite (checked by the caller), so a max in any order is the same max; INT1's sum of
     // magnitudes stays in value order (its scale must equal the reference's bit for bit)
@@ -474,7 +561,6 @@ DGC_SIMD_CLONES void encode_block(float* __restrict a, int64_t len, int64_t j0, 
     if (F == dgc::kInt1)
       for (int64_t y = g0; y < g1; ++y) mag_sum += std::fabs(a[y]);
     const float scale = dgc::group_scale(F, absmax, mag_sum, static_cast<float>(nonzero));
-    const int64_t g = (j0 + g0) / gs;
     dst.gscale[g] = scale;
     dst.gmixed[g] = masked && nonzero < g1 - g0 && scale > 0.0f;
     if constexpr (F == dgc::kInt1) {  // encode_value's INT1 without branches (the loop vectorizes)
@@ -1186,9 +1272,12 @@ DGC_SIMD_CLONES void quantize_weight_groups(const T* v, const int64_t* starts, i
     const int64_t len = starts[g + 1] - starts[g];
     const T* __restrict vg = v + starts[g];
     uint8_t* __restrict dg = dst + starts[g];
-    const float scale = absmax_of(vg, len) / qmax;
+    const float scale = absmax_of<true>(vg, len) / qmax;  // NaN for a group holding a NaN, as the reference
     sc[g] = scale;
-    for (int64_t x = 0; x < len; ++x) dg[x] = dgc::encode_weight(W, static_cast<float>(vg[x]), scale, sat);
+    int64_t x = 0;
+    if constexpr (W != dgc::kWInt4)
+      if (kHaveAvx2 && scale > 0.0f) x = weight_codes_avx2<W>(vg, dg, len, scale, sat);
+    for (; x < len; ++x) dg[x] = dgc::encode_weight(W, static_cast<float>(vg[x]), scale, sat);
   }
 }
 

@@ -109,10 +109,11 @@ WEIGHT_FORMATS = ["int8", "fp8_e4m3", "int4"]
 
 @pytest.mark.parametrize("fmt", WEIGHT_FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_weight_codes_equal_reference(fused, fmt, dtype):
+@pytest.mark.parametrize("group_size", [32, 256])
+def test_weight_codes_equal_reference(fused, fmt, dtype, group_size):
     """quantize_weights and dequantize_weights of the fused op: the reference's codes and scale bits, for one segment
     and for parameters of different magnitudes (groups restart at each), odd lengths, zero runs and subnormals; and
-    the same decoded bits in the output dtype."""
+    the same decoded bits in the output dtype. Groups of 256 take the op's vector loops several steps a group."""
     g = torch.Generator().manual_seed(WEIGHT_FORMATS.index(fmt) * 7 + int(dtype.itemsize))
     for segments in (None, [5, 3000, 1, 64, 7], [77, 3000]):
         n = 3077
@@ -120,19 +121,44 @@ def test_weight_codes_equal_reference(fused, fmt, dtype):
         x[100:300] = 0.0
         x[5] = 1e-41
         x = x.to(dtype)
-        ref = REFERENCE.quantize_weights(x, fmt, 32, segments)
-        got = fused.quantize_weights(x, fmt, 32, segments)
+        ref = REFERENCE.quantize_weights(x, fmt, group_size, segments)
+        got = fused.quantize_weights(x, fmt, group_size, segments)
         assert torch.equal(ref[0], got[0]) and torch.equal(ref[1].view(torch.int32), got[1].view(torch.int32))
         outs = [torch.full((n, ), float("nan"), dtype=dtype) for _ in range(2)]
-        REFERENCE.dequantize_weights_into(outs[0], *ref, fmt, 32, segments)
-        fused.dequantize_weights_into(outs[1], *ref, fmt, 32, segments)
+        REFERENCE.dequantize_weights_into(outs[0], *ref, fmt, group_size, segments)
+        fused.dequantize_weights_into(outs[1], *ref, fmt, group_size, segments)
         assert torch.equal(outs[0].view(torch.uint8), outs[1].view(torch.uint8))
         assert torch.isfinite(outs[1]).all()
         for ops in (REFERENCE, fused):  # a scale missing or a segment list that does not add up
             with pytest.raises(ValueError, match="scales for|segments of"):
-                ops.dequantize_weights_into(outs[1], ref[0], ref[1][:-1], fmt, 32, segments)
+                ops.dequantize_weights_into(outs[1], ref[0], ref[1][:-1], fmt, group_size, segments)
             with pytest.raises(ValueError, match="segments of"):
-                ops.quantize_weights(x, fmt, 32, [n - 1, 2])
+                ops.quantize_weights(x, fmt, group_size, [n - 1, 2])
+
+
+@pytest.mark.parametrize("fmt", WEIGHT_FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_non_finite_weights_decode_to_nan_as_the_reference(fused, fmt, dtype):
+    """Weights are finite by contract, but a NaN or Inf one (a diverged run) must not come back finite from the
+    quantized all-gather: every group holding one decodes to NaN, as in the reference, and the other groups are
+    unchanged. The fused op used to skip a NaN in its absmax and decode a NaN weight as a finite value."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
+    n, gs = 4096 + 77, 64
+    for segments in (None, [1000, n - 1000]):
+        x = torch.randn(n, generator=g)
+        bad = torch.randperm(n, generator=g)[:12]
+        x[bad[:6]] = float("nan")
+        x[bad[6:9]] = float("inf")
+        x[bad[9:]] = -float("inf")
+        x = x.to(dtype)
+        ref = REFERENCE.quantize_weights(x, fmt, gs, segments)
+        got = fused.quantize_weights(x, fmt, gs, segments)
+        assert torch.equal(ref[1].isnan(), got[1].isnan()) and torch.equal(ref[1].nan_to_num(), got[1].nan_to_num())
+        outs = [torch.zeros(n, dtype=dtype) for _ in range(2)]
+        REFERENCE.dequantize_weights_into(outs[0], *ref, fmt, gs, segments)
+        fused.dequantize_weights_into(outs[1], *got, fmt, gs, segments)
+        assert torch.equal(outs[0].isnan(), outs[1].isnan()) and outs[1][bad].isnan().all()
+        assert torch.equal(outs[0].nan_to_num(), outs[1].nan_to_num())
 
 
 SUBNORMAL = 2.0**-149  # the smallest fp32 subnormal
