@@ -90,6 +90,8 @@ def main(argv=None) -> None:
                         dense_fp32_bytes_total=round(stats.dense_fp32_bytes_total),
                         compression_ratio=round(stats.compression_ratio, 2), dgc_steps=stats.steps)
         print("DGC_TELEMETRY " + json.dumps(line), flush=True)
+    if torch.distributed.is_initialized():  # else gloo's threads can abort the exit ("terminate called without an
+        torch.distributed.destroy_process_group()  # active exception", pytorch/pytorch#190489)
 
 
 if __name__ == "__main__":
