@@ -18,7 +18,6 @@
 #include <cfloat>
 #include <cstring>
 #include <functional>
-#include <limits>
 #include <memory>
 #include <type_traits>
 #include <stdexcept>
@@ -503,33 +502,38 @@ inline int64_t weight_codes_avx2(const T*, uint8_t*, int64_t, float, uint8_t) { 
 #endif
 
 // max |v[x]| over v[0, len) as float, 0 for none, the same max a serial std::max loop finds (a NaN is never picked):
-// eight running maxima in a GCC vector, which the compiler keeps in registers of the target's width. With kNanWins, NaN
-// where v holds one (torch's amax, which the weight quantizer must follow: a NaN weight makes its group's scale NaN).
+// eight running maxima in a GCC vector, which the compiler keeps in registers of the target's width. With kNanWins,
+// a NaN where v holds one (torch's amax, which the weight quantizer must follow: a NaN weight makes its group's scale
+// NaN): the maximum of the magnitudes' bits as integers, which order as the values for magnitudes and put every NaN
+// above infinity (an integer max also vectorizes in fewer instructions than a float compare and select).
 template <bool kNanWins = false, typename T>
 inline float absmax_of(const T* __restrict v, int64_t len) {
   typedef float v8f __attribute__((vector_size(32)));
   typedef int32_t v8i __attribute__((vector_size(32)));
-  v8f m = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-  v8i nan = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t x = 0;
-  for (; x + 8 <= len; x += 8) {
-    v8f a;
-    for (int l = 0; l < 8; ++l) a[l] = std::fabs(static_cast<float>(v[x + l]));
-    m = a > m ? a : m;
-    if (kNanWins) nan |= a != a;
+  if constexpr (kNanWins) {
+    v8i m = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (; x + 8 <= len; x += 8) {
+      v8i b;
+      for (int l = 0; l < 8; ++l) b[l] = static_cast<int32_t>(dgc::f32_bits(static_cast<float>(v[x + l])) & 0x7FFFFFFFu);
+      m = b > m ? b : m;
+    }
+    int32_t r = 0;
+    for (int l = 0; l < 8; ++l) r = std::max(r, m[l]);
+    for (; x < len; ++x) r = std::max(r, static_cast<int32_t>(dgc::f32_bits(static_cast<float>(v[x])) & 0x7FFFFFFFu));
+    return dgc::f32_from_bits(static_cast<uint32_t>(r));
+  } else {
+    v8f m = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    for (; x + 8 <= len; x += 8) {
+      v8f a;
+      for (int l = 0; l < 8; ++l) a[l] = std::fabs(static_cast<float>(v[x + l]));
+      m = a > m ? a : m;
+    }
+    float r = 0.0f;
+    for (int l = 0; l < 8; ++l) r = std::max(r, m[l]);
+    for (; x < len; ++x) r = std::max(r, std::fabs(static_cast<float>(v[x])));
+    return r;
   }
-  float r = 0.0f;
-  bool any_nan = false;
-  for (int l = 0; l < 8; ++l) {
-    r = std::max(r, m[l]);
-    any_nan |= nan[l] != 0;
-  }
-  for (; x < len; ++x) {
-    const float a = std::fabs(static_cast<float>(v[x]));
-    r = std::max(r, a);
-    any_nan |= std::isnan(a);
-  }
-  return kNanWins && any_nan ? std::numeric_limits<float>::quiet_NaN() : r;
 }
 
 // How the dense pass codes a row sent whole while its block is in cache: value format and scale group size.
