@@ -507,7 +507,7 @@ def test_rows_sent_whole_code_every_value_class_as_the_reference(fused, fmt, gro
     x[group_size:2 * group_size] = 0.0  # an all-zero group (scale 0)
     job = make_job([n], 1, density=1.0, value_format=fmt, group_size=group_size, min_numel=10**9, seed=seed)
     job.srcs[0].copy_(x)
-    job.residuals[0].zero_()
+    job.residuals[0].fill_(-0.0)  # acc = src + (-0) is src exactly, -0 included (a +0 residual would make it +0)
     assert job.divisor == 1.0
     out = fused.compress(job)
     assert_same(REFERENCE.compress(job), out)
