@@ -516,7 +516,7 @@ def test_rows_sent_whole_code_every_value_class_as_the_reference(fused, fmt, gro
         assert scales[1] == 0.0 and (scales[0] == 1.0) and (scales[2:] == 1.0).all()
 
 
-@pytest.mark.parametrize("fmt", ["int4", "int2", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("fmt", ["int4", "int2", "int1", "fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("group_size", [16, 2048])
 def test_large_buckets_equal_reference(fused, fmt, group_size):
     """Sizes the small random buckets do not reach: samples of more than 4096 magnitudes (the op's radix select of
