@@ -332,73 +332,14 @@ __attribute__((target("avx2"))) int64_t encode_group_avx2(float* __restrict a, u
 // 8 int32 lanes of bits v
 __attribute__((target("avx2"))) inline __m256i u32(uint32_t v) { return _mm256_set1_epi32(static_cast<int32_t>(v)); }
 
-// dgc::fp8_e4m3_code / fp8_e5m2_code of 8 values (E exponent, M mantissa bits) with AVX2: the same integer
-// operations lane by lane, in int32 lanes; returns the codes, each in [0, 255]
+// dgc::fp8_e4m3_code / fp8_e5m2_code of 8 values (E exponent, M mantissa bits) with AVX2, in int32 lanes ([0, 255]),
+// and in *unit the value each code decodes to at scale 1 (dgc::fp8_unit): below the format's largest finite value the
+// rounded magnitude's fp32 bits are the code's value (the cut-off bits cleared after the round-to-nearest-even carry;
+// below the smallest normal, c10's magic-number sum less the magic number, exact), so the unit costs no decode. The
+// rare vectors holding a magnitude past that (e4m3 above 464, e5m2 from 61440, NaN: saturated, infinite or NaN codes)
+// take the scalar functions lane by lane.
 template <int E, int M>
-__attribute__((target("avx2"))) inline __m256i fp8_code_avx2(__m256 x, __m256i sat) {
-  constexpr int bias = (1 << (E - 1)) - 1;
-  constexpr uint32_t denorm_mask = static_cast<uint32_t>((127 - bias) + (23 - M) + 1) << 23;
-  constexpr uint32_t smallest_normal = static_cast<uint32_t>(127 - bias + 1) << 23;
-  constexpr int cut = 23 - M;
-  constexpr uint32_t rebias = (static_cast<uint32_t>(bias - 127) << 23) + ((UINT32_C(1) << (cut - 1)) - 1);
-  const __m256i low = u32(0xFF);
-  const __m256i bits = _mm256_castps_si256(x);
-  const __m256i sign = _mm256_and_si256(bits, u32(0x80000000u));
-  const __m256i mag = _mm256_xor_si256(bits, sign);  // in [0, 2^31): signed compares order it
-  const __m256i denormal = _mm256_and_si256(
-      _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(mag), _mm256_castsi256_ps(u32(denorm_mask)))),
-                       u32(denorm_mask)),
-      low);
-  const __m256i normal = _mm256_and_si256(
-      _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(mag, u32(rebias)),
-                                         _mm256_and_si256(_mm256_srli_epi32(mag, cut), u32(1))),
-                        cut),
-      low);
-  __m256i r = _mm256_blendv_epi8(normal, denormal, _mm256_cmpgt_epi32(u32(smallest_normal), mag));
-  const __m256i nan = _mm256_cmpgt_epi32(mag, u32(0x7F800000u));
-  if constexpr (E == 4) {
-    r = _mm256_blendv_epi8(r, sat, _mm256_cmpgt_epi32(mag, u32(0x43E80000u)));  // above 464.0f
-    r = _mm256_blendv_epi8(r, u32(0x7F), nan);
-  } else {
-    const __m256i big = _mm256_cmpgt_epi32(mag, u32((UINT32_C(143) << 23) - 1));  // 65536.0f up
-    r = _mm256_blendv_epi8(r, _mm256_blendv_epi8(u32(0x7C), u32(0x7F), nan), big);
-  }
-  return _mm256_or_si256(r, _mm256_srli_epi32(sign, 24));
-}
-
-// dgc::fp8_unit of 8 codes (int32 lanes in [0, 255]) with AVX2: the same bits lane by lane
-template <int E, int M>
-__attribute__((target("avx2"))) inline __m256 fp8_unit_avx2(__m256i c) {
-  constexpr int bias = (1 << (E - 1)) - 1;
-  constexpr uint32_t emax = (1u << E) - 1;
-  constexpr float sub_unit = 1.0f / static_cast<float>(1u << (bias - 1 + M));
-  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c, u32(0x80)), 24);
-  const __m256i e = _mm256_and_si256(_mm256_srli_epi32(c, M), u32(emax));
-  const __m256i m = _mm256_and_si256(c, u32((1u << M) - 1));
-  const __m256i normal =
-      _mm256_or_si256(sign, _mm256_or_si256(_mm256_slli_epi32(_mm256_add_epi32(e, u32(127 - bias)), 23),
-                                            _mm256_slli_epi32(m, 23 - M)));
-  const __m256i subnormal =
-      _mm256_or_si256(sign, _mm256_castps_si256(_mm256_mul_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(sub_unit))));
-  __m256i bits = _mm256_blendv_epi8(normal, subnormal, _mm256_cmpeq_epi32(e, _mm256_setzero_si256()));
-  if constexpr (E == 4) {
-    bits = _mm256_blendv_epi8(bits, _mm256_or_si256(sign, u32(0x7FF00000u)),
-                              _mm256_cmpeq_epi32(_mm256_and_si256(c, u32(0x7F)), u32(0x7F)));
-  } else {
-    const __m256i quiet = _mm256_andnot_si256(_mm256_cmpeq_epi32(m, _mm256_setzero_si256()), u32(0x400000));
-    const __m256i special =
-        _mm256_or_si256(_mm256_or_si256(sign, u32(0x7F800000u)), _mm256_or_si256(_mm256_slli_epi32(m, 23 - M), quiet));
-    bits = _mm256_blendv_epi8(bits, special, _mm256_cmpeq_epi32(e, u32(emax)));
-  }
-  return _mm256_castsi256_ps(bits);
-}
-
-// fp8_code_avx2 and fp8_unit_avx2 of its codes in one: the rounded magnitude's fp32 bits are the code's value below
-// the format's largest finite value (the cut-off bits cleared after the round-to-nearest-even carry; below the smallest
-// normal, c10's magic-number sum less the magic number, exact), so the unit costs no decode. Vectors with a magnitude
-// past that (e4m3 above 464, e5m2 from 61440, NaN: saturated, infinite or NaN codes) take the two functions instead.
-template <int E, int M>
-__attribute__((target("avx2"))) inline __m256i fp8_code_unit_avx2(__m256 x, __m256i sat, __m256* unit) {
+__attribute__((target("avx2"))) inline __m256i fp8_code_unit_avx2(__m256 x, uint8_t sat, __m256* unit) {
   constexpr int bias = (1 << (E - 1)) - 1;
   constexpr uint32_t denorm_mask = static_cast<uint32_t>((127 - bias) + (23 - M) + 1) << 23;
   constexpr uint32_t smallest_normal = static_cast<uint32_t>(127 - bias + 1) << 23;
@@ -408,9 +349,16 @@ __attribute__((target("avx2"))) inline __m256i fp8_code_unit_avx2(__m256 x, __m2
   const __m256i sign = _mm256_and_si256(bits, u32(0x80000000u));
   const __m256i mag = _mm256_xor_si256(bits, sign);
   if (!_mm256_testz_si256(_mm256_cmpgt_epi32(mag, u32(limit)), _mm256_set1_epi32(-1))) {
-    const __m256i code = fp8_code_avx2<E, M>(x, sat);
-    *unit = fp8_unit_avx2<E, M>(code);
-    return code;
+    alignas(32) float in[8], units[8];
+    alignas(32) int32_t codes[8];
+    _mm256_store_ps(in, x);
+    for (int l = 0; l < 8; ++l) {
+      const uint8_t c = E == 4 ? dgc::fp8_e4m3_code(in[l], sat) : dgc::fp8_e5m2_code(in[l]);
+      codes[l] = c;
+      units[l] = dgc::fp8_unit<E, M>(c);
+    }
+    *unit = _mm256_load_ps(units);
+    return _mm256_load_si256(reinterpret_cast<const __m256i*>(codes));
   }
   const __m256 magic = _mm256_castsi256_ps(u32(denorm_mask));
   const __m256 den_sum = _mm256_add_ps(_mm256_castsi256_ps(mag), magic);
@@ -434,14 +382,13 @@ __attribute__((target("avx2"))) int64_t encode_fp8_group_avx2(float* __restrict 
                                                               int64_t len, float scale, uint8_t sat) {
   constexpr int E = F == dgc::kFp8E4M3 ? 4 : 5, M = F == dgc::kFp8E4M3 ? 3 : 2;
   const __m256 s = _mm256_set1_ps(scale);
-  const __m256i satv = _mm256_set1_epi32(sat);
   int64_t x = 0;
   for (; x + 32 <= len; x += 32) {
     __m256i w[4];
     for (int k = 0; k < 4; ++k) {
       const __m256 v = _mm256_loadu_ps(a + x + 8 * k);
       __m256 unit;
-      w[k] = fp8_code_unit_avx2<E, M>(_mm256_div_ps(v, s), satv, &unit);
+      w[k] = fp8_code_unit_avx2<E, M>(_mm256_div_ps(v, s), sat, &unit);
       _mm256_storeu_ps(a + x + 8 * k, _mm256_sub_ps(v, _mm256_mul_ps(unit, s)));
     }
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + x), narrow_to_bytes(w[0], w[1], w[2], w[3]));
@@ -467,7 +414,6 @@ __attribute__((target("avx2"))) int64_t weight_codes_avx2(const T* __restrict v,
     return 0;
   } else {
     const __m256 s = _mm256_set1_ps(scale), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
-    const __m256i satv = _mm256_set1_epi32(sat);
     int64_t x = 0;
     for (; x + 32 <= len; x += 32) {
       __m256i w[4];
@@ -475,7 +421,7 @@ __attribute__((target("avx2"))) int64_t weight_codes_avx2(const T* __restrict v,
         const __m256 q = _mm256_div_ps(load8(v + x + 8 * k), s);
         if constexpr (W == dgc::kWFp8E4M3) {
           __m256 unit;  // not needed here
-          w[k] = fp8_code_unit_avx2<4, 3>(q, satv, &unit);
+          w[k] = fp8_code_unit_avx2<4, 3>(q, sat, &unit);
         } else {  // round half to even, clamp, the int8's two's-complement byte
           const __m256 r = _mm256_round_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
           w[k] = _mm256_and_si256(_mm256_cvttps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, r))), u32(0xFF));

@@ -6,6 +6,7 @@ divisor), with and without residual, 1-3 owner rows, and samples crafted to forc
 top-k step; a NaN makes both send nothing.
 """
 
+import itertools
 import math
 import platform
 import types
@@ -178,7 +179,8 @@ def test_fp8_codes_past_the_largest_value_equal_reference(fused):
     """FP8 codes of values past the format's largest after the division by the group's scale (groups of subnormals,
     whose scale loses its precision): e4m3 magnitudes above 464 become what this torch's c10 makes of them (0x7e,
     saturated, in torch 2.13; 0x7f in older ones), e5m2's from 61440 become infinity; weights and gradients sent
-    whole, the fused op's codes, scales, residual bits and decoded sums as the reference's."""
+    whole, the fused op's codes, scales, residual bits and decoded sums as the reference's. Gradient groups of 16 and
+    of 32 (the op's vector coder, whose vectors holding such a value take the scalar conversion)."""
     # weights: groups of 32 whose absmax is 465-671 units (scale rounds to 1 unit, values up to 671 > 464)
     x = _subnormal_units(4096, 1, 671)
     x[::32] = torch.randint(465, 672, (128, ), generator=torch.Generator().manual_seed(2)).float() * SUBNORMAL
@@ -186,10 +188,11 @@ def test_fp8_codes_past_the_largest_value_equal_reference(fused):
     got = fused.quantize_weights(x, "fp8_e4m3", 32, None)
     assert torch.equal(ref[0], got[0]) and torch.equal(ref[1].view(torch.int32), got[1].view(torch.int32))
     assert (x.view(-1, 32).abs() / ref[1][:, None]).max().item() > 464  # values past e4m3's largest were coded
-    for fmt, high in (("fp8_e4m3", 671), ("fp8_e5m2", 90000)):
-        job = make_job([3000, 20000], 1, value_format=fmt, density=1.0, residual=False, min_numel=10**9, seed=3)
+    for (fmt, high), group_size in itertools.product((("fp8_e4m3", 671), ("fp8_e5m2", 90000)), (16, 32)):
+        job = make_job([3000, 20000], 1, value_format=fmt, density=1.0, min_numel=10**9, seed=3, group_size=group_size)
         for i, src in enumerate(job.srcs):
             src.copy_(_subnormal_units(src.numel(), 10 + i, high))
+            job.residuals[i].fill_(-0.0)  # acc = src exactly, and the new residuals are compared too
         groups = job.srcs[1].view(-1, job.group_size).abs()  # one row: the scale groups are the source's
         largest, past = {"fp8_e4m3": (448.0, 464), "fp8_e5m2": (57344.0, 61440)}[fmt]
         assert (groups / (groups.amax(1, keepdim=True) / largest)).max().item() > past  # past the largest code
