@@ -140,8 +140,8 @@ def test_jit_path_loads(jit_check):
 
 
 def test_prebuilt_path_loads(tmp_path):
-    """The op prebuilt by ``DS_BUILD_DGC=1 pip install -e .`` (``make install``; else built here with
-    ``DS_BUILD_DGC=1 python setup.py build_ext``) is what ``load()`` imports, with no compiler and no JIT."""
+    """The op prebuilt by ``DS_BUILD_DGC=1 python setup.py build_ext --inplace`` (``make install``; else built here
+    with ``DS_BUILD_DGC=1 python setup.py build_ext``) is what ``load()`` imports, with no compiler and no JIT."""
     built = glob.glob(os.path.join(ROOT, "deepspeed_dgc", "_prebuilt", "dgc_cpu_op*.so"))
     if not built:
         proc = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(tmp_path),
