@@ -111,7 +111,8 @@ def _rank_env(rank: int, world: int, port: int, extra_env) -> dict:
 
 def launch(world: int, worker: str, args: Sequence[str] = (), timeout_s: float = 180.0,
            extra_env=None) -> List[RankResult]:
-    """Run ``tests/workers/<worker>`` as ``world`` processes on 127.0.0.1; kill all after ``timeout_s``.
+    """Run ``tests/workers/<worker>`` (or the script at ``worker``'s absolute path) as ``world`` processes on
+    127.0.0.1; kill all after ``timeout_s``.
 
     Raises:
         TimeoutError: some rank was still running after ``timeout_s`` seconds (a hang).

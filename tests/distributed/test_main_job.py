@@ -1,12 +1,12 @@
-"""The main job, launched as a user would with the deepspeed launcher (2 CPU ranks), on the shipped text."""
+"""The main job (examples/train_char_gpt.py, a tiny model on the shipped text) on 2 CPU ranks, started as the test
+launches of tests/dist_launch.py start their workers. Under the deepspeed launcher, its --hostfile and mpirun:
+test_launchers.py."""
 
 import json
 import os
-import subprocess
-import sys
 import tempfile
 
-from dist_launch import ROOT, free_port, remove_shm_buffers
+from dist_launch import ROOT, launch
 
 SUMMARY_KEYS = {
     "final_val_loss", "final_train_loss", "steps", "wall_s", "wire_bytes_total", "dense_fp32_bytes_total",
@@ -14,24 +14,18 @@ SUMMARY_KEYS = {
 }
 
 TINY_MODEL = ["--eval-batches", "4", "--n-layer", "1", "--n-embd", "64", "--block-size", "32"]
+TRAIN = os.path.join(ROOT, "examples", "train_char_gpt.py")
 
 
 def run_main_job(config, steps, eval_interval, *extra):
-    """Run examples/train_char_gpt.py with a tiny model on 2 ranks through the deepspeed launcher."""
+    """Run examples/train_char_gpt.py with a tiny model on 2 ranks; its summary (the JSON rank 0 writes)."""
     out = os.path.join(tempfile.mkdtemp(), "summary.json")
-    port = free_port()
-    cmd = [
-        sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port),
-        "examples/train_char_gpt.py", "--deepspeed_config", config, "--max-steps", str(steps), "--eval-interval",
-        str(eval_interval), *TINY_MODEL, "--summary-json", out, *extra
-    ]
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
-    finally:
-        remove_shm_buffers(port)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "SUMMARY " in proc.stdout
+    argv = ["--deepspeed_config", config, "--max-steps", str(steps), "--eval-interval", str(eval_interval),
+            *TINY_MODEL, "--summary-json", out, *extra]
+    ranks = launch(2, TRAIN, argv, timeout_s=400)
+    for r in ranks:
+        assert r.returncode == 0, f"rank {r.rank} exited {r.returncode}:\n{r.stdout[-3000:]}{r.stderr[-3000:]}"
+    assert "SUMMARY " in ranks[0].stdout
     return json.load(open(out))
 
 
@@ -39,7 +33,7 @@ _CACHE = {}
 
 
 def dgc_d01_40_steps():
-    """The 40-step DGC run (density 0.1, INT4) three tests use: each launch costs about 14 s here, the steps little."""
+    """The 40-step DGC run (density 0.1, INT4) three tests use: each launch costs several seconds here, the steps little."""
     if "d01" not in _CACHE:
         _CACHE["d01"] = run_main_job("configs/zero3_dgc_int4_d01.json", 40, 10)
     return _CACHE["d01"]
