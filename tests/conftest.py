@@ -6,7 +6,8 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "workers"))
 
-# DeepSpeed JIT-builds its CPU shared-memory comm op on the first init_distributed. Keep that
+# DeepSpeed JIT-builds its CPU shared-memory comm op on the first init_distributed (make install builds it here
+# first). Keep that
 # build in this checkout: another venv sharing ~/.cache/torch_extensions rebuilds it with its
 # own include paths, and a build killed half-way leaves a lock that makes every later launch
 # wait forever. No build runs before the session starts, so a lock here is stale.
