@@ -1,33 +1,27 @@
-"""Hugging Face Trainer + DeepSpeed ZeRO-3 + deepspeed_dgc: examples/hf_trainer_gpt2.py on 2 ranks.
+"""Hugging Face Trainer + DeepSpeed ZeRO-3 + deepspeed_dgc: examples/hf_trainer_gpt2.py on 2 ranks, started as the
+test launches of tests/dist_launch.py start their workers (the Trainer reads the ranks from the environment, as under
+the deepspeed launcher).
 
 transformers is in requirements-test.txt, so CI runs this; it skips only where transformers is absent.
 """
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from dist_launch import ROOT, free_port, remove_shm_buffers
+from dist_launch import ROOT, check_ok, launch
 
 pytest.importorskip("transformers")
 
 
 def test_hf_trainer_runs_with_dgc_compressing():
-    port = free_port()
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port),
-           "examples/hf_trainer_gpt2.py", "--deepspeed", "configs/hf_zero3_dgc.json", "--max-steps", "10",
-           "--output-dir", os.path.join(ROOT, "runs", "test_hf_trainer")]
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"),
-                              capture_output=True, text=True, timeout=600)
-    finally:
-        remove_shm_buffers(port)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("DGC_TELEMETRY ")]
-    assert len(line) == 1, proc.stdout[-3000:]
+    argv = ["--deepspeed", "configs/hf_zero3_dgc.json", "--max-steps", "10", "--output-dir",
+            os.path.join(ROOT, "runs", "test_hf_trainer")]
+    ranks = launch(2, os.path.join(ROOT, "examples", "hf_trainer_gpt2.py"), argv, timeout_s=600)
+    check_ok(ranks)
+    line = [ln for ln in ranks[0].stdout.splitlines() if ln.startswith("DGC_TELEMETRY ")]
+    assert len(line) == 1, ranks[0].stdout[-3000:]
     t = json.loads(line[0].split(" ", 1)[1])
     assert t["steps"] == 10 and t["dgc_steps"] == 10 and t["kernels"] == "fused-cpu"
     # every parameter of every step went through our reduce-scatter: stock fp32's bytes for the model's size

@@ -6,7 +6,7 @@ import json
 import os
 import tempfile
 
-from dist_launch import ROOT, launch
+from dist_launch import ROOT, check_ok, launch
 
 SUMMARY_KEYS = {
     "final_val_loss", "final_train_loss", "steps", "wall_s", "wire_bytes_total", "dense_fp32_bytes_total",
@@ -23,8 +23,7 @@ def run_main_job(config, steps, eval_interval, *extra):
     argv = ["--deepspeed_config", config, "--max-steps", str(steps), "--eval-interval", str(eval_interval),
             *TINY_MODEL, "--summary-json", out, *extra]
     ranks = launch(2, TRAIN, argv, timeout_s=400)
-    for r in ranks:
-        assert r.returncode == 0, f"rank {r.rank} exited {r.returncode}:\n{r.stdout[-3000:]}{r.stderr[-3000:]}"
+    check_ok(ranks)
     assert "SUMMARY " in ranks[0].stdout
     return json.load(open(out))
 
