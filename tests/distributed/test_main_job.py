@@ -32,7 +32,7 @@ _CACHE = {}
 
 
 def dgc_d01_40_steps():
-    """The 40-step DGC run (density 0.1, INT4) three tests use: each launch costs several seconds here, the steps little."""
+    """The 40-step DGC run (density 0.1, INT4) three tests use: a launch costs seconds here, the steps little."""
     if "d01" not in _CACHE:
         _CACHE["d01"] = run_main_job("configs/zero3_dgc_int4_d01.json", 40, 10)
     return _CACHE["d01"]
