@@ -7,10 +7,9 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "workers"))
 
 # DeepSpeed JIT-builds its CPU shared-memory comm op on the first init_distributed (make install builds it here
-# first). Keep that
-# build in this checkout: another venv sharing ~/.cache/torch_extensions rebuilds it with its
-# own include paths, and a build killed half-way leaves a lock that makes every later launch
-# wait forever. No build runs before the session starts, so a lock here is stale.
+# first: the Makefile's TEST_EXTENSIONS names this directory). Keep that build in this checkout: another venv sharing
+# ~/.cache/torch_extensions rebuilds it with its own include paths, and a build killed half-way leaves a lock that
+# makes every later launch wait forever. No build runs before the session starts, so a lock here is stale.
 EXT_DIR = os.path.join(ROOT, "build", "torch_extensions")
 # One ninja for every process: the multi-process tests put this environment's bin/ first on PATH
 # (for mpirun), and a build cache written by another ninja version counts as "command line

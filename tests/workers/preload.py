@@ -12,4 +12,4 @@ import torch  # noqa: F401
 import torch.distributed  # noqa: F401
 
 import deepspeed  # noqa: F401
-from deepspeed.runtime.zero.muon import muon_optimizer  # noqa: F401,E402  (see above)
+from deepspeed.runtime.zero.muon import muon_optimizer  # noqa: F401  (see above)
