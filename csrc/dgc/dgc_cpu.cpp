@@ -348,7 +348,18 @@ __attribute__((target("avx2"))) inline __m256i fp8_code_unit_avx2(__m256 x, uint
   const __m256i bits = _mm256_castps_si256(x);
   const __m256i sign = _mm256_and_si256(bits, u32(0x80000000u));
   const __m256i mag = _mm256_xor_si256(bits, sign);
-  if (!_mm256_testz_si256(_mm256_cmpgt_epi32(mag, u32(limit)), _mm256_set1_epi32(-1))) {
+  const __m256i over = _mm256_cmpgt_epi32(mag, u32(limit));
+  const __m256i sub = _mm256_cmpgt_epi32(u32(smallest_normal), mag);
+  const __m256i carried = _mm256_add_epi32(_mm256_add_epi32(mag, u32((UINT32_C(1) << (cut - 1)) - 1)),
+                                           _mm256_and_si256(_mm256_srli_epi32(mag, cut), u32(1)));
+  const __m256i norm_unit = _mm256_and_si256(carried, u32(~((UINT32_C(1) << cut) - 1)));
+  const __m256i norm_code = _mm256_add_epi32(_mm256_srli_epi32(carried, cut), u32(static_cast<uint32_t>(bias - 127) << M));
+  if (_mm256_testz_si256(_mm256_or_si256(over, sub), _mm256_set1_epi32(-1))) {
+    // every lane a normal FP8 value (the common case): its code is in [1 << M, 255 >> 1], no subnormal blend
+    *unit = _mm256_castsi256_ps(_mm256_or_si256(norm_unit, sign));
+    return _mm256_or_si256(norm_code, _mm256_srli_epi32(sign, 24));
+  }
+  if (!_mm256_testz_si256(over, _mm256_set1_epi32(-1))) {
     alignas(32) float in[8], units[8];
     alignas(32) int32_t codes[8];
     _mm256_store_ps(in, x);
@@ -364,11 +375,6 @@ __attribute__((target("avx2"))) inline __m256i fp8_code_unit_avx2(__m256 x, uint
   const __m256 den_sum = _mm256_add_ps(_mm256_castsi256_ps(mag), magic);
   const __m256i den_code = _mm256_sub_epi32(_mm256_castps_si256(den_sum), u32(denorm_mask));
   const __m256i den_unit = _mm256_castps_si256(_mm256_sub_ps(den_sum, magic));
-  const __m256i carried = _mm256_add_epi32(_mm256_add_epi32(mag, u32((UINT32_C(1) << (cut - 1)) - 1)),
-                                           _mm256_and_si256(_mm256_srli_epi32(mag, cut), u32(1)));
-  const __m256i norm_unit = _mm256_and_si256(carried, u32(~((UINT32_C(1) << cut) - 1)));
-  const __m256i norm_code = _mm256_add_epi32(_mm256_srli_epi32(carried, cut), u32(static_cast<uint32_t>(bias - 127) << M));
-  const __m256i sub = _mm256_cmpgt_epi32(u32(smallest_normal), mag);
   *unit = _mm256_castsi256_ps(_mm256_or_si256(_mm256_blendv_epi8(norm_unit, den_unit, sub), sign));
   return _mm256_or_si256(_mm256_and_si256(_mm256_blendv_epi8(norm_code, den_code, sub), u32(0xFF)),
                          _mm256_srli_epi32(sign, 24));
