@@ -679,7 +679,7 @@ int64_t dense_pass(std::vector<Spec>& specs, const Params& p, const std::vector<
         const int64_t n_groups = (k.n_all + pre->group_size - 1) / pre->group_size;
         k.gscale.assign(n_groups, 0.0f);
         k.gmixed.assign(n_groups, 0);
-        k.codes.reset(new uint8_t[std::max<int64_t>(k.n_all, 1)]);
+        if (!k.codes) k.codes.reset(new uint8_t[std::max<int64_t>(k.n_all, 1)]);  // else the payload's bytes
       }
     }
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t b, int64_t e) {
@@ -715,6 +715,13 @@ std::vector<Task> make_tasks(const std::vector<Spec>& specs, const std::vector<i
         tasks.push_back({i, static_cast<int64_t>(r), j0, std::min(j0 + kBlock, t.real[r])});
   }
   return tasks;
+}
+
+// Bytes of a row's payload: the header, scale_bytes of scales (and zero bitmap), n values of fmt packed, index_bytes
+// of varint positions, padded to a multiple of 4.
+int64_t payload_bytes(int64_t scale_bytes, int64_t n, int64_t fmt, int64_t index_bytes) {
+  const int64_t bytes = 4 * dgc::kHeaderInt32 + scale_bytes + dgc::packed_bytes(n, static_cast<int>(fmt)) + index_bytes;
+  return bytes + (4 - bytes % 4) % 4;
 }
 
 at::Tensor header_only_payload(int64_t fingerprint) {
@@ -856,6 +863,21 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
 
   // 2. the dense pass: acc, new residual (acc), candidates |acc| >= thr
   std::vector<std::vector<Kept>> kept(T, std::vector<Kept>(R));
+  // FP8 buckets whose tensors are all sent whole: the payloads' sizes are known now, so they are allocated here and
+  // the dense pass writes its code bytes straight into their value bytes (step 4 then copies nothing)
+  std::vector<at::Tensor> early(R);
+  if (dgc::format_bits(fmt) == 8 && std::all_of(thr.begin(), thr.end(), [](float v) { return v < 0.0f; }))
+    for (int64_t r = 0; r < R; ++r) {
+      int64_t n = 0, g = 0;
+      for (const Spec& t : specs) {
+        n += t.real[r];
+        g += (t.real[r] + group_size - 1) / group_size;
+      }
+      early[r] = at::empty({payload_bytes(4 * g, n, fmt, 0)}, at::kByte);
+      uint8_t* values = early[r].data_ptr<uint8_t>() + 4 * dgc::kHeaderInt32 + 4 * g;
+      for (size_t i = 0, v0 = 0; i < T; v0 += specs[i].real[r], ++i)
+        if (specs[i].real[r]) kept[i][r].codes = std::shared_ptr<uint8_t[]>(values + v0, [](uint8_t*) {});
+    }
   std::vector<int64_t> all(T);
   for (size_t i = 0; i < T; ++i) all[i] = static_cast<int64_t>(i);
   const PreEncode pre{static_cast<int>(fmt), group_size};
@@ -982,10 +1004,17 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
     scale_words[r] = n_groups[r] + (mask_bits[r] + 31) / 32;
     TORCH_CHECK(n_kept[r] <= INT32_MAX && n_index[r] <= INT32_MAX && scale_words[r] <= INT32_MAX,
                 "compress_bucket: row ", r, " does not fit the int32 header (", n_kept[r], " values)");
-    int64_t bytes = 4 * dgc::kHeaderInt32 + 4 * scale_words[r] + dgc::packed_bytes(n_kept[r], fmt) + n_index[r];
-    bytes += (4 - bytes % 4) % 4;
-    payloads.push_back(at::zeros({bytes}, at::kByte));
+    const int64_t bytes = payload_bytes(4 * scale_words[r], n_kept[r], fmt, n_index[r]);
+    TORCH_CHECK(!early[r].defined() || early[r].numel() == bytes, "compress_bucket: internal error: row ", r,
+                " was allocated ", early[r].numel(), " bytes before the dense pass, needs ", bytes);
+    payloads.push_back(early[r].defined() ? early[r] : at::empty({bytes}, at::kByte));
     bases[r] = payloads[r].data_ptr<uint8_t>();
+    // Every byte is written below but the zero bitmap and the bytes that packed codes of two tensors share (both
+    // or-ed into) and the padding: those are zeroed here and before packing
+    const int64_t mask_at = 4 * dgc::kHeaderInt32 + 4 * n_groups[r];
+    const int64_t end = mask_at + 4 * (scale_words[r] - n_groups[r]) + dgc::packed_bytes(n_kept[r], fmt) + n_index[r];
+    std::memset(bases[r] + mask_at, 0, 4 * (scale_words[r] - n_groups[r]));
+    std::memset(bases[r] + end, 0, bytes - end);
     total_kept += n_kept[r];
     int32_t* header = reinterpret_cast<int32_t*>(bases[r]);
     header[0] = dgc::kMagic;
@@ -1054,8 +1083,8 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
         const Spec& t = specs[gr.i];
         const float* acc = kr.values();
         if (kr.pre) {  // codes made by the dense pass, residual written there too; 8-bit ones (FP8: no zero mark)
-          if (bits == 8)  // are copied here, narrower ones packed below
-            std::memcpy(values_of(r) + gr.v0, kr.codes.get() + gr.x0, gr.x1 - gr.x0);
+          if (bits == 8 && kr.codes.get() + gr.x0 != values_of(r) + gr.v0)  // are copied here (unless made in
+            std::memcpy(values_of(r) + gr.v0, kr.codes.get() + gr.x0, gr.x1 - gr.x0);  // place), narrower packed below
           continue;
         }
         uint8_t* codes = (bits < 8 ? scratch[r].get() : values_of(r)) + gr.v0 - gr.x0;
@@ -1083,6 +1112,10 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
     default: encode_groups(std::integral_constant<int, dgc::kFp8E5M2>()); break;
   }
   for (int64_t r = 0; r < R && bits < 8; ++r) {  // each tensor's codes in turn (neighbours may share a byte)
+    const int64_t per = 8 / bits;
+    for (int64_t i = 0, v0 = 0; i < static_cast<int64_t>(T); v0 += kept[i][r].size(), ++i)
+      if (kept[i][r].size())  // the last byte of each tensor's codes is or-ed into (so is the next one's first
+        values_of(r)[(v0 + kept[i][r].size() - 1) / per] = 0;  // byte where they share it): zeroed first
     int64_t v0 = 0;
     for (size_t i = 0; i < T; ++i) {
       const Kept& kr = kept[i][r];

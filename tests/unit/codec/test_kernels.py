@@ -6,6 +6,7 @@ divisor), with and without residual, 1-3 owner rows, and samples crafted to forc
 top-k step; a NaN makes both send nothing.
 """
 
+import ctypes
 import itertools
 import math
 import platform
@@ -27,6 +28,19 @@ from .test_wire import check_decodes_to_what_was_accumulated
 @pytest.fixture(scope="module")
 def fused():
     return FusedCPUOps(load_fused_op("cpu"))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def dirty_allocations():
+    """glibc fills every allocation with a non-zero byte while these tests run (mallopt M_PERTURB), so a payload
+    byte the op leaves unwritten differs from the reference's instead of reading as a fresh page's zero."""
+    libc = ctypes.CDLL(None) if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc" else None
+    m_perturb = -6
+    if libc is not None:
+        libc.mallopt(m_perturb, 0xA5)
+    yield
+    if libc is not None:
+        libc.mallopt(m_perturb, 0)
 
 
 @pytest.mark.parametrize("hierarchical", [False, True])
