@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from deepspeed_dgc.codec.selection import select_topk, target_count, topk_threshold
+from deepspeed_dgc.codec.selection import sample_indices, select_topk, target_count, topk_threshold
 
 LOWER_SLACK, UPPER_SLACK = 0.8, 1.3  # DGC's bounds (the paper's numbers, not the module's constants)
 
@@ -60,3 +60,26 @@ def test_corrections_bring_a_bad_sample_back_to_k(which):
         assert count < 2000  # lowered a few times (x 0.8), not down to the whole tail
     else:
         assert count == k
+
+
+@pytest.mark.parametrize("m, runs, length", [(150_001, 1500, 1), (300_007, 1500, 2), (1 << 20, 1310, 8),
+                                             (3_000_017, 1875, 16)])
+def test_sample_is_runs_of_contiguous_positions_covering_the_tensor_evenly(m, runs, length):
+    """At least 1024 independent runs; each run is L contiguous positions from a multiple of L; over many draws every
+    sixteenth of the tensor is hit as often as uniform sampling would (a chi-square test at about 1e-4)."""
+    gen = _gen(m)
+    s = sample_indices(m, m // 100, gen)
+    assert s.dtype == torch.int64 and s.numel() == runs * length and runs >= 1024
+    r = s.view(runs, length)
+    assert bool((r[:, 0] % length == 0).all()) and bool((r - r[:, :1] == torch.arange(length)).all())
+    assert 0 <= int(s.min()) and int(s.max()) < m
+    starts = torch.cat([sample_indices(m, m // 100, gen)[::length] for _ in range(40)])
+    counts = torch.bincount(starts * 16 // (m // length * length), minlength=16).double()
+    expected = starts.numel() / 16
+    assert float(((counts - expected)**2 / expected).sum()) < 45.0, counts  # chi-square, 15 degrees of freedom
+
+
+def test_small_tensors_are_sampled_by_independent_positions():
+    """Below 2048 sampled positions the draw is DGC's: torch.randint's positions, unchanged by the runs."""
+    m = 120_000
+    assert torch.equal(sample_indices(m, 1200, _gen(7)), torch.randint(0, m, (1200, ), generator=_gen(7)))
