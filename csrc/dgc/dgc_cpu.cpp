@@ -296,14 +296,14 @@ __attribute__((target("avx2"))) inline __m256i narrow_to_bytes(__m256i w0, __m25
 // Returns the count of values done (a multiple of 32); the caller codes the rest.
 template <int F>
 __attribute__((target("avx2"))) int64_t encode_group_avx2(float* __restrict a, uint8_t* __restrict codes, int64_t len,
-                                                          float scale) {
+                                                          float scale, int64_t* zeros) {
   static_assert(F == dgc::kInt4 || F == dgc::kInt2, "INT4 and INT2 only");
   const __m256 s = _mm256_set1_ps(scale);
   const __m256 lo = _mm256_set1_ps(F == dgc::kInt4 ? -dgc::kInt4Qmax : -2.0f);
   const __m256 hi = _mm256_set1_ps(F == dgc::kInt4 ? dgc::kInt4Qmax : 1.0f);
   const __m256 half = _mm256_set1_ps(0.5f), zero = _mm256_setzero_ps();
   const __m256i offset = _mm256_set1_epi32(F == dgc::kInt4 ? dgc::kInt4Offset : 2), mark = _mm256_set1_epi32(0x80);
-  int64_t x = 0;
+  int64_t x = 0, nonzero = 0;
   for (; x + 32 <= len; x += 32) {
     __m256i w[4];
     for (int k = 0; k < 4; ++k) {
@@ -321,11 +321,13 @@ __attribute__((target("avx2"))) int64_t encode_group_avx2(float* __restrict a, u
         decoded = _mm256_and_ps(_mm256_mul_ps(_mm256_add_ps(q, half), s), nz);  // +0 for a zero value
         w[k] = _mm256_or_si256(_mm256_add_epi32(_mm256_cvttps_epi32(q), offset),
                                _mm256_and_si256(_mm256_castps_si256(nz), mark));
+        nonzero += __builtin_popcount(static_cast<unsigned>(_mm256_movemask_ps(nz)));
       }
       _mm256_storeu_ps(a + x + 8 * k, _mm256_sub_ps(v, decoded));
     }
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + x), narrow_to_bytes(w[0], w[1], w[2], w[3]));
   }
+  *zeros = x - nonzero;
   return x;
 }
 
@@ -446,7 +448,10 @@ inline void compact_at_least_avx2(const float* a, int64_t len, float thr, int64_
 inline void stream_copy(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
 inline void stream_fence() {}
 template <int F>
-inline int64_t encode_group_avx2(float*, uint8_t*, int64_t, float) { return 0; }
+inline int64_t encode_group_avx2(float*, uint8_t*, int64_t, float, int64_t* zeros) {
+  *zeros = 0;
+  return 0;
+}
 template <int F>
 inline int64_t encode_fp8_group_avx2(float*, uint8_t*, int64_t, float, uint8_t) { return 0; }
 template <int W, typename T>
@@ -533,12 +538,10 @@ DGC_SIMD_CLONES void encode_block(float* __restrict a, int64_t len, int64_t j0, 
     const float absmax = absmax_of(a + g0, g1 - g0);
     float mag_sum = 0.0f;
     int64_t nonzero = g1 - g0;
-    if (masked) {
+    if (F == dgc::kInt1) {  // INT1's scale needs its count of non-zeros; INT2 counts its zeros while coding, below
       int64_t zeros = 0;
       for (int64_t y = g0; y < g1; ++y) zeros += a[y] == 0.0f;
       nonzero -= zeros;
-    }
-    if (F == dgc::kInt1) {
       if (k < summed) mag_sum = sums[k];
       else
         for (int64_t y = g0; y < g1; ++y) mag_sum += std::fabs(a[y]);
@@ -566,14 +569,18 @@ DGC_SIMD_CLONES void encode_block(float* __restrict a, int64_t len, int64_t j0, 
       for (int64_t y = done; y < g1; ++y)
         a[y] -= (F == dgc::kFp8E4M3 ? dgc::fp8_unit<4, 3>(codes[y]) : dgc::fp8_unit<5, 2>(codes[y])) * scale;
     } else {
-      const int64_t done = kHaveAvx2 && scale > 0.0f ? g0 + encode_group_avx2<F>(a + g0, codes + g0, g1 - g0, scale) : g0;
+      int64_t zeros = 0;
+      const int64_t done =
+          kHaveAvx2 && scale > 0.0f ? g0 + encode_group_avx2<F>(a + g0, codes + g0, g1 - g0, scale, &zeros) : g0;
       for (int64_t y = done; y < g1; ++y) {
         const float v = a[y];
         uint8_t c;
         const float decoded = dgc::encode_value(F, v, scale, &c);
         a[y] = v - decoded;
         codes[y] = masked ? static_cast<uint8_t>(c | ((v != 0.0f) << 7)) : c;
+        zeros += v == 0.0f;
       }
+      if (F == dgc::kInt2) dst.gmixed[g] = zeros > 0 && scale > 0.0f;
     }
   }
 }
