@@ -62,11 +62,12 @@ def test_corrections_bring_a_bad_sample_back_to_k(which):
         assert count == k
 
 
-@pytest.mark.parametrize("m, runs, length", [(150_001, 1500, 1), (300_007, 1500, 2), (1 << 20, 1310, 8),
+@pytest.mark.parametrize("m, runs, length", [(150_001, 1500, 1), ((1 << 21) - 1, 20971, 1), (1 << 21, 1310, 16),
                                              (3_000_017, 1875, 16)])
 def test_sample_is_runs_of_contiguous_positions_covering_the_tensor_evenly(m, runs, length):
-    """At least 1024 independent runs; each run is L contiguous positions from a multiple of L; over many draws every
-    sixteenth of the tensor is hit as often as uniform sampling would (a chi-square test at about 1e-4)."""
+    """From 2^21 elements, runs of 16 contiguous positions from multiples of 16, at least 1024 of them; below, single
+    positions; over many draws every sixteenth of the tensor is hit as often as uniform sampling would (a chi-square
+    test at about 1e-4)."""
     gen = _gen(m)
     s = sample_indices(m, m // 100, gen)
     assert s.dtype == torch.int64 and s.numel() == runs * length and runs >= 1024
@@ -80,6 +81,6 @@ def test_sample_is_runs_of_contiguous_positions_covering_the_tensor_evenly(m, ru
 
 
 def test_small_tensors_are_sampled_by_independent_positions():
-    """Below 2048 sampled positions the draw is DGC's: torch.randint's positions, unchanged by the runs."""
-    m = 120_000
-    assert torch.equal(sample_indices(m, 1200, _gen(7)), torch.randint(0, m, (1200, ), generator=_gen(7)))
+    """Below 2^21 elements the draw is DGC's: torch.randint's positions, unchanged by the runs."""
+    m = (1 << 21) - 1
+    assert torch.equal(sample_indices(m, m // 100, _gen(7)), torch.randint(0, m, (m // 100, ), generator=_gen(7)))
