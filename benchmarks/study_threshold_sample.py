@@ -13,8 +13,9 @@ next step. At ``--at`` steps, for every tensor of ``--min-numel`` elements or mo
 give a threshold each (the ``ceil(s k / m)``-th largest sampled magnitude, before DGC's corrections), and the figure
 is the count that threshold keeps over k. Kinds: ``iid`` (DGC's independent positions: ``torch.randint``), ``runs``
 (``sample_indices``: runs of 16 from 2^21 elements, independent positions below), ``runs16`` (runs of 16 on every
-tensor, for contrast). Printed per kind and run length L that ``sample_indices`` uses for the tensor: draws, mean, standard deviation, 1st and 99th percentile, and the
-share outside DGC's [0.8, 1.3] band (where its correction rounds would run).
+tensor, for contrast). Printed per kind and per run length L that ``sample_indices`` uses for the tensor: draws,
+mean, standard deviation, 1st and 99th percentile, and the share outside DGC's [0.8, 1.3] band (where its
+correction rounds would run).
 """
 
 import argparse
@@ -29,14 +30,13 @@ sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT))
 
 import train_char_gpt as gpt  # noqa: E402
-from deepspeed_dgc.codec.selection import (MIN_SAMPLE, SAMPLE_FRACTION, run_length, sample_indices,  # noqa: E402
+from deepspeed_dgc.codec.selection import (MIN_SAMPLE, run_length, sample_indices, sample_size,  # noqa: E402
                                            target_count, topk_threshold)
 
 
 def runs_of(m: int, length: int, gen: torch.Generator) -> torch.Tensor:
-    """``max(1024, m // 100) // length`` runs of ``length`` positions from uniform multiples of ``length``."""
-    n = max(MIN_SAMPLE, int(m * SAMPLE_FRACTION))
-    starts = torch.randint(0, m // length, (n // length, 1), generator=gen) * length
+    """``sample_size(m) // length`` runs of ``length`` positions from uniform multiples of ``length``."""
+    starts = torch.randint(0, m // length, (sample_size(m) // length, 1), generator=gen) * length
     return (starts + torch.arange(length)).reshape(-1)
 
 
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
             mag, k = acc.abs(), target_count(m, args.density)
             if step in args.at and m >= args.min_numel:
                 length = run_length(m)
-                draw = {"iid": lambda: torch.randint(0, m, (max(MIN_SAMPLE, int(m * SAMPLE_FRACTION)), ), generator=gen),
+                draw = {"iid": lambda: torch.randint(0, m, (sample_size(m), ), generator=gen),
                         "runs": lambda: sample_indices(m, k, gen), "runs16": lambda: runs_of(m, 16, gen)}
                 for kind, sample in draw.items():
                     for _ in range(args.draws):
@@ -86,7 +86,8 @@ def main(argv=None) -> int:
         t = torch.tensor(v, dtype=torch.float64)
         p1, p99 = torch.quantile(t, torch.tensor([0.01, 0.99], dtype=torch.float64)).tolist()
         out = float(((t < 0.8) | (t > 1.3)).double().mean())
-        print(f"| {kind} | {length} | {t.numel()} | {t.mean():.3f} | {t.std():.3f} | {p1:.3f} | {p99:.3f} | {out:.1%} |")
+        print(f"| {kind} | {length} | {t.numel()} | {t.mean():.3f} | {t.std():.3f} | {p1:.3f} | {p99:.3f} "
+              f"| {out:.1%} |")
     return 0
 
 

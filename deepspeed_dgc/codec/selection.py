@@ -32,6 +32,11 @@ def target_count(numel: int, density: float) -> int:
     return min(numel, max(1, math.ceil(density * numel)))
 
 
+def sample_size(numel: int) -> int:
+    """Positions in DGC's threshold sample of a tensor of ``numel`` elements: ``max(1024, numel // 100)``."""
+    return max(MIN_SAMPLE, int(numel * SAMPLE_FRACTION))
+
+
 def run_length(numel: int) -> int:
     """Positions per run of the threshold sample of a tensor of ``numel`` elements: ``MAX_RUN`` (16 fp32 values, one
     64-byte cache line) from ``RUN_MIN_NUMEL`` (2^21) elements on, where the sample (at least 20,971 positions, so at
@@ -64,7 +69,7 @@ def sample_indices(numel: int, k: int, generator: Optional[torch.Generator] = No
     """
     if k >= numel or numel <= MIN_SAMPLE:
         return None
-    n_sample = max(MIN_SAMPLE, int(numel * SAMPLE_FRACTION))
+    n_sample = sample_size(numel)
     length = run_length(numel)
     if length == 1:
         return torch.randint(0, numel, (n_sample, ), device=device, generator=generator)
