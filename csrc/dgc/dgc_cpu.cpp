@@ -293,7 +293,8 @@ __attribute__((target("avx2"))) inline __m256i narrow_to_bytes(__m256i w0, __m25
 // to even or floor, the clamp, the decoded value, the residual a[x] - decoded), 32 values a step, one code byte each
 // (INT2: bit 7 set for a non-zero value, as encode_block). GCC's own vectorization of encode_value spilled registers
 // and blended per lane: a dense INT4 row of 16M elements took 26 ms with it, 19 ms with this loop (docs/kernels.md).
-// Returns the count of values done (a multiple of 32); the caller codes the rest.
+// Returns the count of values done (a multiple of 32), and in *zeros INT2's zero values among them (for the mixed-group
+// flag, counted from the zero mark's compare); the caller codes the rest.
 template <int F>
 __attribute__((target("avx2"))) int64_t encode_group_avx2(float* __restrict a, uint8_t* __restrict codes, int64_t len,
                                                           float scale, int64_t* zeros) {
@@ -327,7 +328,7 @@ __attribute__((target("avx2"))) int64_t encode_group_avx2(float* __restrict a, u
     }
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + x), narrow_to_bytes(w[0], w[1], w[2], w[3]));
   }
-  *zeros = x - nonzero;
+  *zeros = F == dgc::kInt2 ? x - nonzero : 0;  // INT2: zero values among the x done (INT4 does not count them)
   return x;
 }
 
@@ -548,7 +549,7 @@ DGC_SIMD_CLONES void encode_block(float* __restrict a, int64_t len, int64_t j0, 
     }
     const float scale = dgc::group_scale(F, absmax, mag_sum, static_cast<float>(nonzero));
     dst.gscale[g] = scale;
-    dst.gmixed[g] = masked && nonzero < g1 - g0 && scale > 0.0f;
+    if (F == dgc::kInt1) dst.gmixed[g] = nonzero < g1 - g0 && scale > 0.0f;  // INT2's: after coding, below
     if constexpr (F == dgc::kInt1) {  // encode_value's INT1 without branches (the loop vectorizes)
       for (int64_t y = g0; y < g1; ++y) {
         const float v = a[y];
