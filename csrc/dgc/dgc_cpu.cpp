@@ -158,12 +158,14 @@ struct Kept {
   float* ext = nullptr;
   int64_t n_all = 0;
   // A row sent whole and coded by the dense pass itself (`pre`): each scale group's scale and whether it mixes
-  // zeros and non-zeros, and one code byte per value (bit 7 set where the value is non-zero, for INT2/INT1's zero
-  // bitmaps); ext then holds the new residual (acc - sent) instead of acc.
+  // zeros and non-zeros; the codes as sent, one byte each (FP8) or packed (INT4/INT2/INT1: formats.pack_bits, the
+  // first value in the low bits of byte 0); and for INT2/INT1's zero bitmaps, bit x % 8 of nonzero[x / 8] set where
+  // value x is non-zero. ext then holds the new residual (acc - sent) instead of acc.
   bool pre = false;
   std::vector<float> gscale;
   std::vector<uint8_t> gmixed;
   std::shared_ptr<uint8_t[]> codes;
+  std::shared_ptr<uint8_t[]> nonzero;
   int64_t size() const { return all ? n_all : static_cast<int64_t>(acc.size()); }
   int64_t col(int64_t x) const { return all ? x : j[x]; }
   const float* values() const { return all ? ext : acc.data(); }
@@ -405,6 +407,38 @@ __attribute__((target("avx2"))) int64_t encode_fp8_group_avx2(float* __restrict 
   return x;
 }
 
+// pack_piece's loop with AVX2 where the CPU has it, 32 codes a step (whole bytes of every width); returns the count
+// done (a multiple of 32). Each step: the marks are the bytes' top bits (one movemask); INT4 pairs c0 + 16 c1 and
+// INT2 quadruples c0 + 4 c1 + 16 c2 + 64 c3 are multiply-adds of the masked codes (u8 x s8 into 16 bits, then 16 x
+// 16 into 32 bits), narrowed to bytes; INT1's bits are the codes' bit 0 moved to bit 7, then one movemask.
+template <int BITS>
+__attribute__((target("avx2"))) int64_t pack_piece_avx2(const uint8_t* __restrict c, int64_t n,
+                                                         uint8_t* __restrict packed, uint8_t* __restrict nonzero) {
+  int64_t x = 0;
+  for (; x + 32 <= n; x += 32) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + x));
+    if (nonzero) {
+      const uint32_t marks = static_cast<uint32_t>(_mm256_movemask_epi8(v));
+      std::memcpy(nonzero + x / 8, &marks, 4);
+    }
+    if constexpr (BITS == 4) {
+      const __m256i w = _mm256_maddubs_epi16(_mm256_and_si256(v, _mm256_set1_epi8(0x0F)), _mm256_set1_epi16(0x1001));
+      const __m256i b = _mm256_permute4x64_epi64(_mm256_packus_epi16(w, w), 0x08);  // each half's 8 bytes
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(packed + x / 2), _mm256_castsi256_si128(b));
+    } else if constexpr (BITS == 2) {
+      const __m256i w = _mm256_maddubs_epi16(_mm256_and_si256(v, _mm256_set1_epi8(0x03)), _mm256_set1_epi16(0x0401));
+      const __m256i d = _mm256_madd_epi16(w, _mm256_set1_epi32(0x00100001));  // one packed byte per int32 lane
+      const __m256i b = _mm256_packus_epi16(_mm256_packs_epi32(d, d), _mm256_setzero_si256());
+      const __m256i q = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(packed + x / 4), _mm256_castsi256_si128(q));
+    } else {
+      const uint32_t bits = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_slli_epi16(v, 7)));
+      std::memcpy(packed + x / 8, &bits, 4);
+    }
+  }
+  return x;
+}
+
 // 8 values from v as fp32: loaded (float) or widened exactly (bf16: its bits shifted up)
 __attribute__((target("avx2"))) inline __m256 load8(const float* v) { return _mm256_loadu_ps(v); }
 __attribute__((target("avx2"))) inline __m256 load8(const c10::BFloat16* v) {
@@ -457,7 +491,29 @@ template <int F>
 inline int64_t encode_fp8_group_avx2(float*, uint8_t*, int64_t, float, uint8_t) { return 0; }
 template <int W, typename T>
 inline int64_t weight_codes_avx2(const T*, uint8_t*, int64_t, float, uint8_t) { return 0; }
+template <int BITS>
+inline int64_t pack_piece_avx2(const uint8_t*, int64_t, uint8_t*, uint8_t*) { return 0; }
 #endif
+
+// Packs the one-byte codes c[0, n) of a piece that encode_block made (the code in the low bits, bit 7 INT2/INT1's
+// non-zero mark) into packed[0, ceil(n BITS / 8)) (formats.pack_bits: the first code in the low bits) and, where
+// `nonzero` is given, the marks into nonzero[0, ceil(n / 8)) (bit x % 8 of byte x / 8). Every byte is written whole,
+// the bits past n 0, so pieces that start at multiples of 8 values write disjoint bytes.
+template <int BITS>
+void pack_piece(const uint8_t* __restrict c, int64_t n, uint8_t* __restrict packed, uint8_t* __restrict nonzero) {
+  constexpr int per = 8 / BITS;
+  constexpr uint8_t low = (1 << BITS) - 1;
+  for (int64_t x = kHaveAvx2 ? pack_piece_avx2<BITS>(c, n, packed, nonzero) : 0; x < n; x += 8) {
+    const int64_t m = std::min<int64_t>(8, n - x);
+    uint8_t marks = 0, bytes[BITS] = {};
+    for (int64_t q = 0; q < m; ++q) {
+      marks |= static_cast<uint8_t>((c[x + q] >> 7) << q);
+      bytes[q / per] |= static_cast<uint8_t>((c[x + q] & low) << ((q % per) * BITS));
+    }
+    if (nonzero) nonzero[x / 8] = marks;
+    for (int64_t b = 0; b < (m * BITS + 7) / 8; ++b) packed[x / per + b] = bytes[b];
+  }
+}
 
 // max |v[x]| over v[0, len) as float, 0 for none, the same max a serial std::max loop finds (a NaN is never picked):
 // eight running maxima in a GCC vector, which the compiler keeps in registers of the target's width. With kNanWins,
@@ -523,12 +579,18 @@ struct PreEncode {
 };
 
 // Codes the scale groups of a[0, len) (columns j0 + x of a row sent whole; j0 a multiple of the group size):
-// the group statistics and scale as step 4 of compress_bucket computes them, one code byte per value, and
-// a[x] -= what the code decodes to (the new residual). The same results, bit for bit, as step 4's loops.
+// the group statistics and scale as step 4 of compress_bucket computes them, the codes into dst.codes (FP8: a byte
+// each; INT4/INT2/INT1 packed, with INT2/INT1's non-zero marks into dst.nonzero), and a[x] -= what the code decodes
+// to (the new residual). The same results, bit for bit, as step 4's loops and packing.
 template <int F>
 DGC_SIMD_CLONES void encode_block(float* __restrict a, int64_t len, int64_t j0, int64_t gs, Kept& dst) {
   constexpr bool masked = F == dgc::kInt2 || F == dgc::kInt1;
-  uint8_t* __restrict codes = dst.codes.get() + j0;
+  constexpr int bits = F == dgc::kInt4 ? 4 : F == dgc::kInt2 ? 2 : F == dgc::kInt1 ? 1 : 8;
+  // FP8's code bytes go where they are sent; narrower codes to a buffer that stays in L1, packed after (j0 is a
+  // multiple of 8, so the piece's packed bytes and marks are its own)
+  thread_local std::vector<uint8_t> piece;
+  if (bits < 8 && piece.size() < static_cast<size_t>(len)) piece.resize(len);
+  uint8_t* __restrict codes = bits < 8 ? piece.data() : dst.codes.get() + j0;
   const uint8_t sat = dgc::e4m3_saturated_code();  // FP8 e4m3 only: c10's code above 464, once per block
   float sums[kPiece / 2];  // INT1: the magnitude sums of the first groups (of at least 2 values) of the piece
   const int64_t summed = F == dgc::kInt1 && len <= kPiece ? group_mag_sums(a, len, gs, sums) : 0;
@@ -584,11 +646,12 @@ DGC_SIMD_CLONES void encode_block(float* __restrict a, int64_t len, int64_t j0, 
       if (F == dgc::kInt2) dst.gmixed[g] = zeros > 0 && scale > 0.0f;
     }
   }
+  if constexpr (bits < 8)
+    pack_piece<bits>(codes, len, dst.codes.get() + j0 / (8 / bits), masked ? dst.nonzero.get() + j0 / 8 : nullptr);
 }
 
 // Packs the n codes of one segment, codes v0 .. v0 + n - 1 of a row, into the row's zeroed value bytes: BITS bits
-// (< 8) each, the first code in the low bits (formats.pack_bits); bit 7 of a code (the dense pass's zero mark) is
-// dropped. A byte shared with the segment before or after (v0 or v0 + n not a multiple of 8 / BITS) is or-ed into,
+// (< 8) each, the first code in the low bits (formats.pack_bits). A byte shared with the segment before or after (v0 or v0 + n not a multiple of 8 / BITS) is or-ed into,
 // so the segments of one row must be packed one after another; the whole bytes between are written in parallel.
 template <int BITS>
 void pack_segment(const uint8_t* codes, int64_t n, int64_t v0, uint8_t* values) {
@@ -614,6 +677,23 @@ void pack_segment(const uint8_t* codes, int64_t n, int64_t v0, uint8_t* values) 
     }
   });
   for (x += full * per; x < n; ++x) put(x);
+}
+
+// Copies the first n_bits bits of src (whole bytes, the bits past n_bits 0) to dst from bit `shift` of dst[0]
+// (shift < 8): dst[0]'s bits below `shift` are kept (or-ed into: they belong to the codes before), every later byte
+// up to the last one holding a copied bit is written whole (its bits past the copy 0). In parallel over bytes.
+void copy_packed(const uint8_t* src, int64_t n_bits, int shift, uint8_t* dst) {
+  const int64_t n = (n_bits + 7) / 8;  // bytes of src
+  if (shift == 0) {
+    at::parallel_for(0, n, kBlock, [&](int64_t b, int64_t e) { std::memcpy(dst + b, src + b, e - b); });
+    return;
+  }
+  const int64_t m = (n_bits + shift + 7) / 8;  // bytes of dst touched
+  dst[0] |= static_cast<uint8_t>(src[0] << shift);
+  at::parallel_for(1, m, kBlock, [&](int64_t b, int64_t e) {
+    for (int64_t k = b; k < e; ++k)
+      dst[k] = static_cast<uint8_t>((src[k - 1] >> (8 - shift)) | (k < n ? src[k] << shift : 0));
+  });
 }
 
 // The dense pass over one block: acc, residual write (acc), compaction of |acc| >= thr.
@@ -687,7 +767,9 @@ int64_t dense_pass(std::vector<Spec>& specs, const Params& p, const std::vector<
         const int64_t n_groups = (k.n_all + pre->group_size - 1) / pre->group_size;
         k.gscale.assign(n_groups, 0.0f);
         k.gmixed.assign(n_groups, 0);
-        if (!k.codes) k.codes.reset(new uint8_t[std::max<int64_t>(k.n_all, 1)]);  // else the payload's bytes
+        if (!k.codes)  // else the payload's bytes
+          k.codes.reset(new uint8_t[std::max<int64_t>(dgc::packed_bytes(k.n_all, pre->fmt), 1)]);
+        if (dgc::zero_masked(pre->fmt)) k.nonzero.reset(new uint8_t[std::max<int64_t>((k.n_all + 7) / 8, 1)]);
       }
     }
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t b, int64_t e) {
@@ -871,10 +953,12 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
 
   // 2. the dense pass: acc, new residual (acc), candidates |acc| >= thr
   std::vector<std::vector<Kept>> kept(T, std::vector<Kept>(R));
-  // FP8 buckets whose tensors are all sent whole: the payloads' sizes are known now, so they are allocated here and
-  // the dense pass writes its code bytes straight into their value bytes (step 4 then copies nothing)
+  // Buckets of FP8 or INT4 (no zero bitmap) whose tensors are all sent whole: the payloads' sizes are known now, so
+  // they are allocated here and the dense pass writes its codes straight into their value bytes (step 4 then copies
+  // nothing), each tensor's whose codes start a byte (INT4: at an even value of the row)
   std::vector<at::Tensor> early(R);
-  if (dgc::format_bits(fmt) == 8 && std::all_of(thr.begin(), thr.end(), [](float v) { return v < 0.0f; }))
+  const int64_t per_byte = 8 / dgc::format_bits(fmt);
+  if (!dgc::zero_masked(fmt) && std::all_of(thr.begin(), thr.end(), [](float v) { return v < 0.0f; }))
     for (int64_t r = 0; r < R; ++r) {
       int64_t n = 0, g = 0;
       for (const Spec& t : specs) {
@@ -884,7 +968,8 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
       early[r] = at::empty({payload_bytes(4 * g, n, fmt, 0)}, at::kByte);
       uint8_t* values = early[r].data_ptr<uint8_t>() + 4 * dgc::kHeaderInt32 + 4 * g;
       for (size_t i = 0, v0 = 0; i < T; v0 += specs[i].real[r], ++i)
-        if (specs[i].real[r]) kept[i][r].codes = std::shared_ptr<uint8_t[]>(values + v0, [](uint8_t*) {});
+        if (specs[i].real[r] && v0 % per_byte == 0)
+          kept[i][r].codes = std::shared_ptr<uint8_t[]>(values + v0 / per_byte, [](uint8_t*) {});
     }
   std::vector<int64_t> all(T);
   for (size_t i = 0; i < T; ++i) all[i] = static_cast<int64_t>(i);
@@ -1042,9 +1127,9 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
         if (!gr.mixed) continue;
         const Kept& kr = kept[gr.i][r];
         if (kr.pre) {
-          const uint8_t* codes = kr.codes.get();
+          const uint8_t* nz = kr.nonzero.get();
           for (int64_t x = gr.x0, mb = gr.mb0; x < gr.x1; ++x, ++mb)
-            mask[mb >> 3] |= static_cast<uint8_t>((codes[x] >> 7) << (mb & 7));
+            mask[mb >> 3] |= static_cast<uint8_t>(((nz[x >> 3] >> (x & 7)) & 1) << (mb & 7));
           continue;
         }
         const float* acc = kr.values();
@@ -1121,19 +1206,25 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
   }
   for (int64_t r = 0; r < R && bits < 8; ++r) {  // each tensor's codes in turn (neighbours may share a byte)
     const int64_t per = 8 / bits;
-    for (int64_t i = 0, v0 = 0; i < static_cast<int64_t>(T); v0 += kept[i][r].size(), ++i)
-      if (kept[i][r].size())  // the last byte of each tensor's codes is or-ed into (so is the next one's first
-        values_of(r)[(v0 + kept[i][r].size() - 1) / per] = 0;  // byte where they share it): zeroed first
+    uint8_t* values = values_of(r);
     int64_t v0 = 0;
-    for (size_t i = 0; i < T; ++i) {
+    for (size_t i = 0; i < T; v0 += kept[i][r].size(), ++i) {
       const Kept& kr = kept[i][r];
       const int64_t cnt = kr.size();
       if (cnt == 0) continue;
-      const uint8_t* codes = kr.pre ? kr.codes.get() : scratch[r].get() + v0;
-      if (bits == 4) pack_segment<4>(codes, cnt, v0, values_of(r));
-      else if (bits == 2) pack_segment<2>(codes, cnt, v0, values_of(r));
-      else pack_segment<1>(codes, cnt, v0, values_of(r));
-      v0 += cnt;
+      const int64_t first = v0 / per, last = (v0 + cnt - 1) / per;
+      if (kr.pre) {  // packed by the dense pass: in place already, or copied (whole bytes; shifted where the
+        if (kr.codes.get() != values + first)  // tensor starts inside a byte)
+          copy_packed(kr.codes.get(), cnt * bits, (v0 % per) * bits, values + first);
+        continue;
+      }
+      // packing or-s into the tensor's last byte (and into its first, shared with the tensor before, where it starts
+      // inside a byte): the last byte is zeroed first unless it is that shared first byte
+      if (v0 % per == 0 || last != first) values[last] = 0;
+      const uint8_t* codes = scratch[r].get() + v0;
+      if (bits == 4) pack_segment<4>(codes, cnt, v0, values);
+      else if (bits == 2) pack_segment<2>(codes, cnt, v0, values);
+      else pack_segment<1>(codes, cnt, v0, values);
     }
   }
   std::vector<double> used(T, -1.0);
