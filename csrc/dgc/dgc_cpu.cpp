@@ -72,6 +72,9 @@ struct Spec {
 struct Params {
   float divisor;
   bool divide;
+  // 1 / divisor where the divisor is a power of two (a world size of 2, 4, 8..., a loss scale), else 0: then x *
+  // inverse is x / divisor exactly (the same real number, rounded once), and a multiply costs less than a division
+  float inverse = 0.0f;
 };
 
 template <typename T>
@@ -209,11 +212,16 @@ DGC_SIMD_CLONES int64_t accumulate_block(const Spec& t, const Params& p, int64_t
       nonfinite += !(std::fabs(a) <= FLT_MAX);
     }
   };
+  const float inv = p.inverse;
   if (res == nullptr) {
-    if (p.divide)
+    if (p.divide && inv != 0.0f)
+      run([&](int64_t x) { return static_cast<float>(s[x]) * inv; });
+    else if (p.divide)
       run([&](int64_t x) { return static_cast<float>(s[x]) / d; });
     else
       run([&](int64_t x) { return static_cast<float>(s[x]); });
+  } else if (p.divide && inv != 0.0f) {
+    run([&](int64_t x) { return static_cast<float>(s[x]) * inv + res[x]; });
   } else if (p.divide) {
     run([&](int64_t x) { return static_cast<float>(s[x]) / d + res[x]; });
   } else {
@@ -876,6 +884,8 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
   TORCH_CHECK(fingerprint >= 0 && fingerprint <= INT32_MAX, "compress_bucket: fingerprint must fit in an int31");
   TORCH_CHECK(divisor > 0, "compress_bucket: divisor must be > 0");
   Params p{static_cast<float>(divisor), divisor != 1.0};
+  int exponent = 0;
+  if (std::frexp(p.divisor, &exponent) == 0.5f && std::isnormal(1.0f / p.divisor)) p.inverse = 1.0f / p.divisor;
 
   std::vector<Spec> specs(T);
   std::vector<at::Tensor> res_out;
