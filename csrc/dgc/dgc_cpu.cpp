@@ -46,6 +46,7 @@ namespace {
 
 constexpr int64_t kBlock = 1 << 15;  // elements per task of the dense pass
 constexpr int64_t kPiece = 1 << 10;  // elements the dense pass carries from one step to the next in L1
+constexpr int64_t kAhead = 128;      // samples (kept values) ahead whose lines the sample (residual) loop prefetches
 constexpr double kUpperSlack = 1.3;
 constexpr double kLowerSlack = 0.8;
 constexpr float kLowerFactor = 0.8f;
@@ -108,10 +109,18 @@ std::vector<float> sample_magnitudes(const Spec& t, const Params& p) {
     if (t.sample && (t.sample[s] < 0 || t.sample[s] >= t.m)) throw std::out_of_range("dgc: sample index out of range");
   dispatch_dtype(t.dtype, [&](auto tag) {
     using T = decltype(tag);
+    auto row_of = [&](int64_t idx) {
+      return std::upper_bound(t.real_prefix.begin(), t.real_prefix.begin() + R, idx) - t.real_prefix.begin() - 1;
+    };
     at::parallel_for(0, ns, 4096, [&](int64_t b, int64_t e) {  // random reads: overlap their cache misses
       for (int64_t s = b; s < e; ++s) {
+        if (t.sample && s + kAhead < e) {  // the reads of a later sample started now: more misses in flight
+          const int64_t ahead = t.sample[s + kAhead], ra = row_of(ahead), ja = ahead - t.real_prefix[ra];
+          __builtin_prefetch(static_cast<const T*>(t.src) + t.offset + ra * t.stride + ja);
+          if (t.residual) __builtin_prefetch(t.residual + ra * t.c + ja);
+        }
         int64_t idx = t.sample ? t.sample[s] : s;
-        int64_t r = std::upper_bound(t.real_prefix.begin(), t.real_prefix.begin() + R, idx) - t.real_prefix.begin() - 1;
+        int64_t r = row_of(idx);
         out[s] = std::fabs(acc_at<T>(t, p, r, idx - t.real_prefix[r]));
       }
     });
