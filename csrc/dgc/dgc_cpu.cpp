@@ -1070,12 +1070,14 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
       for (int64_t g0 = 0; g0 < cnt; g0 += group_size)
         groups.push_back({r, static_cast<int64_t>(i), g0, std::min(g0 + group_size, cnt), n_kept[r] + g0, 0, 0.0f, false});
       n_kept[r] += cnt;
-      if (specs[i].sparse)
-        for (int64_t x = 0; x < cnt; ++x) {
-          int64_t pos = specs[i].col + kr.col(x);
-          n_index[r] += dgc::varint_length(static_cast<uint64_t>(pos - prev - 1));
-          prev = pos;
-        }
+      if (specs[i].sparse && cnt > 0) {  // varint bytes of the gaps: the first from the row's previous position
+        n_index[r] += dgc::varint_length(static_cast<uint64_t>(specs[i].col + kr.col(0) - prev - 1));
+        n_index[r] += at::parallel_reduce(1, cnt, kBlock, int64_t(0), [&](int64_t b, int64_t e, int64_t bytes) {
+          for (int64_t x = b; x < e; ++x) bytes += dgc::varint_length(static_cast<uint64_t>(kr.col(x) - kr.col(x - 1) - 1));
+          return bytes;
+        }, std::plus<int64_t>());
+        prev = specs[i].col + kr.col(cnt - 1);
+      }
     }
     n_groups[r] = static_cast<int64_t>(groups.size()) - first_group[r];
   }
