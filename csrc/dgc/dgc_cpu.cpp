@@ -1053,22 +1053,19 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
     float scale;
     bool mixed;
   };
-  std::vector<Group> groups;
   std::vector<int64_t> n_kept(R, 0), n_groups(R, 0), n_index(R, 0), mask_bits(R, 0), first_group(R + 1, 0);
-  {
-    int64_t total_groups = 0;
-    for (int64_t r = 0; r < R; ++r)
-      for (size_t i = 0; i < T; ++i) total_groups += (kept[i][r].size() + group_size - 1) / group_size;
-    groups.reserve(total_groups);
-  }
+  // segment s = r T + i: the groups of kept[i][r], from group seg_start[s] and value seg_v0[s] of the row
+  std::vector<int64_t> seg_start(R * T + 1), seg_v0(R * T);
+  int64_t total_groups = 0;
   for (int64_t r = 0; r < R; ++r) {
-    first_group[r] = static_cast<int64_t>(groups.size());
+    first_group[r] = total_groups;
     int64_t prev = -1;
     for (size_t i = 0; i < T; ++i) {
       const Kept& kr = kept[i][r];
       const int64_t cnt = kr.size();
-      for (int64_t g0 = 0; g0 < cnt; g0 += group_size)
-        groups.push_back({r, static_cast<int64_t>(i), g0, std::min(g0 + group_size, cnt), n_kept[r] + g0, 0, 0.0f, false});
+      seg_start[r * T + i] = total_groups;
+      seg_v0[r * T + i] = n_kept[r];
+      total_groups += (cnt + group_size - 1) / group_size;
       n_kept[r] += cnt;
       if (specs[i].sparse && cnt > 0) {  // varint bytes of the gaps: the first from the row's previous position
         n_index[r] += dgc::varint_length(static_cast<uint64_t>(specs[i].col + kr.col(0) - prev - 1));
@@ -1079,10 +1076,21 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
         prev = specs[i].col + kr.col(cnt - 1);
       }
     }
-    n_groups[r] = static_cast<int64_t>(groups.size()) - first_group[r];
+    n_groups[r] = total_groups - first_group[r];
   }
-  first_group[R] = static_cast<int64_t>(groups.size());
-  at::parallel_for(0, static_cast<int64_t>(groups.size()), 256, [&](int64_t b, int64_t e) {
+  first_group[R] = seg_start[R * T] = total_groups;
+  std::unique_ptr<Group[]> groups(new Group[std::max<int64_t>(total_groups, 1)]);  // each written below
+  at::parallel_for(0, total_groups, 4096, [&](int64_t b, int64_t e) {
+    // the segment of group b (the last of equal starts: empty segments start where the next one does)
+    int64_t sg = std::upper_bound(seg_start.begin(), seg_start.end(), b) - seg_start.begin() - 1;
+    for (int64_t gi = b; gi < e; ++gi) {
+      while (gi >= seg_start[sg + 1]) ++sg;
+      const int64_t r = sg / static_cast<int64_t>(T), i = sg % static_cast<int64_t>(T);
+      const int64_t g0 = (gi - seg_start[sg]) * group_size;
+      groups[gi] = {r, i, g0, std::min(g0 + group_size, kept[i][r].size()), seg_v0[sg] + g0, 0, 0.0f, false};
+    }
+  });
+  at::parallel_for(0, total_groups, 256, [&](int64_t b, int64_t e) {
     for (int64_t gi = b; gi < e; ++gi) {
       Group& gr = groups[gi];
       const Kept& kr = kept[gr.i][gr.r];
@@ -1105,7 +1113,7 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
       gr.mixed = masked && has_zero && gr.scale > 0.0f;
     }
   });
-  for (int64_t r = 0; r < R; ++r)
+  for (int64_t r = 0; r < R && masked; ++r)  // where each mixed group's bits start in its row's zero bitmap
     for (int64_t gi = first_group[r]; gi < first_group[r + 1]; ++gi) {
       groups[gi].mb0 = mask_bits[r];
       if (groups[gi].mixed) mask_bits[r] += groups[gi].x1 - groups[gi].x0;
@@ -1188,7 +1196,7 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
   auto encode_groups = [&](auto fmt_tag) {
     constexpr int F = decltype(fmt_tag)::value;
     const int64_t grain = std::max<int64_t>(1, kBlock / group_size);
-    at::parallel_for(0, static_cast<int64_t>(groups.size()), grain, [&](int64_t b, int64_t e) {
+    at::parallel_for(0, total_groups, grain, [&](int64_t b, int64_t e) {
       for (int64_t gi = b; gi < e; ++gi) {
         const Group& gr = groups[gi];
         const int64_t r = gr.r;
