@@ -129,11 +129,16 @@ def main(argv=None) -> int:
     if not args.default_allocator and not keep_freed_memory():
         print("# could not keep freed memory (not glibc); timing with the default allocator", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        ops_a = FusedCPUOps(build(sources_of(args.a, Path(tmp) / "a"), f"A ({args.a})"))
-        ops_b = FusedCPUOps(build(sources_of(args.b, Path(tmp) / "b"), f"B ({args.b or 'working tree'})"))
+        try:
+            dirs = [sources_of(rev, Path(tmp) / side) for rev, side in ((args.a, "a"), (args.b, "b"))]
+        except subprocess.CalledProcessError as e:
+            ap.error(f"{' '.join(e.cmd[3:])}: {e.stderr.decode(errors='replace').strip()}")
+        ops_a = FusedCPUOps(build(dirs[0], f"A ({args.a})"))
+        ops_b = FusedCPUOps(build(dirs[1], f"B ({args.b or 'working tree'})"))
     print(f"# {args.size} elements, {args.world} owners, {torch.get_num_threads()} threads, {args.rounds} rounds, "
           "order alternating; ms are medians")
-    print("| format | density | A ms | B ms | clone ms | A / clone | B / clone | B / A (median of rounds) | same bytes |")
+    print("| format | density | A ms | B ms | clone ms | A / clone | B / clone | B / A (median of rounds) "
+          "| same bytes |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---|")
     for fmt in args.formats:
         for density in args.densities:

@@ -46,7 +46,7 @@ namespace {
 
 constexpr int64_t kBlock = 1 << 15;  // elements per task of the dense pass
 constexpr int64_t kPiece = 1 << 10;  // elements the dense pass carries from one step to the next in L1
-constexpr int64_t kAhead = 128;      // samples (kept values) ahead whose lines the sample (residual) loop prefetches
+constexpr int64_t kAhead = 128;      // samples ahead whose lines the threshold sample's loop prefetches
 constexpr double kUpperSlack = 1.3;
 constexpr double kLowerSlack = 0.8;
 constexpr float kLowerFactor = 0.8f;
@@ -668,8 +668,9 @@ DGC_SIMD_CLONES void encode_block(float* __restrict a, int64_t len, int64_t j0, 
 }
 
 // Packs the n codes of one segment, codes v0 .. v0 + n - 1 of a row, into the row's zeroed value bytes: BITS bits
-// (< 8) each, the first code in the low bits (formats.pack_bits). A byte shared with the segment before or after (v0 or v0 + n not a multiple of 8 / BITS) is or-ed into,
-// so the segments of one row must be packed one after another; the whole bytes between are written in parallel.
+// (< 8) each, the first code in the low bits (formats.pack_bits). A byte shared with the segment before or after
+// (v0 or v0 + n not a multiple of 8 / BITS) is or-ed into, so the segments of one row must be packed one after
+// another; the whole bytes between are written in parallel.
 template <int BITS>
 void pack_segment(const uint8_t* codes, int64_t n, int64_t v0, uint8_t* values) {
   constexpr int per = 8 / BITS;
@@ -1070,7 +1071,8 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
       if (specs[i].sparse && cnt > 0) {  // varint bytes of the gaps: the first from the row's previous position
         n_index[r] += dgc::varint_length(static_cast<uint64_t>(specs[i].col + kr.col(0) - prev - 1));
         n_index[r] += at::parallel_reduce(1, cnt, kBlock, int64_t(0), [&](int64_t b, int64_t e, int64_t bytes) {
-          for (int64_t x = b; x < e; ++x) bytes += dgc::varint_length(static_cast<uint64_t>(kr.col(x) - kr.col(x - 1) - 1));
+          for (int64_t x = b; x < e; ++x)
+            bytes += dgc::varint_length(static_cast<uint64_t>(kr.col(x) - kr.col(x - 1) - 1));
           return bytes;
         }, std::plus<int64_t>());
         prev = specs[i].col + kr.col(cnt - 1);
