@@ -545,26 +545,27 @@ def test_rows_sent_whole_code_quotients_near_a_step_as_the_reference(fused, fmt)
     """Codes are functions of the quotient v / scale, rounded once; v * (1 / scale), which a vector coder may be
     tempted to use, differs from it by up to 3 units in the last place, which moves values across a step of the code
     (INT4's half-integers, INT2's integers and its step just below 0). Groups at random scales that are not powers
-    of two hold, after their absmax, values whose quotients are each step and its 8 fp32 neighbours either side. The
-    test first checks that the product would code some of them otherwise, then that the dense pass's payload bytes
+    of two hold, after their absmax, values whose quotients are a step moved by a random walk of up to 9 fp32 ulps.
+    The test first checks that the product would code some of them otherwise, then that the dense pass's payload bytes
     and residual bits are the reference's. (A coder taking the product away from the steps and dividing near them
     was tried: no faster, docs/kernels.md.)"""
     seed = int(torch.randint(0, 1 << 30, ()))
     g = torch.Generator().manual_seed(seed)
     gs, n_groups = 64, 48
     qmax = 7.0 if fmt == "int4" else 1.5
-    steps = torch.arange(-6.5, 7.0, 1.0) if fmt == "int4" else torch.tensor([-1.0, 1.0, -2.0**-24, -2.0**-25, -2.0**-26])
+    steps = (torch.arange(-6.5, 7.0, 1.0) if fmt == "int4" else
+             torch.tensor([-1.0, 1.0, -2.0**-24, -2.0**-25, -2.0**-26]))  # INT2's near-0 step is about -2^-24.5
     absmax = (1.0 + torch.rand(n_groups, generator=g)) * 2.0**torch.randint(-20, 20, (n_groups, ), generator=g)
     scale = absmax / qmax  # fp32, as the group's scale
     groups, naive_misses = [], 0
     for a, s in zip(absmax, scale):
         v = steps[torch.randint(0, steps.numel(), (gs - 1, ), generator=g)] * s
-        for _ in range(9):  # up to 8 ulps either side of the step, towards or away from zero at random
+        for _ in range(9):  # each value one ulp towards or away from zero, or not moved, 9 times
             away = torch.rand(gs - 1, generator=g) < 0.5
             v = torch.where(torch.rand(gs - 1, generator=g) < 0.5, v,
                             torch.nextafter(v, torch.where(away, v.sign() * math.inf, torch.zeros(()))))
         naive_misses += int((_code_of_quotient(fmt, v / s) != _code_of_quotient(fmt, v * (1.0 / s))).sum())
-        groups.append(torch.cat([torch.where(torch.rand(()) < 0.5, a, -a).view(1), v]))
+        groups.append(torch.cat([torch.where(torch.rand((), generator=g) < 0.5, a, -a).view(1), v]))
     assert naive_misses > 0, "no value here would be coded otherwise from the product: the test cannot fail"
     x = torch.cat(groups + [torch.randn(21, generator=g) * scale[0]])
     job = make_job([x.numel()], 1, density=1.0, value_format=fmt, group_size=gs, min_numel=10**9, seed=seed)
