@@ -401,6 +401,9 @@ def test_bad_inputs_raise_instead_of_touching_memory(fused):
                        (dict(fixed=[]), "differ in length"), (dict(fmt=-1), "value format")):
         with pytest.raises(RuntimeError, match=match):
             op.compress_bucket(*dict(base, **bad).values())
+    for sample in ([0, 5, 100], [-1, 3], [2**40]):  # sample indices outside the tensor's 100 real elements
+        with pytest.raises(IndexError, match="sample index out of range"):
+            op.compress_bucket(*dict(base, samples=[torch.tensor(sample)]).values())
     for k in (0, -1, 11):
         with pytest.raises(RuntimeError, match="k must be in"):
             op.topk_threshold(torch.rand(10), k, empty_l)
