@@ -602,7 +602,7 @@ struct PreEncode {
 template <int F>
 DGC_SIMD_CLONES void encode_block(float* __restrict a, int64_t len, int64_t j0, int64_t gs, Kept& dst) {
   constexpr bool masked = F == dgc::kInt2 || F == dgc::kInt1;
-  constexpr int bits = F == dgc::kInt4 ? 4 : F == dgc::kInt2 ? 2 : F == dgc::kInt1 ? 1 : 8;
+  constexpr int bits = dgc::format_bits(F);
   // FP8's code bytes go where they are sent; narrower codes to a buffer that stays in L1, packed after (j0 is a
   // multiple of 8, so the piece's packed bytes and marks are its own)
   thread_local std::vector<uint8_t> piece;
@@ -684,15 +684,8 @@ void pack_segment(const uint8_t* codes, int64_t n, int64_t v0, uint8_t* values) 
   const int64_t full = (n - x) / per;
   const uint8_t* src = codes + x;
   uint8_t* dst = values + (v0 + x) / per;
-  at::parallel_for(0, full, kBlock, [src, dst](int64_t b, int64_t e) {
-    // pointers in locals: a uint8 store may alias anything, so captured references would be reloaded per byte
-    const uint8_t* __restrict s = src;
-    uint8_t* __restrict d = dst;
-    for (int64_t k = b; k < e; ++k) {
-      uint8_t byte = 0;
-      for (int q = 0; q < per; ++q) byte |= static_cast<uint8_t>((s[k * per + q] & low) << (q * BITS));
-      d[k] = byte;
-    }
+  at::parallel_for(0, full, kBlock, [src, dst](int64_t b, int64_t e) {  // whole bytes
+    pack_piece<BITS>(src + b * per, (e - b) * per, dst + b, nullptr);
   });
   for (x += full * per; x < n; ++x) put(x);
 }

@@ -80,7 +80,7 @@ DGC_HD float int4_dequantize(uint8_t nibble, float scale) {
 enum ValueFormat : int { kInt4 = 0, kInt2 = 1, kInt1 = 2, kFp8E4M3 = 3, kFp8E5M2 = 4 };
 constexpr int kNumValueFormats = 5;
 
-DGC_HD int format_bits(int fmt) { return fmt == kInt4 ? 4 : fmt == kInt2 ? 2 : fmt == kInt1 ? 1 : 8; }
+DGC_HD constexpr int format_bits(int fmt) { return fmt == kInt4 ? 4 : fmt == kInt2 ? 2 : fmt == kInt1 ? 1 : 8; }
 
 // INT2 and INT1 have no code for 0: their groups mixing zeros and non-zeros carry a non-zero bitmap.
 DGC_HD bool zero_masked(int fmt) { return fmt == kInt2 || fmt == kInt1; }
