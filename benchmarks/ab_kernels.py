@@ -25,7 +25,6 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import time
 from io import BytesIO
 from pathlib import Path
 
@@ -35,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_kernels import density_arg, keep_freed_memory, make_job, parse_size  # noqa: E402
+from bench_kernels import density_arg, keep_freed_memory, make_job, parse_size, timed  # noqa: E402
 
 from deepspeed_dgc.codec.formats import VALUE_BITS  # noqa: E402
 from deepspeed_dgc.codec.kernels import FusedCPUOps  # noqa: E402
@@ -91,20 +90,15 @@ def compare(ops_a, ops_b, fmt: str, density: float, args) -> dict:
     same = all(torch.equal(x, y) for x, y in zip(out_a.payloads, out_b.payloads)) and all(
         torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(out_a.residuals, out_b.residuals))
 
-    def timed(fn) -> float:
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
-
     ta, tb, tc = [], [], []
     for k in range(args.rounds):
         if k % 2 == 0:
-            a, b = timed(lambda: ops_a.compress(job)), timed(lambda: ops_b.compress(job))
+            a, b = timed(lambda: ops_a.compress(job), "cpu"), timed(lambda: ops_b.compress(job), "cpu")
         else:
-            b, a = timed(lambda: ops_b.compress(job)), timed(lambda: ops_a.compress(job))
+            b, a = timed(lambda: ops_b.compress(job), "cpu"), timed(lambda: ops_a.compress(job), "cpu")
         ta.append(a)
         tb.append(b)
-        tc.append(timed(lambda: job.srcs[0].clone()))
+        tc.append(timed(lambda: job.srcs[0].clone(), "cpu"))
     ms = {k: statistics.median(v) * 1e3 for k, v in (("a", ta), ("b", tb), ("clone", tc))}
     return dict(format=fmt, density=density, ms=ms, b_over_a=statistics.median(y / x for x, y in zip(ta, tb)),
                 same=same)
