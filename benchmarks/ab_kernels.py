@@ -27,6 +27,7 @@ import tarfile
 import tempfile
 from io import BytesIO
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -62,15 +63,9 @@ def build(src_dir: Path, label: str):
     from op_builder.dgc import PORTABLE_ENV, DGCCPUBuilder
     from torch.utils.cpp_extension import load
 
-    old = os.environ.get(PORTABLE_ENV)
-    os.environ[PORTABLE_ENV] = "1"
-    try:
-        flags = DGCCPUBuilder().strip_empty_entries(DGCCPUBuilder().cxx_args())
-    finally:
-        if old is None:
-            os.environ.pop(PORTABLE_ENV)
-        else:
-            os.environ[PORTABLE_ENV] = old
+    builder = DGCCPUBuilder()
+    with mock.patch.dict(os.environ, {PORTABLE_ENV: "1"}):  # the prebuilt op's flags (setup.py sets the same)
+        flags = builder.strip_empty_entries(builder.cxx_args())
     digest = hashlib.sha256()
     for f in sorted(src_dir.iterdir()):
         digest.update(f.name.encode() + f.read_bytes())
@@ -79,7 +74,7 @@ def build(src_dir: Path, label: str):
     out.mkdir(parents=True, exist_ok=True)
     print(f"# {label}: {src_dir} -> module {name}", flush=True)
     return load(name=name, sources=[str(src_dir / "dgc_cpu.cpp")], extra_include_paths=[str(src_dir)],
-                extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(out), verbose=False)
+                extra_cflags=flags, extra_ldflags=builder.extra_ldflags(), build_directory=str(out), verbose=False)
 
 
 def compare(ops_a, ops_b, fmt: str, density: float, args) -> dict:
