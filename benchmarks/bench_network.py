@@ -17,8 +17,10 @@ What it does:
    forward. Same data, seed and steps for every configuration.
 3. Convergence: each configuration trains once for ``--converge-steps`` steps on the unlimited
    loopback of the namespace (losses do not depend on the link; CPU runs are deterministic),
-   evaluating every ``--eval-interval`` steps. A configuration whose choices depend on the link
-   (``policy_auto``) trains once more at every rate, and its loss at a rate is that run's.
+   evaluating every ``--eval-interval`` steps on ``--eval-batches`` random validation batches, and
+   after the last step on the whole validation split (``--holdout-eval``: the loss the tables compare;
+   4 batches of 8 x 128 tokens did not resolve 1% between two runs). A configuration whose choices
+   depend on the link (``policy_auto``) trains once more at every rate, and its loss at a rate is that run's.
 4. Timing: for every rate and then without a limit (the ceiling), ``--repeats`` rounds; each
    round launches every configuration once
    (``--warmup-steps`` + ``--timed-steps`` steps), the order rotated between rounds. Step time
@@ -301,8 +303,9 @@ def ds_config_for(config: BenchConfig, micro_batch: int, ranks_per_node: int | N
 
 
 def launch(ns: Namespace, config: BenchConfig, args: argparse.Namespace, steps: int, eval_interval: int,
-           eval_batches: int, tag: str) -> dict:
-    """Run one training launch of ``config`` in the namespace; returns rank 0's summary dict.
+           eval_batches: int, tag: str, holdout: bool = False) -> dict:
+    """Run one training launch of ``config`` in the namespace; returns rank 0's summary dict. ``holdout``: the run also
+    scores the whole validation split after its last step (``--holdout-eval``).
 
     Raises RuntimeError when the launch fails, times out or writes no summary.
     """
@@ -312,6 +315,8 @@ def launch(ns: Namespace, config: BenchConfig, args: argparse.Namespace, steps: 
                   "--block-size", str(args.block_size)]
     common = ["--max-steps", str(steps), "--seed", str(args.seed), "--eval-interval", str(eval_interval),
               "--eval-batches", str(eval_batches), "--summary-json", str(summary_path), "--net-iface", "lo"]
+    if holdout:
+        common.append("--holdout-eval")
     if args.nodes:  # the shaped path's two classes count what crossed between the nodes
         common[common.index("--net-iface"):common.index("--net-iface") + 2] = ["--net-tc-classes",
                                                                                ",".join(two_nodes_classes())]
@@ -419,6 +424,14 @@ def timed(summary: dict, warmup_steps: int) -> tuple[float, float]:
     return statistics.median(times), statistics.median(net)
 
 
+def final_losses(summaries: list[dict]) -> tuple[str, list[float]]:
+    """The loss each loss run ended with, compared across configurations: the whole validation split's
+    (``holdout_val_loss``) where every run has one, else the last periodic evaluation's (runs of before it, or
+    reused ones without it: one kind for all, never mixed). Returns (the key used, the losses in order)."""
+    key = "holdout_val_loss" if all(s.get("holdout_val_loss") is not None for s in summaries) else "final_val_loss"
+    return key, [s[key] for s in summaries]
+
+
 def steps_to_loss(val_losses: list[list[float]], target: float) -> int | None:
     """The first evaluation step with validation loss <= ``target``; None if none reaches it."""
     return next((step for step, loss in val_losses if loss <= target), None)
@@ -440,10 +453,13 @@ def analyse(args: argparse.Namespace, convergence: dict, timing: dict, per_rate:
     link); ``timing``: rate -> rounds -> name -> (step s, wire bytes per step).
     """
     per_rate = per_rate or {}
-    stock_loss = convergence["stock_fp32"]["final_val_loss"]
+    loss_runs = [convergence[n] for n in args.configs] + [s for runs in per_rate.values() for s in runs.values()]
+    loss_key, _ = final_losses(loss_runs)
+    stock_loss = convergence["stock_fp32"][loss_key]
     targets = [{"step": st, "loss": loss_at(convergence["stock_fp32"]["val_losses"], st), "of": "stock_fp32"}
                for st in args.target_steps]
-    results = {"rates": {}, "configs": {}, "target": targets[0], "targets": targets}
+    results = {"rates": {}, "configs": {}, "target": targets[0], "targets": targets, "loss_key": loss_key,
+               "holdout_tokens": convergence["stock_fp32"].get("holdout_tokens") if loss_key == "holdout_val_loss" else None}
     for name in args.configs:
         c = convergence[name]
         steps = c["steps"]
@@ -452,8 +468,9 @@ def analyse(args: argparse.Namespace, convergence: dict, timing: dict, per_rate:
         measured_dgc = c.get("dgc_stats") is not None
         results["configs"][name] = {
             "label": BY_NAME[name].label,
-            "val_loss": c["final_val_loss"],
-            "val_gap_pct": 100.0 * (c["final_val_loss"] - stock_loss) / stock_loss,
+            "val_loss": c[loss_key],
+            "val_gap_pct": 100.0 * (c[loss_key] - stock_loss) / stock_loss,
+            "val_loss_last_evaluation": c["final_val_loss"],  # the periodic evaluation's --eval-batches
             "val_losses": c["val_losses"],
             # rank 0's bytes sent through the extension per step (gradients, parameters); None where not counted
             "grad_bytes_per_step": grad / steps if measured_dgc else None,
@@ -471,7 +488,7 @@ def analyse(args: argparse.Namespace, convergence: dict, timing: dict, per_rate:
             vs_bf16 = statistics.median(r["stock_bf16"][0] / r[name][0] for r in rounds)
             own = per_rate.get(rate, {}).get(name)  # a loss_per_rate configuration's own run at this rate
             val_losses = own["val_losses"] if own else results["configs"][name]["val_losses"]
-            val_loss = own["final_val_loss"] if own else results["configs"][name]["val_loss"]
+            val_loss = own[loss_key] if own else results["configs"][name]["val_loss"]
             reached = [steps_to_loss(val_losses, t["loss"]) for t in targets]
             per[name] = {"step_s": step_s, "net_bytes_per_step": net, "speedup_vs_fp32": vs_fp32,
                          "speedup_vs_bf16": vs_bf16,
@@ -515,7 +532,10 @@ def markdown(args: argparse.Namespace, results: dict, meta: dict) -> str:
     lines = ([f"Command: `{meta['command']}`", ""] if meta.get("command") else []) + (
         [f"Tables made again from its launches: `{meta['reanalysed']}`", ""] if meta.get("reanalysed") else []) + [f"{meta['date']}, {meta['machine']}; {meta['n_params']:,} parameters, {where}, "
              f"{args.micro_batch} x {args.block_size} tokens per rank per step, validation loss at step "
-             f"{args.converge_steps} (stock fp32: {results['configs']['stock_fp32']['val_loss']:.4f}); "
+             f"{args.converge_steps} " + (f"over the whole validation split ({results['holdout_tokens']:,} tokens)"
+                                           if results.get("loss_key") == "holdout_val_loss" else
+                                           f"over {args.eval_batches} validation batches")
+             + f" (stock fp32: {results['configs']['stock_fp32']['val_loss']:.4f}); "
              f"step times: median of {args.timed_steps} steps after {args.warmup_steps}, median of "
              f"{args.repeats} interleaved rounds. Target: stock fp32's validation loss at step "
              f"{results['target']['step']}, {results['target']['loss']:.4f}; time to target = the first evaluation "
@@ -742,7 +762,7 @@ def main(argv=None) -> int:
         print(f"convergence: {args.converge_steps} steps each, unlimited link", flush=True)
         convergence = {c.name: (args.reuse_convergence and reused(args, c))
                        or launch(ns, c, args, args.converge_steps, args.eval_interval, args.eval_batches,
-                                 converge_tag(c)) for c in configs}
+                                 converge_tag(c), holdout=True) for c in configs}
         per_rate = {}  # the loss_per_rate configurations trained again at every rate
         again = [c for c in configs if c.loss_per_rate]
         for rate in [] if args.converge_only else args.rates:
@@ -751,13 +771,14 @@ def main(argv=None) -> int:
                 ns.set_rate(rate)
                 per_rate[rate] = {c.name: (args.reuse_convergence and reused(args, c, rate))
                                   or launch(ns, c, args, args.converge_steps, args.eval_interval, args.eval_batches,
-                                            converge_tag(c, rate)) for c in again}
+                                            converge_tag(c, rate), holdout=True) for c in again}
         timing = {}
         if args.converge_only:
-            stock = convergence["stock_fp32"]["final_val_loss"]
-            for name, c in convergence.items():
-                print(f"  {name}: validation loss {c['final_val_loss']:.4f} after {c['steps']} steps "
-                      f"({100 * (c['final_val_loss'] - stock) / stock:+.2f}% against stock fp32)", flush=True)
+            key, losses = final_losses(list(convergence.values()))
+            stock = convergence["stock_fp32"][key]
+            for (name, c), loss in zip(convergence.items(), losses):
+                print(f"  {name}: validation loss {loss:.4f} after {c['steps']} steps "
+                      f"({100 * (loss - stock) / stock:+.2f}% against stock fp32)", flush=True)
             return 0
         for rate in args.rates + [UNLIMITED]:
             ns.set_rate(None if rate == UNLIMITED else rate)

@@ -36,6 +36,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--eval-interval", type=int, default=50)
     parser.add_argument("--eval-batches", type=int, default=8)
     parser.add_argument("--summary-json", type=Path)
+    parser.add_argument("--holdout-eval", action="store_true", help="as in train_char_gpt.py")
     parser.add_argument("--micro-batch", type=int, default=8, help="sequences per rank per step")
     parser.add_argument("--lr", type=float, default=0.003)
     parser.add_argument("--warmup-steps", type=int, default=30, help="linear learning-rate warm-up from 0")
@@ -112,6 +113,9 @@ def main() -> None:
             val_losses.append([step, job.evaluate(_Evaluated(ddp.module), val_batches, torch.device("cpu"))])
             if is_main:
                 print(f"step {step} | train {train_losses[-1]:.4f} | val {val_losses[-1][1]:.4f}", flush=True)
+    wall_s = time.perf_counter() - start  # training and evaluations, not the holdout evaluation
+    holdout = job.holdout_batches(val_data, args.micro_batch, args.block_size) if args.holdout_eval else []
+    holdout_val_loss = job.evaluate(_Evaluated(ddp.module), holdout, torch.device("cpu")) if holdout else None
     if is_main:
         summary = {
             "config": "ddp_powersgd",
@@ -121,9 +125,11 @@ def main() -> None:
             "n_params": n_params,
             "steps": args.max_steps,
             "final_val_loss": val_losses[-1][1],
+            "holdout_val_loss": holdout_val_loss,
+            "holdout_tokens": sum(y.numel() for _, y in holdout),
             "final_train_loss": sum(train_losses[-job.TRAIN_LOSS_WINDOW:]) / len(train_losses[-job.TRAIN_LOSS_WINDOW:]),
             "val_losses": val_losses,
-            "wall_s": time.perf_counter() - start,
+            "wall_s": wall_s,
             "step_times_s": step_times_s,
             "net_iface": args.net_iface,
             "step_net_tx_bytes": step_net_tx_bytes if args.net_iface else None,

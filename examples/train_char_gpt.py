@@ -134,6 +134,25 @@ def all_reduce_mean(value: float, world_size: int) -> float:
 
 
 @torch.no_grad()
+def holdout_batches(data: torch.Tensor, batch_size: int,
+                    block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The whole of ``data`` as consecutive, non-overlapping windows, in full batches.
+
+    Returns a list of (x, y), each (batch_size, block_size) int64 with y = x shifted by one: window i starts at
+    token i * block_size; the windows that do not fill a last batch are left out (fewer than batch_size windows).
+    Raises ValueError when ``data`` holds less than one full batch.
+    """
+    windows = (len(data) - 1) // block_size
+    n_batches = windows // batch_size
+    if n_batches < 1:
+        raise ValueError(f"holdout_batches: {len(data)} tokens hold {windows} windows of {block_size}, "
+                         f"fewer than one batch of {batch_size}")
+    used = n_batches * batch_size * block_size
+    x = data[:used].view(n_batches, batch_size, block_size)
+    y = data[1:used + 1].view(n_batches, batch_size, block_size)
+    return list(zip(x.unbind(0), y.unbind(0)))
+
+
 def evaluate(engine, val_batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> float:
     """Mean loss over the fixed validation batches, sharded round-robin over the ranks (collective).
 
@@ -176,6 +195,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--eval-interval", type=int, default=50, help="evaluate every this many steps")
     parser.add_argument("--eval-batches", type=int, default=8, help="validation batches per evaluation")
     parser.add_argument("--summary-json", type=Path, help="rank 0 writes the run summary here")
+    parser.add_argument("--holdout-eval", action="store_true",
+                        help="after the last step, also evaluate on the whole validation split (consecutive "
+                        "windows, holdout_batches) and put it in the summary as holdout_val_loss")
     parser.add_argument("--lr", type=float, help="override the ds_config optimizer (and scheduler) learning rate")
     parser.add_argument("--save-dir", type=Path, help="save a DeepSpeed checkpoint here (with the DGC side-car)")
     parser.add_argument("--save-interval", type=int, default=0,
@@ -401,6 +423,8 @@ def main() -> None:
         syncs.__exit__(None, None, None)
     progress.close()
     final_val_loss = val_losses[-1][1]  # evaluated after the last step
+    holdout = holdout_batches(val_data, batch_size, args.block_size) if args.holdout_eval else []
+    holdout_val_loss = evaluate(engine, holdout, device) if holdout else None
 
     stats = deepspeed_dgc.get_stats(engine)
     if stats is None:
@@ -420,6 +444,9 @@ def main() -> None:
             "n_params": n_params,
             "steps": args.max_steps,
             "final_val_loss": final_val_loss,
+            # the whole validation split after the last step (--holdout-eval), and the tokens it scored
+            "holdout_val_loss": holdout_val_loss,
+            "holdout_tokens": sum(y.numel() for _, y in holdout),
             "final_train_loss": sum(recent_train) / len(recent_train),
             "val_losses": val_losses,
             "wall_s": wall_s,

@@ -3,6 +3,7 @@ argument checks and the reduction of launches to speed-ups (the full benchmark i
 
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -165,6 +166,36 @@ def test_analysis_takes_medians_of_same_round_ratios_and_the_time_to_the_stock_l
     assert results["configs"]["int4_ef_wint4"]["val_gap_pct"] == pytest.approx(100 * (2.35 - 2.4) / 2.4)
     table = bn.markdown(args, results, {"date": "today", "machine": "here", "n_params": 1000})
     assert "| 5.00x | 3.50x |" in table and "not reached" in table
+
+
+def test_the_loss_compared_is_the_whole_validation_splits_where_every_run_has_it():
+    """analyse compares holdout_val_loss (the whole validation split, --holdout-eval) where every loss run, a
+    per-rate one's included, has one, and the last periodic evaluation's otherwise: never one kind against the
+    other."""
+    rng = random.Random()
+    args = bn.parse_args(["--configs", "policy_auto", "--rates", "100mbit", "--converge-steps", "20",
+                          "--target-step", "10"])
+    sampled = {n: [[10, 2.6 + rng.random()], [20, 2.3 + rng.random()]] for n in args.configs}
+    holdout = {n: 2.0 + rng.random() for n in args.configs}
+    convergence = {n: dict(_summary(sampled[n]), holdout_val_loss=holdout[n], holdout_tokens=1024)
+                   for n in args.configs}
+    own = 2.0 + rng.random()
+    per_rate = {"100mbit": {"policy_auto": dict(_summary([[10, 3.0], [20, 2.9]]), holdout_val_loss=own)}}
+    rounds = {"100mbit": [{n: (1.0, 1e6) for n in args.configs}]}
+    results = bn.analyse(args, convergence, rounds, per_rate)
+    assert results["loss_key"] == "holdout_val_loss" and results["holdout_tokens"] == 1024
+    gap = results["configs"]["policy_auto"]["val_gap_pct"]
+    assert gap == pytest.approx(100 * (holdout["policy_auto"] - holdout["stock_fp32"]) / holdout["stock_fp32"])
+    assert results["configs"]["policy_auto"]["val_loss_last_evaluation"] == sampled["policy_auto"][-1][1]
+    assert results["rates"]["100mbit"]["policy_auto"]["val_loss"] == own
+    assert "whole validation split (1,024 tokens)" in bn.markdown(args, results, {"date": "d", "machine": "m",
+                                                                               "n_params": 1})
+    # one run without it (a reused run of before --holdout-eval): the last periodic evaluation for all
+    del per_rate["100mbit"]["policy_auto"]["holdout_val_loss"]
+    results = bn.analyse(args, convergence, rounds, per_rate)
+    assert results["loss_key"] == "final_val_loss"
+    assert results["configs"]["stock_bf16"]["val_loss"] == sampled["stock_bf16"][-1][1]
+    assert results["rates"]["100mbit"]["policy_auto"]["val_loss"] == 2.9
 
 
 def test_reuse_convergence_takes_matching_runs_and_trains_the_missing(tmp_path):

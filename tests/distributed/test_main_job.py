@@ -4,9 +4,15 @@ test_launchers.py."""
 
 import json
 import os
+import sys
 import tempfile
 
+import pytest
+import torch
 from dist_launch import ROOT, check_ok, launch
+
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+from train_char_gpt import holdout_batches, load_data  # noqa: E402
 
 SUMMARY_KEYS = {
     "final_val_loss", "final_train_loss", "steps", "wall_s", "wire_bytes_total", "dense_fp32_bytes_total",
@@ -34,7 +40,7 @@ _CACHE = {}
 def dgc_d01_40_steps():
     """The 40-step DGC run (density 0.1, INT4) three tests use: a launch costs seconds here, the steps little."""
     if "d01" not in _CACHE:
-        _CACHE["d01"] = run_main_job("configs/zero3_dgc_int4_d01.json", 40, 10)
+        _CACHE["d01"] = run_main_job("configs/zero3_dgc_int4_d01.json", 40, 10, "--holdout-eval")
     return _CACHE["d01"]
 
 
@@ -46,6 +52,12 @@ def test_char_gpt_learns_with_dgc():
     vals = [v for _, v in s["val_losses"]]
     assert vals[-1] < vals[0] - 0.3, vals  # learning, from about ln(65) = 4.17 at the start
     assert s["final_train_loss"] < 3.5
+    # --holdout-eval: the whole validation split after the last step, in 32-character windows and batches of the
+    # micro-batch, about the loss of the last evaluation's 4 random batches
+    _, val_data, _ = load_data()
+    micro = json.load(open(os.path.join(ROOT, "configs", "zero3_dgc_int4_d01.json")))["train_micro_batch_size_per_gpu"]
+    assert s["holdout_tokens"] == (len(val_data) - 1) // 32 // micro * micro * 32
+    assert abs(s["holdout_val_loss"] - vals[-1]) < 0.1, (s["holdout_val_loss"], vals[-1])
     # every parameter of every step went through our reduce-scatter: stock fp32's bytes for the model's size
     assert s["dense_fp32_bytes_total"] == 40 * (2 - 1) / 2 * 4 * s["n_params"]
     # density 0.1 + INT4 + varint positions: about 12.3 bits per kept element (4 of value, 8 of position, 0.25 of
@@ -55,6 +67,21 @@ def test_char_gpt_learns_with_dgc():
     assert s["dgc_stats"]["residual_storage"] == "fp8" and 1.0 < s["dgc_stats"]["state_bytes_per_param"] < 1.1
     # the most held: the committed residuals and the last micro-step's, staged in fp8 at once (not fp32)
     assert s["dgc_stats"]["peak_state_bytes"] == 2 * s["dgc_stats"]["state_bytes"]
+
+
+def test_holdout_batches_are_the_whole_split_in_consecutive_windows():
+    gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    n, batch, block = int(torch.randint(200, 2000, (), generator=gen)), 3, int(torch.randint(4, 17, (), generator=gen))
+    data = torch.randint(0, 65, (n, ), generator=gen)
+    batches = holdout_batches(data, batch, block)
+    assert len(batches) == (n - 1) // block // batch > 0
+    x = torch.cat([bx.reshape(-1) for bx, _ in batches])
+    y = torch.cat([by.reshape(-1) for _, by in batches])
+    assert all(bx.shape == by.shape == (batch, block) for bx, by in batches)
+    assert torch.equal(x, data[:len(x)]) and torch.equal(y, data[1:len(x) + 1])  # consecutive; y = x shifted by one
+    assert len(x) > n - 1 - (batch + 1) * block  # at most the windows of a last, partial batch left out
+    with pytest.raises(ValueError, match="fewer than one batch"):
+        holdout_batches(data[:batch * block], batch, block)
 
 
 def test_int8_weights_and_int4_gradients_match_stock_loss():
