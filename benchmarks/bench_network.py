@@ -154,6 +154,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--timed-steps", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2, help="rounds of timing launches per rate")
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--seeds", type=int, default=1, metavar="N",
+                        help="loss runs per configuration (and rate, where it has its own), at seeds --seed, "
+                        "--seed + 1, ..., --seed + N - 1; the tables compare the means of their losses and time to "
+                        "target on the mean curves (one run's loss at step 200 moved by about 1%% with the host's "
+                        "numerics). Timing launches use --seed")
     parser.add_argument("--n-layer", type=int, default=6)
     parser.add_argument("--n-embd", type=int, default=384)
     parser.add_argument("--n-head", type=int, default=6)
@@ -196,7 +201,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for rate in args.rates:
         if parse_rate_bits(rate) is None:
             parser.error(f"--rates: {rate!r} is not a tc rate like 100mbit, 1gbit or 500kbit")
-    for name in ("converge_steps", "eval_interval", "eval_batches", "timed_steps", "repeats", "micro_batch"):
+    for name in ("converge_steps", "eval_interval", "eval_batches", "timed_steps", "repeats", "micro_batch", "seeds"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.converge_steps < args.eval_interval:
@@ -209,6 +214,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         for key in ("converge_steps", "eval_interval", "timed_steps", "warmup_steps", "repeats", "micro_batch",
                     "block_size", "n_layer", "n_embd", "n_head", "rates", "configs", "seed"):
             setattr(args, key, ran["args"][key])
+        args.seeds = ran["args"].get("seeds", 1)  # runs of before --seeds had one
     if args.target_steps is None:
         args.target_steps = [max(args.eval_interval,
                                  args.converge_steps // 2 // args.eval_interval * args.eval_interval)]
@@ -303,9 +309,9 @@ def ds_config_for(config: BenchConfig, micro_batch: int, ranks_per_node: int | N
 
 
 def launch(ns: Namespace, config: BenchConfig, args: argparse.Namespace, steps: int, eval_interval: int,
-           eval_batches: int, tag: str, holdout: bool = False) -> dict:
+           eval_batches: int, tag: str, holdout: bool = False, seed: int | None = None) -> dict:
     """Run one training launch of ``config`` in the namespace; returns rank 0's summary dict. ``holdout``: the run also
-    scores the whole validation split after its last step (``--holdout-eval``).
+    scores the whole validation split after its last step (``--holdout-eval``); ``seed``: the run's (default --seed).
 
     Raises RuntimeError when the launch fails, times out or writes no summary.
     """
@@ -313,7 +319,7 @@ def launch(ns: Namespace, config: BenchConfig, args: argparse.Namespace, steps: 
     summary_path.unlink(missing_ok=True)
     model_args = ["--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd), "--n-head", str(args.n_head),
                   "--block-size", str(args.block_size)]
-    common = ["--max-steps", str(steps), "--seed", str(args.seed), "--eval-interval", str(eval_interval),
+    common = ["--max-steps", str(steps), "--seed", str(args.seed if seed is None else seed), "--eval-interval", str(eval_interval),
               "--eval-batches", str(eval_batches), "--summary-json", str(summary_path), "--net-iface", "lo"]
     if holdout:
         common.append("--holdout-eval")
@@ -394,27 +400,55 @@ def reanalysed_run(run_dir: Path) -> dict:
     return json.loads(path.read_text())["meta"]
 
 
-def converge_tag(config: BenchConfig, rate: str | None = None) -> str:
+def converge_tag(config: BenchConfig, rate: str | None = None, extra_seed: int | None = None) -> str:
     """The launch tag of a convergence run: ``converge_<name>`` on the unlimited link, ``converge_<rate>_<name>`` for
-    a ``loss_per_rate`` configuration at a rate."""
-    return f"converge_{config.name}" if rate is None else f"converge_{rate}_{config.name}"
+    a ``loss_per_rate`` configuration at a rate; ``_seed<S>`` after it for the runs at a seed other than --seed."""
+    tag = f"converge_{config.name}" if rate is None else f"converge_{rate}_{config.name}"
+    return tag if extra_seed is None else f"{tag}_seed{extra_seed}"
 
 
-def reused(args: argparse.Namespace, config: BenchConfig, rate: str | None = None) -> dict | None:
-    """The convergence summary of ``config`` (at ``rate``) from ``--reuse-convergence`` (None when that run has none:
-    it is then trained); SystemExit if it was made with other steps or seed (the model size is the caller's to keep
-    the same)."""
-    tag = converge_tag(config, rate)
+def loss_seeds(args: argparse.Namespace) -> list[tuple[int, int | None]]:
+    """(seed, extra_seed for converge_tag) of each loss run of a configuration: --seed, then --seeds - 1 more."""
+    return [(args.seed + i, None if i == 0 else args.seed + i) for i in range(args.seeds)]
+
+
+def reused(args: argparse.Namespace, config: BenchConfig, rate: str | None = None,
+           extra_seed: int | None = None) -> dict | None:
+    """The convergence summary of ``config`` (at ``rate``, at ``extra_seed`` or else --seed) from
+    ``--reuse-convergence`` (None when that run has none: it is then trained); SystemExit if it was made with other
+    steps or seed (the model size is the caller's to keep the same)."""
+    tag = converge_tag(config, rate, extra_seed)
+    seed = args.seed if extra_seed is None else extra_seed
     path = args.reuse_convergence / f"{tag}.json"
     if not path.is_file():
         print(f"  {tag}: not in {args.reuse_convergence}, training it", flush=True)
         return None
     s = json.loads(path.read_text())
-    if s.get("steps") != args.converge_steps or s.get("seed") != args.seed:
+    if s.get("steps") != args.converge_steps or s.get("seed") != seed:
         raise SystemExit(f"bench_network.py: {path} has steps {s.get('steps')} and seed {s.get('seed')}, this run "
-                         f"{args.converge_steps} and {args.seed}")
+                         f"{args.converge_steps} and {seed}")
     print(f"  {tag}: reusing {path}", flush=True)
     return s
+
+
+def mean_over_seeds(runs: list[dict]) -> dict:
+    """One configuration's loss runs at several seeds as one summary: the first run's, with the validation curve,
+    ``final_val_loss`` and ``holdout_val_loss`` (None unless every run has one) replaced by their means over the runs
+    and ``seeds`` listing each run's seed and losses. One run is returned as it is. SystemExit when the runs did not
+    evaluate at the same steps."""
+    if len(runs) == 1:
+        return runs[0]
+    steps = [st for st, _ in runs[0]["val_losses"]]
+    if any([st for st, _ in r["val_losses"]] != steps for r in runs):
+        raise SystemExit(f"bench_network.py: the loss runs at seeds {[r.get('seed') for r in runs]} did not evaluate at "
+                         "the same steps")
+    holdouts = [r.get("holdout_val_loss") for r in runs]
+    return dict(runs[0],
+                val_losses=[[st, statistics.fmean(r["val_losses"][i][1] for r in runs)] for i, st in enumerate(steps)],
+                final_val_loss=statistics.fmean(r["final_val_loss"] for r in runs),
+                holdout_val_loss=None if None in holdouts else statistics.fmean(holdouts),
+                seeds=[{"seed": r.get("seed"), "final_val_loss": r["final_val_loss"],
+                        "holdout_val_loss": r.get("holdout_val_loss")} for r in runs])
 
 
 def timed(summary: dict, warmup_steps: int) -> tuple[float, float]:
@@ -471,6 +505,7 @@ def analyse(args: argparse.Namespace, convergence: dict, timing: dict, per_rate:
             "val_loss": c[loss_key],
             "val_gap_pct": 100.0 * (c[loss_key] - stock_loss) / stock_loss,
             "val_loss_last_evaluation": c["final_val_loss"],  # the periodic evaluation's --eval-batches
+            "seeds": c.get("seeds"),  # each seed's losses, where the run had several (mean_over_seeds)
             "val_losses": c["val_losses"],
             # rank 0's bytes sent through the extension per step (gradients, parameters); None where not counted
             "grad_bytes_per_step": grad / steps if measured_dgc else None,
@@ -495,6 +530,7 @@ def analyse(args: argparse.Namespace, convergence: dict, timing: dict, per_rate:
                          "val_losses": val_losses, "val_loss": val_loss,
                          "val_gap_pct": 100.0 * (val_loss - stock_loss) / stock_loss,
                          "loss_run": "this rate" if own else UNLIMITED,
+                         "seeds": own.get("seeds") if own else None,
                          "targets": [{"step": t["step"], "steps_to_target": n,
                                       "time_to_target_s": None if n is None else n * step_s} for t, n in zip(targets, reached)],
                          # the share of the link's capacity the step used: wire bytes / (rate x step time)
@@ -523,6 +559,28 @@ def seconds(t: float) -> str:
     return f"{t:.0f}" if t >= 100 else f"{t:.1f}"
 
 
+def seed_table(args: argparse.Namespace, results: dict) -> list[str]:
+    """Markdown lines of each loss run's loss at every seed, their mean and its gap to stock fp32's mean (none with
+    one seed)."""
+    if args.seeds < 2:
+        return []
+    key = results.get("loss_key", "final_val_loss")
+    stock = results["configs"]["stock_fp32"]["val_loss"]
+    rows = [(name, c["seeds"]) for name, c in results["configs"].items()]
+    rows += [(f"{name} ({rate}, its own run)", r["seeds"]) for rate, per in results["rates"].items()
+             for name, r in per.items() if r.get("seeds")]
+    lines = [f"Loss of each run ({'the whole validation split' if key == 'holdout_val_loss' else 'last evaluation'}) "
+             "at every seed, the mean the tables use, and the runs' spread:", "",
+             "| configuration | " + " | ".join(f"seed {args.seed + i}" for i in range(args.seeds))
+             + " | mean | gap of the mean | max - min |", "|---|" + "---:|" * (args.seeds + 3)]
+    for name, seeds in rows:
+        losses = [s[key] for s in seeds]
+        mean = statistics.fmean(losses)
+        lines.append(f"| {name} | " + " | ".join(f"{v:.4f}" for v in losses)
+                     + f" | {mean:.4f} | {100 * (mean - stock) / stock:+.2f}% | {max(losses) - min(losses):.4f} |")
+    return lines + [""]
+
+
 def markdown(args: argparse.Namespace, results: dict, meta: dict) -> str:
     """The result tables (one per rate) and the gradient-only bound, as Markdown: command, machine and date once at
     the top."""
@@ -535,12 +593,15 @@ def markdown(args: argparse.Namespace, results: dict, meta: dict) -> str:
              f"{args.converge_steps} " + (f"over the whole validation split ({results['holdout_tokens']:,} tokens)"
                                            if results.get("loss_key") == "holdout_val_loss" else
                                            f"over {args.eval_batches} validation batches")
+             + (f", the mean of {args.seeds} runs at seeds {args.seed}-{args.seed + args.seeds - 1} (validation "
+                "curves too)" if args.seeds > 1 else "")
              + f" (stock fp32: {results['configs']['stock_fp32']['val_loss']:.4f}); "
              f"step times: median of {args.timed_steps} steps after {args.warmup_steps}, median of "
              f"{args.repeats} interleaved rounds. Target: stock fp32's validation loss at step "
              f"{results['target']['step']}, {results['target']['loss']:.4f}; time to target = the first evaluation "
              f"(every {args.eval_interval} steps) at or below it x the median step time at that rate (evaluation "
-             "not counted). Link use = wire bytes per step / (rate x step time). Losses are from one run on the "
+             "not counted). Link use = wire bytes per step / (rate x step time). Losses are from "
+             + ("one run" if args.seeds == 1 else f"{args.seeds} runs (seeds)") + " on the "
              "unlimited link, except where marked (*: that configuration's own run at that rate: what it sends "
              "depends on the link).", ""]
     for rate, per in results["rates"].items():
@@ -594,6 +655,7 @@ def markdown(args: argparse.Namespace, results: dict, meta: dict) -> str:
                                  + ("" if vs is None else f", {vs:.2f}x") + ")")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines.append("")
+    lines += seed_table(args, results)
     rates = [r for r in results["rates"] if r != UNLIMITED]
     if UNLIMITED in results["rates"]:
         ceiling = results["rates"][UNLIMITED]
@@ -727,10 +789,13 @@ def write_outputs(args: argparse.Namespace, convergence: dict, timing: dict, per
 def reanalyse(args: argparse.Namespace, argv) -> int:
     """``--reanalyse DIR``: the tables and plot of the launches in DIR again, with this command's targets."""
     payload = json.loads((args.reanalyse / "results.json").read_text())
-    load = lambda tag: json.loads((args.reanalyse / f"{tag}.json").read_text())  # noqa: E731
-    convergence = {name: load(converge_tag(BY_NAME[name])) for name in args.configs}
-    per_rate = {rate: {name: load(converge_tag(BY_NAME[name], rate)) for name in args.configs
-                       if BY_NAME[name].loss_per_rate} for rate in args.rates}
+    def load(name: str, rate: str | None = None) -> dict:
+        return mean_over_seeds([json.loads((args.reanalyse / f"{converge_tag(BY_NAME[name], rate, extra)}.json").read_text())
+                                for _, extra in loss_seeds(args)])
+
+    convergence = {name: load(name) for name in args.configs}
+    per_rate = {rate: {name: load(name, rate) for name in args.configs if BY_NAME[name].loss_per_rate}
+                for rate in args.rates}
     timing = {rate: [{name: tuple(v) for name, v in rnd.items()} for rnd in rounds]
               for rate, rounds in payload["timing_rounds"].items()}
     meta = dict(payload["meta"], reanalysed=" ".join(["python", "benchmarks/bench_network.py"]
@@ -760,18 +825,20 @@ def main(argv=None) -> int:
     with link as ns:
         ns.set_rate(None)
         print(f"convergence: {args.converge_steps} steps each, unlimited link", flush=True)
-        convergence = {c.name: (args.reuse_convergence and reused(args, c))
-                       or launch(ns, c, args, args.converge_steps, args.eval_interval, args.eval_batches,
-                                 converge_tag(c), holdout=True) for c in configs}
+        def loss_run(c: BenchConfig, rate: str | None = None) -> dict:
+            return mean_over_seeds([(args.reuse_convergence and reused(args, c, rate, extra))
+                                    or launch(ns, c, args, args.converge_steps, args.eval_interval, args.eval_batches,
+                                              converge_tag(c, rate, extra), holdout=True, seed=seed)
+                                    for seed, extra in loss_seeds(args)])
+
+        convergence = {c.name: loss_run(c) for c in configs}
         per_rate = {}  # the loss_per_rate configurations trained again at every rate
         again = [c for c in configs if c.loss_per_rate]
         for rate in [] if args.converge_only else args.rates:
             if again:
                 print(f"convergence at {rate}: {', '.join(c.name for c in again)}", flush=True)
                 ns.set_rate(rate)
-                per_rate[rate] = {c.name: (args.reuse_convergence and reused(args, c, rate))
-                                  or launch(ns, c, args, args.converge_steps, args.eval_interval, args.eval_batches,
-                                            converge_tag(c, rate), holdout=True) for c in again}
+                per_rate[rate] = {c.name: loss_run(c, rate) for c in again}
         timing = {}
         if args.converge_only:
             key, losses = final_losses(list(convergence.values()))

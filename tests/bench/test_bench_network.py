@@ -279,6 +279,61 @@ def test_several_targets_and_the_tables_made_again_from_an_earlier_runs_launches
         bn.parse_args(["--reanalyse", str(tmp_path)])
 
 
+def test_several_seeds_compare_the_means_of_their_losses_and_reach_the_target_on_the_mean_curves(tmp_path):
+    """--seeds 3: each configuration's loss runs at seeds 1234-1236 (the later ones tagged _seed<S>), policy_auto's
+    own run at a rate too; the tables take the mean of the whole-split losses, time to target on the mean curve, and
+    list every seed's loss. Made through --reanalyse of written launches (no training here)."""
+    rng = random.Random()
+    run = tmp_path / "run"
+    run.mkdir()
+    args = bn.parse_args(["--configs", "int4_ef_wint4", "policy_auto", "--rates", "100mbit", "--converge-steps", "20",
+                          "--target-steps", "10", "--seeds", "3"])
+    assert bn.loss_seeds(args) == [(1234, None), (1235, 1235), (1236, 1236)]
+    holdout, curves = {}, {}
+    for name, rate in [(n, None) for n in args.configs] + [("policy_auto", "100mbit")]:
+        for seed, extra in bn.loss_seeds(args):
+            curve = [[10, 2.5 + rng.random()], [20, 2.0 + rng.random()]]
+            summary = dict(_summary(curve), seed=seed, holdout_val_loss=2.0 + rng.random(), holdout_tokens=4096)
+            holdout[name, rate, seed], curves[name, rate, seed] = summary["holdout_val_loss"], curve
+            (run / f"{bn.converge_tag(bn.BY_NAME[name], rate, extra)}.json").write_text(json.dumps(summary))
+    timing = {"100mbit": [{n: [1.0 + i, 1e6] for i, n in enumerate(args.configs)}]}
+    meta_args = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    (run / "results.json").write_text(json.dumps({"meta": {"args": meta_args, "date": "d", "machine": "m",
+                                                           "n_params": 10}, "timing_rounds": timing}))
+    out = tmp_path / "out"
+    assert bn.main(["--reanalyse", str(run), "--out-dir", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())["results"]
+    mean = {k: statistics.fmean(holdout[k + (s, )] for s in (1234, 1235, 1236))
+            for k in [(n, None) for n in args.configs] + [("policy_auto", "100mbit")]}
+    stock = mean["stock_fp32", None]
+    assert results["configs"]["stock_fp32"]["val_loss"] == pytest.approx(stock)
+    assert results["configs"]["int4_ef_wint4"]["val_gap_pct"] == pytest.approx(
+        100 * (mean["int4_ef_wint4", None] - stock) / stock)
+    slow = results["rates"]["100mbit"]
+    assert slow["policy_auto"]["val_loss"] == pytest.approx(mean["policy_auto", "100mbit"])
+    # the target is stock's mean loss at step 10; a configuration reaches it where its mean curve is at or below
+    target = statistics.fmean(curves["stock_fp32", None, s][0][1] for s in (1234, 1235, 1236))
+    assert results["target"]["loss"] == pytest.approx(target)
+    int4_mean = [statistics.fmean(curves["int4_ef_wint4", None, s][i][1] for s in (1234, 1235, 1236)) for i in (0, 1)]
+    reached = next((st for st, v in zip((10, 20), int4_mean) if v <= target), None)
+    assert slow["int4_ef_wint4"]["steps_to_target"] == reached
+    table = (out / "results.md").read_text()
+    assert "the mean of 3 runs at seeds 1234-1236" in table
+    row = next(line for line in table.splitlines() if line.startswith("| int4_ef_wint4 | 2."))
+    assert row.startswith("| int4_ef_wint4 | " + " | ".join(f"{holdout['int4_ef_wint4', None, s]:.4f}"
+                                                            for s in (1234, 1235, 1236)))
+    assert any(line.startswith("| policy_auto (100mbit, its own run) |") for line in table.splitlines())
+    # a seed's run that evaluated at other steps is refused, not averaged
+    with pytest.raises(SystemExit, match="same steps"):
+        bn.mean_over_seeds([_summary([[10, 2.5], [20, 2.0]]), _summary([[10, 2.5]])])
+    # --reuse-convergence checks each run's own seed
+    reuse = bn.parse_args(["--reuse-convergence", str(run), "--converge-steps", "20", "--seeds", "2"])
+    assert bn.reused(reuse, bn.BY_NAME["stock_fp32"], None, 1235)["seed"] == 1235
+    (run / "converge_stock_fp32_seed1235.json").write_text(json.dumps(dict(_summary([[20, 2.0]]), seed=1234)))
+    with pytest.raises(SystemExit, match="seed 1234"):
+        bn.reused(reuse, bn.BY_NAME["stock_fp32"], None, 1235)
+
+
 def test_machine_names_the_cpu_model_clock_and_vector_width():
     """Two hosts that both call themselves "AMD EPYC" are told apart (family, model, clock, widest vector extension),
     and the measured matmul rate is a positive number."""
