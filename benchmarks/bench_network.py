@@ -154,11 +154,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--timed-steps", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2, help="rounds of timing launches per rate")
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--seeds", type=int, default=1, metavar="N",
+    parser.add_argument("--seeds", type=int, default=None, metavar="N",
                         help="loss runs per configuration (and rate, where it has its own), at seeds --seed, "
                         "--seed + 1, ..., --seed + N - 1; the tables compare the means of their losses and time to "
                         "target on the mean curves (one run's loss at step 200 moved by about 1%% with the host's "
-                        "numerics). Timing launches use --seed")
+                        "numerics). Timing launches use --seed. With --reanalyse: the seeds to look for in DIR "
+                        "(default: the run's); a configuration takes those of its runs that are there")
     parser.add_argument("--n-layer", type=int, default=6)
     parser.add_argument("--n-embd", type=int, default=384)
     parser.add_argument("--n-head", type=int, default=6)
@@ -201,6 +202,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for rate in args.rates:
         if parse_rate_bits(rate) is None:
             parser.error(f"--rates: {rate!r} is not a tc rate like 100mbit, 1gbit or 500kbit")
+    seeds_given = args.seeds is not None
+    args.seeds = args.seeds if seeds_given else 1
     for name in ("converge_steps", "eval_interval", "eval_batches", "timed_steps", "repeats", "micro_batch", "seeds"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -214,7 +217,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         for key in ("converge_steps", "eval_interval", "timed_steps", "warmup_steps", "repeats", "micro_batch",
                     "block_size", "n_layer", "n_embd", "n_head", "rates", "configs", "seed"):
             setattr(args, key, ran["args"][key])
-        args.seeds = ran["args"].get("seeds", 1)  # runs of before --seeds had one
+        if not seeds_given:
+            args.seeds = ran["args"].get("seeds", 1)  # runs of before --seeds had one
     if args.target_steps is None:
         args.target_steps = [max(args.eval_interval,
                                  args.converge_steps // 2 // args.eval_interval * args.eval_interval)]
@@ -574,9 +578,14 @@ def seed_table(args: argparse.Namespace, results: dict) -> list[str]:
              "| configuration | " + " | ".join(f"seed {args.seed + i}" for i in range(args.seeds))
              + " | mean | gap of the mean | max - min |", "|---|" + "---:|" * (args.seeds + 3)]
     for name, seeds in rows:
-        losses = [s[key] for s in seeds]
+        by_seed = {s["seed"]: s[key] for s in seeds or []}  # None: one run (the others' seeds not in a reanalysed DIR)
+        if not by_seed:
+            own = results["configs"].get(name)
+            by_seed = {args.seed: own["val_loss"]} if own else {}
+        losses = list(by_seed.values())
         mean = statistics.fmean(losses)
-        lines.append(f"| {name} | " + " | ".join(f"{v:.4f}" for v in losses)
+        lines.append(f"| {name} | " + " | ".join(f"{by_seed[args.seed + i]:.4f}" if args.seed + i in by_seed else "—"
+                                                 for i in range(args.seeds))
                      + f" | {mean:.4f} | {100 * (mean - stock) / stock:+.2f}% | {max(losses) - min(losses):.4f} |")
     return lines + [""]
 
@@ -593,8 +602,9 @@ def markdown(args: argparse.Namespace, results: dict, meta: dict) -> str:
              f"{args.converge_steps} " + (f"over the whole validation split ({results['holdout_tokens']:,} tokens)"
                                            if results.get("loss_key") == "holdout_val_loss" else
                                            f"over {args.eval_batches} validation batches")
-             + (f", the mean of {args.seeds} runs at seeds {args.seed}-{args.seed + args.seeds - 1} (validation "
-                "curves too)" if args.seeds > 1 else "")
+             + (f", the mean of each configuration's runs at seeds {args.seed}-{args.seed + args.seeds - 1} "
+                "(validation curves too; every run's loss in the table after the time to target)" if args.seeds > 1
+                else "")
              + f" (stock fp32: {results['configs']['stock_fp32']['val_loss']:.4f}); "
              f"step times: median of {args.timed_steps} steps after {args.warmup_steps}, median of "
              f"{args.repeats} interleaved rounds. Target: stock fp32's validation loss at step "
@@ -790,8 +800,13 @@ def reanalyse(args: argparse.Namespace, argv) -> int:
     """``--reanalyse DIR``: the tables and plot of the launches in DIR again, with this command's targets."""
     payload = json.loads((args.reanalyse / "results.json").read_text())
     def load(name: str, rate: str | None = None) -> dict:
-        return mean_over_seeds([json.loads((args.reanalyse / f"{converge_tag(BY_NAME[name], rate, extra)}.json").read_text())
-                                for _, extra in loss_seeds(args)])
+        """The configuration's runs at --seed (required) and at those of the other seeds that are in DIR."""
+        paths = [args.reanalyse / f"{converge_tag(BY_NAME[name], rate, extra)}.json" for _, extra in loss_seeds(args)]
+        missing = [p.name for p in paths[1:] if not p.is_file()]
+        if missing:
+            print(f"  {name}{'' if rate is None else ' at ' + rate}: no {', '.join(missing)}; the mean of "
+                  f"{len(paths) - len(missing)} run(s)", flush=True)
+        return mean_over_seeds([json.loads(p.read_text()) for p in paths if p == paths[0] or p.is_file()])
 
     convergence = {name: load(name) for name in args.configs}
     per_rate = {rate: {name: load(name, rate) for name in args.configs if BY_NAME[name].loss_per_rate}

@@ -318,11 +318,19 @@ def test_several_seeds_compare_the_means_of_their_losses_and_reach_the_target_on
     reached = next((st for st, v in zip((10, 20), int4_mean) if v <= target), None)
     assert slow["int4_ef_wint4"]["steps_to_target"] == reached
     table = (out / "results.md").read_text()
-    assert "the mean of 3 runs at seeds 1234-1236" in table
+    assert "the mean of each configuration's runs at seeds 1234-1236" in table
     row = next(line for line in table.splitlines() if line.startswith("| int4_ef_wint4 | 2."))
     assert row.startswith("| int4_ef_wint4 | " + " | ".join(f"{holdout['int4_ef_wint4', None, s]:.4f}"
                                                             for s in (1234, 1235, 1236)))
     assert any(line.startswith("| policy_auto (100mbit, its own run) |") for line in table.splitlines())
+    # a reanalysed DIR without some seeds' runs of a configuration: the mean of those there, "—" for the others
+    (run / "converge_int4_ef_wint4_seed1236.json").unlink()
+    assert bn.main(["--reanalyse", str(run), "--out-dir", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())["results"]
+    assert results["configs"]["int4_ef_wint4"]["val_loss"] == pytest.approx(
+        statistics.fmean(holdout["int4_ef_wint4", None, s] for s in (1234, 1235)))
+    assert any(line.startswith("| int4_ef_wint4 | 2.") and "| — |" in line
+               for line in (out / "results.md").read_text().splitlines())
     # a seed's run that evaluated at other steps is refused, not averaged
     with pytest.raises(SystemExit, match="same steps"):
         bn.mean_over_seeds([_summary([[10, 2.5], [20, 2.0]]), _summary([[10, 2.5]])])
