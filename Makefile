@@ -47,10 +47,12 @@ bench: install
 # as root: time to the same loss (stock fp32's at step 100 of 200, and at step 30, which DDP + PowerSGD reaches) at
 # 100 Mbit/s, 1 Gbit/s and unlimited; 3 timing rounds of 6 steps (2 of 4 did not settle 5% on the unlimited link),
 # about 110 min
+# BENCH_SEEDS=3: every loss run at 3 seeds, the tables comparing the means (the loss runs take BENCH_SEEDS times as long)
+BENCH_SEEDS ?= 1
 bench-target: install
 	$(PY) benchmarks/bench_network.py --rates 100mbit 1gbit --configs stock_fp32 stock_bf16 zeropp_like \
 		ddp_powersgd int4_ef_wint4 dgc_adam_flat policy_auto --converge-steps 200 --eval-interval 10 \
-		--target-steps 100 30 --repeats 3 --timed-steps 6 --out-dir runs/bench_ttt \
+		--target-steps 100 30 --repeats 3 --timed-steps 6 --seeds $(BENCH_SEEDS) --out-dir runs/bench_ttt \
 		--json runs/bench_ttt/bench_time_to_target.json
 
 # as root: two nodes of two in a namespace, only the path between them limited (100 Mbit/s, 1 Gbit/s, unlimited)
