@@ -586,7 +586,8 @@ def seed_table(args: argparse.Namespace, results: dict) -> list[str]:
         mean = statistics.fmean(losses)
         lines.append(f"| {name} | " + " | ".join(f"{by_seed[args.seed + i]:.4f}" if args.seed + i in by_seed else "—"
                                                  for i in range(args.seeds))
-                     + f" | {mean:.4f} | {100 * (mean - stock) / stock:+.2f}% | {max(losses) - min(losses):.4f} |")
+                     + f" | {mean:.4f} | {100 * (mean - stock) / stock:+.2f}% | "
+                     + (f"{max(losses) - min(losses):.4f} |" if len(losses) > 1 else "— (one run) |"))
     return lines + [""]
 
 

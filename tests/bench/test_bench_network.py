@@ -331,6 +331,12 @@ def test_several_seeds_compare_the_means_of_their_losses_and_reach_the_target_on
         statistics.fmean(holdout["int4_ef_wint4", None, s] for s in (1234, 1235)))
     assert any(line.startswith("| int4_ef_wint4 | 2.") and "| — |" in line
                for line in (out / "results.md").read_text().splitlines())
+    # a configuration with one run there has no spread
+    for seed in (1235, 1236):
+        (run / f"converge_int4_ef_wint4_seed{seed}.json").unlink(missing_ok=True)
+    assert bn.main(["--reanalyse", str(run), "--out-dir", str(out)]) == 0
+    assert any(line.startswith("| int4_ef_wint4 | 2.") and line.endswith("| — (one run) |")
+               for line in (out / "results.md").read_text().splitlines())
     # a seed's run that evaluated at other steps is refused, not averaged
     with pytest.raises(SystemExit, match="same steps"):
         bn.mean_over_seeds([_summary([[10, 2.5], [20, 2.0]]), _summary([[10, 2.5]])])
