@@ -19,7 +19,8 @@ What it does:
    loopback of the namespace (losses do not depend on the link; CPU runs are deterministic),
    evaluating every ``--eval-interval`` steps on ``--eval-batches`` random validation batches, and
    after the last step on the whole validation split (``--holdout-eval``: the loss the tables compare;
-   4 batches of 8 x 128 tokens did not resolve 1% between two runs). A configuration whose choices
+   4 batches of 8 x 128 tokens did not resolve 1% between two runs); with ``--seeds N``, N runs per
+   configuration at consecutive seeds, the tables comparing their means. A configuration whose choices
    depend on the link (``policy_auto``) trains once more at every rate, and its loss at a rate is that run's.
 4. Timing: for every rate and then without a limit (the ceiling), ``--repeats`` rounds; each
    round launches every configuration once
@@ -180,8 +181,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "DIR (its results.json and converge_*.json), e.g. with other --target-steps; the run's steps, "
                         "rates and configurations are taken from it; outputs go to --out-dir")
     parser.add_argument("--reuse-convergence", type=Path, metavar="DIR",
-                        help="take the convergence runs from DIR/converge_<configuration>.json of an earlier run "
-                        "(same --converge-steps, model and seed) instead of training them again; configurations it lacks are trained")
+                        help="take the convergence runs from DIR/converge_<configuration>.json (and "
+                        "converge_<configuration>_seed<S>.json, --seeds) of an earlier run (same --converge-steps, model "
+                        "and seeds) instead of training them again; runs it lacks are trained, runs of another seed or "
+                        "length are refused (drop this option to train them all)")
     args = parser.parse_args(argv)
     args.ranks_per_node = None
     if args.nodes is not None:
@@ -800,9 +803,19 @@ def write_outputs(args: argparse.Namespace, convergence: dict, timing: dict, per
 def reanalyse(args: argparse.Namespace, argv) -> int:
     """``--reanalyse DIR``: the tables and plot of the launches in DIR again, with this command's targets."""
     payload = json.loads((args.reanalyse / "results.json").read_text())
+    reused_dir = payload["meta"]["args"].get("reuse_convergence")  # where a --reuse-convergence run's loss runs are
+    dirs = [args.reanalyse] + ([Path(reused_dir)] if reused_dir and reused_dir != "None" else [])
+
+    def find(tag: str) -> Path:
+        """DIR/tag.json, else the reused run's (a --reuse-convergence run leaves its loss runs there)."""
+        return next((d / f"{tag}.json" for d in dirs if (d / f"{tag}.json").is_file()), args.reanalyse / f"{tag}.json")
+
     def load(name: str, rate: str | None = None) -> dict:
         """The configuration's runs at --seed (required) and at those of the other seeds that are in DIR."""
-        paths = [args.reanalyse / f"{converge_tag(BY_NAME[name], rate, extra)}.json" for _, extra in loss_seeds(args)]
+        paths = [find(converge_tag(BY_NAME[name], rate, extra)) for _, extra in loss_seeds(args)]
+        if not paths[0].is_file():
+            raise SystemExit(f"bench_network.py: --reanalyse {args.reanalyse}: no loss run {paths[0].name} in "
+                             f"{' or '.join(str(d) for d in dirs)}")
         missing = [p.name for p in paths[1:] if not p.is_file()]
         if missing:
             print(f"  {name}{'' if rate is None else ' at ' + rate}: no {', '.join(missing)}; the mean of "

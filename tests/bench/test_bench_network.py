@@ -337,6 +337,19 @@ def test_several_seeds_compare_the_means_of_their_losses_and_reach_the_target_on
     assert bn.main(["--reanalyse", str(run), "--out-dir", str(out)]) == 0
     assert any(line.startswith("| int4_ef_wint4 | 2.") and line.endswith("| — (one run) |")
                for line in (out / "results.md").read_text().splitlines())
+    # a run made with --reuse-convergence: its loss runs are in the reused DIR, which --reanalyse also reads
+    timed_only = tmp_path / "timed_only"
+    timed_only.mkdir()
+    (timed_only / "results.json").write_text(json.dumps({"meta": {"args": dict(meta_args, reuse_convergence=str(run)),
+                                                                  "date": "d", "machine": "m", "n_params": 10},
+                                                         "timing_rounds": timing}))
+    assert bn.main(["--reanalyse", str(timed_only), "--out-dir", str(tmp_path / "out2")]) == 0
+    assert json.loads((tmp_path / "out2" / "results.json").read_text())["results"]["configs"]["stock_fp32"][
+        "val_loss"] == pytest.approx(stock)
+    (timed_only / "results.json").write_text(json.dumps({"meta": {"args": meta_args, "date": "d", "machine": "m",
+                                                                  "n_params": 10}, "timing_rounds": timing}))
+    with pytest.raises(SystemExit, match="no loss run converge_stock_fp32.json"):
+        bn.main(["--reanalyse", str(timed_only), "--out-dir", str(tmp_path / "out2")])
     # a seed's run that evaluated at other steps is refused, not averaged
     with pytest.raises(SystemExit, match="same steps"):
         bn.mean_over_seeds([_summary([[10, 2.5], [20, 2.0]]), _summary([[10, 2.5]])])
