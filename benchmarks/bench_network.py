@@ -151,7 +151,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "--converge-steps, or the first evaluation where none is)")
     parser.add_argument("--eval-interval", type=int, default=10)
     parser.add_argument("--eval-batches", type=int, default=4, help="validation batches per evaluation")
-    parser.add_argument("--warmup-steps", type=int, default=3, help="untimed steps at the start of a timing launch")
+    parser.add_argument("--warmup-steps", type=int, default=3,
+                        help="untimed steps at the start of a timing launch (>= 2: the first steps build caches)")
     parser.add_argument("--timed-steps", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2, help="rounds of timing launches per rate")
     parser.add_argument("--seed", type=int, default=1234)
