@@ -53,11 +53,11 @@ def test_char_gpt_learns_with_dgc():
     assert vals[-1] < vals[0] - 0.3, vals  # learning, from about ln(65) = 4.17 at the start
     assert s["final_train_loss"] < 3.5
     # --holdout-eval: the whole validation split after the last step, in 32-character windows and batches of the
-    # micro-batch, about the loss of the last evaluation's 4 random batches
+    # micro-batch, about the loss of the last evaluation's 4 random batches (0.04 apart here)
     _, val_data, _ = load_data()
     micro = json.load(open(os.path.join(ROOT, "configs", "zero3_dgc_int4_d01.json")))["train_micro_batch_size_per_gpu"]
     assert s["holdout_tokens"] == (len(val_data) - 1) // 32 // micro * micro * 32
-    assert abs(s["holdout_val_loss"] - vals[-1]) < 0.1, (s["holdout_val_loss"], vals[-1])
+    assert abs(s["holdout_val_loss"] - vals[-1]) < 0.15, (s["holdout_val_loss"], vals[-1])
     # every parameter of every step went through our reduce-scatter: stock fp32's bytes for the model's size
     assert s["dense_fp32_bytes_total"] == 40 * (2 - 1) / 2 * 4 * s["n_params"]
     # density 0.1 + INT4 + varint positions: about 12.3 bits per kept element (4 of value, 8 of position, 0.25 of
