@@ -805,7 +805,7 @@ def reanalyse(args: argparse.Namespace, argv) -> int:
     """``--reanalyse DIR``: the tables and plot of the launches in DIR again, with this command's targets."""
     payload = json.loads((args.reanalyse / "results.json").read_text())
     reused_dir = payload["meta"]["args"].get("reuse_convergence")  # where a --reuse-convergence run's loss runs are
-    dirs = [args.reanalyse] + ([Path(reused_dir)] if reused_dir and reused_dir != "None" else [])
+    dirs = [args.reanalyse] + ([Path(reused_dir)] if reused_dir else [])
 
     def find(tag: str) -> Path:
         """DIR/tag.json, else the reused run's (a --reuse-convergence run leaves its loss runs there)."""

@@ -133,7 +133,6 @@ def all_reduce_mean(value: float, world_size: int) -> float:
     return t.item() / world_size
 
 
-@torch.no_grad()
 def holdout_batches(data: torch.Tensor, batch_size: int,
                     block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The whole of ``data`` as consecutive, non-overlapping windows, in full batches.
@@ -153,6 +152,7 @@ def holdout_batches(data: torch.Tensor, batch_size: int,
     return list(zip(x.unbind(0), y.unbind(0)))
 
 
+@torch.no_grad()
 def evaluate(engine, val_batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> float:
     """Mean loss over the fixed validation batches, sharded round-robin over the ranks (collective).
 

@@ -84,6 +84,31 @@ def test_holdout_batches_are_the_whole_split_in_consecutive_windows():
         holdout_batches(data[:batch * block], batch, block)
 
 
+def test_evaluation_runs_without_autograd(monkeypatch):
+    """evaluate() scores under torch.no_grad: no graph is recorded (and ZeRO-3 registers no backward) for a forward
+    whose loss is only read. One rank, the collective replaced by the identity."""
+    import train_char_gpt as job
+    monkeypatch.setattr(job.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(job.dist, "get_world_size", lambda: 1)
+    monkeypatch.setattr(job.dist, "all_reduce", lambda t: t)
+    seen = []
+
+    class Engine:
+        def __call__(self, x, y):
+            seen.append(torch.is_grad_enabled())
+            return torch.tensor(float(x.sum()))
+
+        def eval(self):
+            pass
+
+        def train(self):
+            pass
+
+    batches = [(torch.full((2, 3), float(i)), torch.zeros(2, 3)) for i in range(3)]
+    assert job.evaluate(Engine(), batches, torch.device("cpu")) == pytest.approx((0 + 6 + 12) / 3)
+    assert seen == [False, False, False]
+
+
 def test_int8_weights_and_int4_gradients_match_stock_loss():
     """Parameters not persistent (gathered in forward and backward): INT8 weights plus dense INT4
     gradients reach the stock validation loss within 1%, with about a quarter of the gather bytes."""
