@@ -100,34 +100,6 @@ inline void dispatch_dtype(at::ScalarType dtype, F&& f) {
   }
 }
 
-// |acc| of every sampled real element (or of all real elements)
-std::vector<float> sample_magnitudes(const Spec& t, const Params& p) {
-  int64_t ns = t.sample ? t.n_sample : t.m;
-  std::vector<float> out(ns);
-  const int64_t R = static_cast<int64_t>(t.real.size());
-  for (int64_t s = 0; s < ns; ++s)
-    if (t.sample && (t.sample[s] < 0 || t.sample[s] >= t.m)) throw std::out_of_range("dgc: sample index out of range");
-  dispatch_dtype(t.dtype, [&](auto tag) {
-    using T = decltype(tag);
-    auto row_of = [&](int64_t idx) {
-      return std::upper_bound(t.real_prefix.begin(), t.real_prefix.begin() + R, idx) - t.real_prefix.begin() - 1;
-    };
-    at::parallel_for(0, ns, 4096, [&](int64_t b, int64_t e) {  // random reads: overlap their cache misses
-      for (int64_t s = b; s < e; ++s) {
-        if (t.sample && s + kAhead < e) {  // the reads of a later sample started now: more misses in flight
-          const int64_t ahead = t.sample[s + kAhead], ra = row_of(ahead), ja = ahead - t.real_prefix[ra];
-          __builtin_prefetch(static_cast<const T*>(t.src) + t.offset + ra * t.stride + ja);
-          if (t.residual) __builtin_prefetch(t.residual + ra * t.c + ja);
-        }
-        int64_t idx = t.sample ? t.sample[s] : s;
-        int64_t r = row_of(idx);
-        out[s] = std::fabs(acc_at<T>(t, p, r, idx - t.real_prefix[r]));
-      }
-    });
-  });
-  return out;
-}
-
 // k-th largest of v (1-based), as torch.topk(v, k).values.min(). Magnitudes (sign bits clear, no NaN) take a radix
 // select: a histogram of the top 12 bits (sign, exponent, 3 mantissa bits; the bits of floats >= +0 order as their
 // values) finds the bin that holds the k-th largest, and nth_element runs on that bin only (about 10x faster than
@@ -237,6 +209,47 @@ DGC_SIMD_CLONES int64_t accumulate_block(const Spec& t, const Params& p, int64_t
     run([&](int64_t x) { return static_cast<float>(s[x]) + res[x]; });
   }
   return nonfinite;
+}
+
+// |acc| of every sampled real element (or of all real elements). A run of consecutive positions within one row is
+// accumulated by one accumulate_block call (vectorized; the samples of large tensors come in runs of 16).
+std::vector<float> sample_magnitudes(const Spec& t, const Params& p) {
+  int64_t ns = t.sample ? t.n_sample : t.m;
+  std::vector<float> out(ns);
+  const int64_t R = static_cast<int64_t>(t.real.size());
+  for (int64_t s = 0; s < ns; ++s)
+    if (t.sample && (t.sample[s] < 0 || t.sample[s] >= t.m)) throw std::out_of_range("dgc: sample index out of range");
+  dispatch_dtype(t.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    auto row_of = [&](int64_t idx) {
+      return std::upper_bound(t.real_prefix.begin(), t.real_prefix.begin() + R, idx) - t.real_prefix.begin() - 1;
+    };
+    at::parallel_for(0, ns, 4096, [&](int64_t b, int64_t e) {  // random reads: overlap their cache misses
+      for (int64_t s = b; s < e;) {
+        if (t.sample && s + kAhead < e) {  // the reads of a later sample started now: more misses in flight
+          const int64_t ahead = t.sample[s + kAhead], ra = row_of(ahead), ja = ahead - t.real_prefix[ra];
+          __builtin_prefetch(static_cast<const T*>(t.src) + t.offset + ra * t.stride + ja);
+          if (t.residual) __builtin_prefetch(t.residual + ra * t.c + ja);
+        }
+        const int64_t idx = t.sample ? t.sample[s] : s, r = row_of(idx), j = idx - t.real_prefix[r];
+        // the run of consecutive positions from here within row r (sample_indices draws runs of 16 on large
+        // tensors): its acc as the dense pass computes it (the same numbers as acc_at), in one vectorized call
+        int64_t len = 1;
+        if (t.sample)
+          while (s + len < e && t.sample[s + len] == idx + len && j + len < t.real[r]) ++len;
+        else
+          len = std::min(e - s, t.real[r] - j);
+        if (len == 1) {
+          out[s] = std::fabs(acc_at<T>(t, p, r, j));
+        } else {
+          accumulate_block<T>(t, p, r, j, j + len, out.data() + s);
+          for (int64_t x = s; x < s + len; ++x) out[x] = std::fabs(out[x]);
+        }
+        s += len;
+      }
+    });
+  });
+  return out;
 }
 
 // Appends column j0 + x and value a[x] to out if |a[x]| >= thr (never for a NaN).

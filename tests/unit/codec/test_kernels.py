@@ -268,6 +268,55 @@ def test_threshold_corrections_match(fused, which):
         assert 0.8 * k <= kept_big <= 1.3 * k  # lowered until at least 0.8 k
 
 
+def _runs_of(length, runs, seed):
+    """Samples drawn as runs of ``length`` consecutive positions from uniform starts (any position, so runs cross row
+    boundaries), in random order with repeats: as ``selection.sample_indices`` draws them on large tensors."""
+
+    def make(job):
+        g = torch.Generator().manual_seed(seed)
+        out = []
+        for i, m in enumerate(job.real_totals()):
+            if not job.sparse[i] or m <= length:
+                out.append(None)
+                continue
+            starts = torch.randint(0, m - length + 1, (runs, 1), generator=g)
+            out.append((starts + torch.arange(length)).reshape(-1).repeat(2)[torch.randperm(2 * runs * length,
+                                                                                           generator=g)[:runs * length]])
+        return out
+
+    return make
+
+
+@pytest.mark.parametrize("hierarchical", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [2, 3])
+def test_threshold_samples_in_runs_match(fused, hierarchical, dtype, rows):
+    """The op reads a sample's runs of consecutive positions as one vectorized accumulation each (cut at row ends):
+    the same thresholds as the reference's element by element, so the same bytes."""
+    seed = int(torch.randint(0, 1 << 30, ()))
+    for length in (16, 5):
+        job = make_job([90_001, 3000, 64], rows, hierarchical=hierarchical, dtype=dtype, density=0.01, seed=seed,
+                       samples=_runs_of(length, 400 // length * 4, seed), loss_scale=1024.0)
+        assert_same(REFERENCE.compress(job), fused.compress(job))
+
+
+def test_a_sample_run_across_a_row_boundary_reads_the_next_row():
+    """A run of the sample that passes the end of owner row 0 continues at row 1's first element, not at the padding
+    or the next tensor's column after row 0's (hierarchical rows are columns of one matrix). Row 1's first element is
+    made the one large magnitude: the threshold is then its magnitude and one element is kept, as the reference."""
+    job = make_job([200_001, 901], 2, hierarchical=True, density=0.01, seed=int(torch.randint(0, 1 << 30, ())),
+                   min_numel=1000)  # tensor 1 sent whole: row 1's positions are all tensor 0's
+    real0 = job.real_counts(0)[0]
+    src = job.srcs[0]  # the (rows, C) node sum, viewed flat; tensor 0 starts at column 0
+    src[job.row_strides[0]] = 1000.0  # row 1, column 0
+    job.samples[0] = torch.arange(real0 - 3, real0 + 1)  # row 0's last three elements, then row 1's first
+    fused = FusedCPUOps(load_fused_op("cpu"))
+    ref, out = REFERENCE.compress(job), fused.compress(job)
+    assert_same(ref, out)
+    _, body = decode_row(REFERENCE, job, 1, ref.payloads[1])
+    assert body.n_indexed == 1  # row 1 keeps its first element only
+
+
 @pytest.mark.parametrize("hierarchical", [False, True])
 @pytest.mark.parametrize("numels", SIZES[1:])
 def test_reused_and_fixed_thresholds_match(fused, hierarchical, numels):
