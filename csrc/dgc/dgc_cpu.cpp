@@ -1265,6 +1265,7 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
           mask[mb >> 3] |= static_cast<uint8_t>((acc[x] != 0.0f) << (mb & 7));
       }
       uint8_t* index = values_of(r) + dgc::packed_bytes(n_kept[r], fmt);
+      uint8_t* const index_end = index + n_index[r];
       int64_t prev = -1;
       for (size_t i = 0; i < T; ++i) {
         const Spec& t = specs[i];
@@ -1274,6 +1275,13 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
           const int64_t j = kr.col(x);
           uint64_t gap = static_cast<uint64_t>(t.col + j - prev - 1);
           prev = t.col + j;
+          if (gap < 16384 && index + 2 <= index_end) {  // one or two bytes without a branch: both written, the
+            const bool two = gap >= 128;                 // second overwritten by the next varint where unused
+            index[0] = static_cast<uint8_t>((gap & 0x7F) | (two ? 0x80 : 0));
+            index[1] = static_cast<uint8_t>(gap >> 7);
+            index += 1 + two;
+            continue;
+          }
           while (gap >= 128) {
             *index++ = static_cast<uint8_t>((gap & 0x7F) | 0x80);
             gap >>= 7;

@@ -285,14 +285,15 @@ DGC_HD float decode_weight_unit(int wfmt, uint8_t code) {
 // The weight a code decodes to (formats.dequantize_weights).
 DGC_HD float decode_weight(int wfmt, uint8_t code, float scale) { return decode_weight_unit(wfmt, code) * scale; }
 
-// Bytes of the LEB128 varint of a non-negative gap (7 bits per byte).
+// Bytes of the LEB128 varint of a non-negative gap (7 bits per byte): ceil(bit width / 7), at least 1. Without a
+// loop: the gaps of a top-k selection need one or two bytes at random, a branch a mispredicted step.
 DGC_HD int varint_length(uint64_t v) {
-  int n = 1;
-  while (v >= 128) {
-    v >>= 7;
-    ++n;
-  }
-  return n;
+#ifdef __CUDA_ARCH__
+  const int bits = 64 - __clzll(static_cast<long long>(v | 1));
+#else
+  const int bits = 64 - __builtin_clzll(v | 1);
+#endif
+  return (bits + 6) / 7;
 }
 
 }  // namespace dgc

@@ -357,6 +357,27 @@ def test_reused_and_fixed_thresholds_match(fused, hierarchical, numels):
     assert all(t == pytest.approx(0.3, rel=1e-7) for t, s in zip(ref4.thresholds, fixed.sparse) if s)
 
 
+def test_index_gaps_of_every_varint_length(fused):
+    """Kept positions whose gaps need one, two, three and four varint bytes, at each side of every length's limit
+    (127/128, 16383/16384, 2^21 - 1/2^21): the op's varints (two bytes written at once below 2^14) are the reference's,
+    and the receiver finds the positions."""
+    n = 2 * 4_400_000
+    job = make_job([n, 70], 2, density=0.01, seed=int(torch.randint(0, 1 << 30, ())))
+    job.threshold = 1e6
+    gaps = [0, 127, 128, 5, 16383, 16384, 1, (1 << 21) - 1, 1 << 21, 130, 2]
+    pos = torch.tensor(gaps).cumsum(0) + torch.arange(len(gaps))  # gap g: g positions skipped
+    row1 = pos + (n // 2) + int(torch.randint(0, 1000, ()))
+    src = job.srcs[0]
+    src.zero_()
+    src[torch.cat([pos, row1])] = 1e9 * (1 + torch.rand(2 * len(gaps)))
+    ref, out = REFERENCE.compress(job), fused.compress(job)
+    assert_same(ref, out)
+    for r, expect in ((0, pos), (1, row1 - n // 2)):
+        acc, body = decode_row(fused, job, r, out.payloads[r])
+        assert body.n_indexed == len(gaps)
+        assert torch.equal(acc[:n // 2].nonzero().view(-1), expect)
+
+
 def test_mostly_zero_tensor(fused):
     """Most elements exactly 0: the lowering rounds run out; both keep the same elements."""
     job = make_job([50_000], 2, density=0.1, residual=False)
