@@ -1146,8 +1146,8 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
   //    groups and the varint positions of the sparse tensors.
   const bool masked = dgc::zero_masked(fmt);
   const int bits = dgc::format_bits(fmt);
-  struct Group {
-    int64_t r, i, x0, x1, v0, mb0;  // row, tensor, kept range [x0, x1) of kept[i][r], first value, first mask bit
+  struct Group {  // 32 bytes (a row's values and mask bits fit the int32 header: checked before the groups are made)
+    int32_t r, i, x0, x1, v0, mb0;  // row, tensor, kept range [x0, x1) of kept[i][r], first value, first mask bit
     float scale;
     bool mixed;
   };
@@ -1176,17 +1176,25 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
       }
     }
     n_groups[r] = total_groups - first_group[r];
+    TORCH_CHECK(n_kept[r] <= INT32_MAX && n_index[r] <= INT32_MAX, "compress_bucket: row ", r,
+                " does not fit the int32 header (", n_kept[r], " values)");
   }
   first_group[R] = seg_start[R * T] = total_groups;
   std::unique_ptr<Group[]> groups(new Group[std::max<int64_t>(total_groups, 1)]);  // each written below
   at::parallel_for(0, total_groups, 4096, [&](int64_t b, int64_t e) {
     // the segment of group b (the last of equal starts: empty segments start where the next one does)
     int64_t sg = std::upper_bound(seg_start.begin(), seg_start.end(), b) - seg_start.begin() - 1;
+    int64_t r = sg / static_cast<int64_t>(T), i = sg % static_cast<int64_t>(T);  // again only where sg moves on
     for (int64_t gi = b; gi < e; ++gi) {
-      while (gi >= seg_start[sg + 1]) ++sg;
-      const int64_t r = sg / static_cast<int64_t>(T), i = sg % static_cast<int64_t>(T);
+      if (gi >= seg_start[sg + 1]) {
+        while (gi >= seg_start[sg + 1]) ++sg;
+        r = sg / static_cast<int64_t>(T);
+        i = sg % static_cast<int64_t>(T);
+      }
       const int64_t g0 = (gi - seg_start[sg]) * group_size;
-      groups[gi] = {r, i, g0, std::min(g0 + group_size, kept[i][r].size()), seg_v0[sg] + g0, 0, 0.0f, false};
+      groups[gi] = {static_cast<int32_t>(r), static_cast<int32_t>(i), static_cast<int32_t>(g0),
+                    static_cast<int32_t>(std::min(g0 + group_size, kept[i][r].size())),
+                    static_cast<int32_t>(seg_v0[sg] + g0), 0, 0.0f, false};
     }
   });
   at::parallel_for(0, total_groups, 256, [&](int64_t b, int64_t e) {
@@ -1214,7 +1222,7 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
   });
   for (int64_t r = 0; r < R && masked; ++r)  // where each mixed group's bits start in its row's zero bitmap
     for (int64_t gi = first_group[r]; gi < first_group[r + 1]; ++gi) {
-      groups[gi].mb0 = mask_bits[r];
+      groups[gi].mb0 = static_cast<int32_t>(mask_bits[r]);
       if (groups[gi].mixed) mask_bits[r] += groups[gi].x1 - groups[gi].x0;
     }
   std::vector<at::Tensor> payloads;
