@@ -544,8 +544,9 @@ __attribute__((target("avx2"))) int64_t accumulate_compact_avx2(const T* __restr
       }
     };
     for (; x < len && (reinterpret_cast<uintptr_t>(dst + x) & 31) != 0; ++x) scalar(x);
+    // lanes whose magnitude's bits are above `below` are kept: none for a NaN threshold (as |a| >= NaN)
     const uint32_t thr_bits = thr > 0.0f ? dgc::f32_bits(thr) : 0u;
-    const __m256i below = _mm256_set1_epi32(static_cast<int32_t>(thr_bits) - 1);
+    const __m256i below = _mm256_set1_epi32(std::isnan(thr) ? INT32_MAX : static_cast<int32_t>(thr_bits) - 1);
     const __m256i abs_bits = _mm256_set1_epi32(0x7FFFFFFF);
     const __m256i finite_max = _mm256_set1_epi32(0x7F7FFFFF);  // FLT_MAX's bits: above it Inf and NaN
     const __m256 vinv = _mm256_set1_ps(inv), vd = _mm256_set1_ps(d);
@@ -969,8 +970,8 @@ float topk_threshold(at::Tensor mag, int64_t k, at::Tensor sample) {
 }
 
 // acc = src / divisor + residual (the divisor holds the world size and the loss scale: everything here is in
-// unscaled units). fixed[i] >= 0: tensor i (if sparse) keeps |acc| >= fixed[i] instead of estimating a threshold from
-// its sample, without DGC's corrections. reuse: the fixed thresholds are top-k thresholds of an earlier step
+// unscaled units). fixed[i] not < 0 (a NaN too, which keeps nothing): tensor i (if sparse) keeps |acc| >= fixed[i]
+// instead of estimating a threshold from its sample, without DGC's corrections. reuse: the fixed thresholds are top-k thresholds of an earlier step
 // (Ok-Topk's threshold reuse): they apply only where k < m, and more than 1.3 k kept still becomes the k largest.
 // Returns the payloads, the new residuals, finiteness, the kept count and, per tensor, the threshold that selected
 // it (-1: every real element was kept).
@@ -1052,7 +1053,7 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
   std::vector<float> thr(T, -1.0f);
   for (size_t i = 0; i < T; ++i) {
     Spec& t = specs[i];
-    if (t.sparse && fixed[i] >= 0 && (!reuse || t.k < t.m)) {
+    if (t.sparse && !(fixed[i] < 0) && (!reuse || t.k < t.m)) {
       thr[i] = static_cast<float>(fixed[i]);
       continue;
     }
@@ -1106,7 +1107,7 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
   //    collect again), keep the k largest when more than 1.3 k are
   for (size_t i = 0; i < T; ++i) {
     Spec& t = specs[i];
-    const bool is_fixed = t.sparse && fixed[i] >= 0;
+    const bool is_fixed = t.sparse && !(fixed[i] < 0);
     if (!t.sparse || t.k >= t.m || (is_fixed && !reuse)) continue;
     int64_t cnt = 0;
     for (auto& kr : kept[i]) cnt += kr.size();

@@ -357,6 +357,18 @@ def test_reused_and_fixed_thresholds_match(fused, hierarchical, numels):
     assert all(t == pytest.approx(0.3, rel=1e-7) for t, s in zip(ref4.thresholds, fixed.sparse) if s)
 
 
+@pytest.mark.parametrize("threshold", [0.0, -0.0, float("nan"), float("inf"), 1e-40, 0.5])
+def test_fixed_thresholds_at_the_edges_match(fused, threshold):
+    """Fixed thresholds the config would refuse or that keep everything or nothing (a job built by hand can hold any):
+    the kept elements are those with |acc| >= threshold, as the reference's comparison, fp32 and bf16 sources."""
+    for dtype in (torch.float32, torch.bfloat16):
+        job = make_job([5000, 3, 70_001], 2, dtype=dtype, density=0.01, seed=int(torch.randint(0, 1 << 30, ())))
+        job.srcs[0][7] = 1e-40  # a subnormal acc (no residual there)
+        job.residuals[0][7] = 0.0
+        job.threshold = threshold
+        assert_same(REFERENCE.compress(job), fused.compress(job))
+
+
 def test_index_gaps_of_every_varint_length(fused):
     """Kept positions whose gaps need one, two, three and four varint bytes, at each side of every length's limit
     (127/128, 16383/16384, 2^21 - 1/2^21): the op's varints (two bytes written at once below 2^14) are the reference's,
