@@ -1076,7 +1076,9 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
   // nothing), each tensor's whose codes start a byte (INT4: at an even value of the row)
   std::vector<at::Tensor> early(R);
   const int64_t per_byte = 8 / dgc::format_bits(fmt);
-  if (!dgc::zero_masked(fmt) && std::all_of(thr.begin(), thr.end(), [](float v) { return v < 0.0f; }))
+  // (not where a sparse tensor keeps all its elements, k >= m: its positions are still sent, after the values)
+  if (!dgc::zero_masked(fmt) && std::all_of(thr.begin(), thr.end(), [](float v) { return v < 0.0f; }) &&
+      std::none_of(specs.begin(), specs.end(), [](const Spec& t) { return t.sparse; }))
     for (int64_t r = 0; r < R; ++r) {
       int64_t n = 0, g = 0;
       for (const Spec& t : specs) {

@@ -357,6 +357,20 @@ def test_reused_and_fixed_thresholds_match(fused, hierarchical, numels):
     assert all(t == pytest.approx(0.3, rel=1e-7) for t, s in zip(ref4.thresholds, fixed.sparse) if s)
 
 
+@pytest.mark.parametrize("fmt", ["int4", "int2", "int1", "fp8_e4m3", "fp8_e5m2"])
+def test_sparse_tensors_keeping_every_element_match(fused, fmt):
+    """A bucket whose every tensor keeps all its elements though some are sparse (k >= m at a density near 1): the
+    sparse ones still send their positions, so the payload is not the size of a bucket sent whole (the op allocated
+    an FP8 or INT4 bucket's payloads before its dense pass by that size and raised)."""
+    for numels, min_numel in (([24], 0), ([24, 5], 10), ([3000, 70], 0)):
+        job = make_job(numels, 2, density=0.9999, min_numel=min_numel, value_format=fmt,
+                       seed=int(torch.randint(0, 1 << 30, ())))
+        assert all(k >= m for k, m in zip(job.targets(), job.real_totals()))
+        ref = REFERENCE.compress(job)
+        assert ref.kept == sum(numels)
+        assert_same(ref, fused.compress(job))
+
+
 @pytest.mark.parametrize("threshold", [0.0, -0.0, float("nan"), float("inf"), 1e-40, 0.5])
 def test_fixed_thresholds_at_the_edges_match(fused, threshold):
     """Fixed thresholds the config would refuse or that keep everything or nothing (a job built by hand can hold any):
