@@ -26,6 +26,7 @@ Usage::
 import argparse
 import ctypes
 import json
+import os
 import platform
 import statistics
 import sys
@@ -39,6 +40,14 @@ from deepspeed_dgc.codec.job import CompressJob
 from deepspeed_dgc.codec.kernels import get_ops
 from deepspeed_dgc.codec.reference import REFERENCE
 from deepspeed_dgc.codec.selection import draw_samples
+
+
+def size_label(n: int) -> str:
+    """16777216 -> "16M", 524288 -> "512K", other counts as they are."""
+    for unit, mult in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n % mult == 0:
+            return f"{n // mult}{unit}"
+    return str(n)
 
 
 def parse_size(text: str) -> int:
@@ -205,6 +214,11 @@ def main(argv=None) -> int:
     ap.add_argument("--reuse-freed-memory", action="store_true",
                     help="glibc keeps freed memory for reuse (no fresh pages for large outputs, as a caching allocator)")
     args = ap.parse_args(argv)
+    smallest = min(size if isinstance(size, int) else parse_size(size) for size in args.sizes)
+    if args.world > smallest:
+        ap.error(f"--world {args.world}: more owner rows than the smallest size's {smallest} elements")
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        ap.error(f"--json {args.json}: no directory {os.path.dirname(os.path.abspath(args.json))!r} to write it in")
     warm = args.reuse_freed_memory and args.device == "cpu" and keep_freed_memory()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_kernels: --device cuda but torch sees no CUDA device", file=sys.stderr)
@@ -224,7 +238,7 @@ def main(argv=None) -> int:
     for r in rows:
         ms, gbs = r["ms"], r["gb_per_s"]
         reused = f"{ms['fused_reused']:.2f}" if "fused_reused" in ms else "-"
-        print(f"| {r['format']} | {r['density']:g} | {r['n'] / (1 << 20):.4g}M | {ms['reference']:.2f} "
+        print(f"| {r['format']} | {r['density']:g} | {size_label(r['n'])} | {ms['reference']:.2f} "
               f"| {ms['fused']:.2f} | {reused} | {ms['decode_reference']:.2f} | {ms['decode_fused']:.2f} "
               f"| {ms['clone']:.2f} | {gbs['fused']:.2f} | {r['fused_speedup_vs_reference']:.1f}x "
               f"| {r['fused_vs_clone']:.2f}x | {r['decode_speedup']:.1f}x | {'yes' if r['same_bytes'] else 'NO'} |")
@@ -235,7 +249,7 @@ def main(argv=None) -> int:
         print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in wrows:
             ms = r["ms"]
-            print(f"| {r['format']} | {r['n'] / (1 << 20):.4g}M | {ms['quantize_reference']:.2f} "
+            print(f"| {r['format']} | {size_label(r['n'])} | {ms['quantize_reference']:.2f} "
                   f"| {ms['quantize_fused']:.2f} | {ms['dequantize_reference']:.2f} | {ms['dequantize_fused']:.2f} "
                   f"| {ms['clone']:.2f} | {r['quantize_speedup']:.1f}x | {r['dequantize_speedup']:.1f}x "
                   f"| {r['quantize_vs_clone']:.2f}x | {r['dequantize_vs_clone']:.2f}x "
