@@ -214,17 +214,17 @@ def main(argv=None) -> int:
     ap.add_argument("--reuse-freed-memory", action="store_true",
                     help="glibc keeps freed memory for reuse (no fresh pages for large outputs, as a caching allocator)")
     args = ap.parse_args(argv)
-    smallest = min(size if isinstance(size, int) else parse_size(size) for size in args.sizes)
-    if args.world > smallest:
-        ap.error(f"--world {args.world}: more owner rows than the smallest size's {smallest} elements")
-    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-        ap.error(f"--json {args.json}: no directory {os.path.dirname(os.path.abspath(args.json))!r} to write it in")
+    sizes = [size if isinstance(size, int) else parse_size(size) for size in args.sizes]
+    if args.world > min(sizes):
+        ap.error(f"--world {args.world}: more owner rows than the smallest size's {min(sizes)} elements")
+    json_dir = os.path.dirname(os.path.abspath(args.json)) if args.json else None
+    if json_dir and not os.path.isdir(json_dir):
+        ap.error(f"--json {args.json}: no directory {json_dir!r} to write it in")
     warm = args.reuse_freed_memory and args.device == "cpu" and keep_freed_memory()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_kernels: --device cuda but torch sees no CUDA device", file=sys.stderr)
         return 2
     fused = get_ops("fused", args.device, True)
-    sizes = [size if isinstance(size, int) else parse_size(size) for size in args.sizes]
     rows = [bench(n, fmt, d, args, fused) for d in args.densities for fmt in args.formats for n in sizes]
     wrows = [bench_weights(n, fmt, args, fused) for fmt in args.weight_formats for n in sizes]
     machine = dict(device=args.device, threads=torch.get_num_threads(), cpu=platform.processor() or platform.machine(),

@@ -535,13 +535,9 @@ __attribute__((target("avx2"))) int64_t accumulate_compact_avx2(const T* __restr
       return a;
     };
     auto scalar = [&](int64_t y) {
-      const float a = one(y);
-      dst[y] = a;
-      nonfinite += !(std::fabs(a) <= FLT_MAX);
-      if (std::fabs(a) >= thr) {
-        out.j.push_back(j0 + y);
-        out.acc.push_back(a);
-      }
+      dst[y] = one(y);
+      nonfinite += !(std::fabs(dst[y]) <= FLT_MAX);
+      keep_at_least(dst, y, thr, j0, out);
     };
     for (; x < len && (reinterpret_cast<uintptr_t>(dst + x) & 31) != 0; ++x) scalar(x);
     // lanes whose magnitude's bits are above `below` are kept: none for a NaN threshold (as |a| >= NaN)
@@ -822,7 +818,6 @@ int64_t dense_block(const Spec& t, const Params& p, int64_t r, int64_t j0, int64
   // pieces of whole scale groups when coding (the group size divides kBlock, so it is a power of two)
   const int64_t piece = pre ? std::max<int64_t>(kPiece, pre->group_size) : kPiece;
   const bool stream = kHaveAvx2 && res != nullptr && a == res;
-  if (stream) scratch.resize(piece);
   if (stream && !direct) {  // a sparse row into the new residual: one loop (fp32 and bf16 sources)
     const T* s = static_cast<const T*>(t.src) + t.offset + r * t.stride + j0;
     const float* rs = t.residual ? t.residual + r * t.c + j0 : nullptr;
@@ -834,6 +829,7 @@ int64_t dense_block(const Spec& t, const Params& p, int64_t r, int64_t j0, int64
       return bad;
     }
   }
+  if (stream) scratch.resize(piece);
   int64_t nonfinite = 0;
   for (int64_t x0 = 0; x0 < len; x0 += piece) {
     const int64_t n = std::min(piece, len - x0);
@@ -1071,14 +1067,13 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
 
   // 2. the dense pass: acc, new residual (acc), candidates |acc| >= thr
   std::vector<std::vector<Kept>> kept(T, std::vector<Kept>(R));
-  // Buckets of FP8 or INT4 (no zero bitmap) whose tensors are all sent whole: the payloads' sizes are known now, so
-  // they are allocated here and the dense pass writes its codes straight into their value bytes (step 4 then copies
-  // nothing), each tensor's whose codes start a byte (INT4: at an even value of the row)
+  // Buckets of FP8 or INT4 (no zero bitmap) with no sparse tensor (one keeping all its elements, k >= m, still sends
+  // its positions): every tensor is sent whole, the payloads' sizes are known now, so they are allocated here and the
+  // dense pass writes its codes straight into their value bytes (step 4 then copies nothing), each tensor's whose
+  // codes start a byte (INT4: at an even value of the row)
   std::vector<at::Tensor> early(R);
   const int64_t per_byte = 8 / dgc::format_bits(fmt);
-  // (not where a sparse tensor keeps all its elements, k >= m: its positions are still sent, after the values)
-  if (!dgc::zero_masked(fmt) && std::all_of(thr.begin(), thr.end(), [](float v) { return v < 0.0f; }) &&
-      std::none_of(specs.begin(), specs.end(), [](const Spec& t) { return t.sparse; }))
+  if (!dgc::zero_masked(fmt) && std::none_of(specs.begin(), specs.end(), [](const Spec& t) { return t.sparse; }))
     for (int64_t r = 0; r < R; ++r) {
       int64_t n = 0, g = 0;
       for (const Spec& t : specs) {
@@ -1234,8 +1229,8 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
   int64_t total_kept = 0;
   for (int64_t r = 0; r < R; ++r) {
     scale_words[r] = n_groups[r] + (mask_bits[r] + 31) / 32;
-    TORCH_CHECK(n_kept[r] <= INT32_MAX && n_index[r] <= INT32_MAX && scale_words[r] <= INT32_MAX,
-                "compress_bucket: row ", r, " does not fit the int32 header (", n_kept[r], " values)");
+    TORCH_CHECK(scale_words[r] <= INT32_MAX, "compress_bucket: row ", r, " does not fit the int32 header (",
+                n_kept[r], " values)");  // its values and index bytes were checked before the groups
     const int64_t bytes = payload_bytes(4 * scale_words[r], n_kept[r], fmt, n_index[r]);
     TORCH_CHECK(!early[r].defined() || early[r].numel() == bytes, "compress_bucket: internal error: row ", r,
                 " was allocated ", early[r].numel(), " bytes before the dense pass, needs ", bytes);
