@@ -195,7 +195,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.worker_config:
         worker(args)
-        return 0
+        from train_char_gpt import exit_without_finalization
+        exit_without_finalization()  # gloo's teardown at exit can abort a rank whose record is written
     if args.steps < 1:
         ap.error("--steps must be >= 1")
     bad = {k: v for k, v in args.hier_storage.items() if v not in STORAGE_BYTES} if isinstance(args.hier_storage, dict) \

@@ -482,13 +482,18 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-if __name__ == "__main__":
-    main()
-    # A finished run leaves without interpreter finalization: gloo's worker threads can still hold work objects with
-    # Python references there, and destroying them then aborts the process now and then ("terminate called without
-    # an active exception", after the summary; pytorch/pytorch#179291), failing a run that succeeded.
+def exit_without_finalization() -> None:
+    """Leaves a finished rank with status 0 without interpreter finalization. gloo's worker threads can still hold
+    work objects with Python references there, and destroying them then aborts the process now and then ("terminate
+    called without an active exception", after all output; pytorch/pytorch#179291), failing a run that succeeded.
+    Used by this script and by the benchmarks' DeepSpeed workers that load it."""
     sys.stdout.flush()
     sys.stderr.flush()
     if "mpi4py.MPI" in sys.modules:  # under mpirun, a rank that exits without MPI_Finalize fails the job
         sys.modules["mpi4py.MPI"].Finalize()
     os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
+    exit_without_finalization()
