@@ -324,50 +324,6 @@ __attribute__((target("avx2"))) inline __m256i narrow_to_bytes(__m256i w0, __m25
   return _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-// The INT4 or INT2 codes of one scale group of scale > 0 (encode_block's loop) with AVX2 where the CPU has it: the
-// operations of dgc::encode_value in its order, each an IEEE operation of the same rounding (the division, round half
-// to even or floor, the clamp, the decoded value, the residual a[x] - decoded), 32 values a step, one code byte each
-// (INT2: bit 7 set for a non-zero value, as encode_block). GCC's own vectorization of encode_value spilled registers
-// and blended per lane: a dense INT4 row of 16M elements took 26 ms with it, 19 ms with this loop (docs/kernels.md).
-// Returns the count of values done (a multiple of 32), and in *zeros INT2's zero values among them (for the mixed-group
-// flag, counted from the zero mark's compare); the caller codes the rest.
-template <int F>
-__attribute__((target("avx2"))) int64_t encode_group_avx2(float* __restrict a, uint8_t* __restrict codes, int64_t len,
-                                                          float scale, int64_t* zeros) {
-  static_assert(F == dgc::kInt4 || F == dgc::kInt2, "INT4 and INT2 only");
-  const __m256 s = _mm256_set1_ps(scale);
-  const __m256 lo = _mm256_set1_ps(F == dgc::kInt4 ? -dgc::kInt4Qmax : -2.0f);
-  const __m256 hi = _mm256_set1_ps(F == dgc::kInt4 ? dgc::kInt4Qmax : 1.0f);
-  const __m256 half = _mm256_set1_ps(0.5f), zero = _mm256_setzero_ps();
-  const __m256i offset = _mm256_set1_epi32(F == dgc::kInt4 ? dgc::kInt4Offset : 2), mark = _mm256_set1_epi32(0x80);
-  int64_t x = 0, nonzero = 0;
-  for (; x + 32 <= len; x += 32) {
-    __m256i w[4];
-    for (int k = 0; k < 4; ++k) {
-      const __m256 v = _mm256_loadu_ps(a + x + 8 * k);
-      __m256 q, decoded;
-      if constexpr (F == dgc::kInt4) {
-        q = _mm256_round_ps(_mm256_div_ps(v, s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        q = _mm256_min_ps(hi, _mm256_max_ps(lo, q));  // NaN kept, as the scalar clamp
-        decoded = _mm256_mul_ps(q, s);
-        w[k] = _mm256_add_epi32(_mm256_cvttps_epi32(q), offset);
-      } else {
-        q = _mm256_floor_ps(_mm256_add_ps(_mm256_sub_ps(_mm256_div_ps(v, s), half), half));
-        q = _mm256_min_ps(hi, _mm256_max_ps(lo, q));  // NaN kept, as the scalar clamp
-        const __m256 nz = _mm256_cmp_ps(v, zero, _CMP_NEQ_OQ);
-        decoded = _mm256_and_ps(_mm256_mul_ps(_mm256_add_ps(q, half), s), nz);  // +0 for a zero value
-        w[k] = _mm256_or_si256(_mm256_add_epi32(_mm256_cvttps_epi32(q), offset),
-                               _mm256_and_si256(_mm256_castps_si256(nz), mark));
-        nonzero += __builtin_popcount(static_cast<unsigned>(_mm256_movemask_ps(nz)));
-      }
-      _mm256_storeu_ps(a + x + 8 * k, _mm256_sub_ps(v, decoded));
-    }
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + x), narrow_to_bytes(w[0], w[1], w[2], w[3]));
-  }
-  *zeros = F == dgc::kInt2 ? x - nonzero : 0;  // INT2: zero values among the x done (INT4 does not count them)
-  return x;
-}
-
 // 8 int32 lanes of bits v
 __attribute__((target("avx2"))) inline __m256i u32(uint32_t v) { return _mm256_set1_epi32(static_cast<int32_t>(v)); }
 
@@ -419,57 +375,101 @@ __attribute__((target("avx2"))) inline __m256i fp8_code_unit_avx2(__m256 x, uint
                          _mm256_srli_epi32(sign, 24));
 }
 
-// encode_block's FP8 loops over one scale group of scale > 0 with AVX2 where the CPU has it: codes of a[x] / scale
-// and a[x] -= unit(code) * scale, each lane the same operations as the scalar loops. Returns the count done (a
-// multiple of 32); the caller codes the rest. `sat` is e4m3_saturated_code() (e4m3 only).
+// The codes of 8 values v of a scale group of scale s > 0 in int32 lanes ([0, 255]; INT2 and INT1: bit 7 set for
+// a non-zero value, as encode_block), and in *decoded the values they decode to (dgc::encode_value's, each lane the
+// same IEEE operations in the same order: the division, round half to even or floor, the clamp, the decode). INT1
+// needs no division (the sign and the scale) and takes any scale. `sat`: e4m3_saturated_code() (FP8 e4m3 only).
 template <int F>
-__attribute__((target("avx2"))) int64_t encode_fp8_group_avx2(float* __restrict a, uint8_t* __restrict codes,
-                                                              int64_t len, float scale, uint8_t sat) {
-  constexpr int E = F == dgc::kFp8E4M3 ? 4 : 5, M = F == dgc::kFp8E4M3 ? 3 : 2;
+__attribute__((target("avx2"))) inline __m256i code8_avx2(__m256 v, __m256 s, uint8_t sat, __m256* decoded) {
+  const __m256 half = _mm256_set1_ps(0.5f), zero = _mm256_setzero_ps();
+  if constexpr (F == dgc::kInt4) {
+    const __m256 q = _mm256_min_ps(_mm256_set1_ps(dgc::kInt4Qmax), _mm256_max_ps(_mm256_set1_ps(-dgc::kInt4Qmax),
+        _mm256_round_ps(_mm256_div_ps(v, s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));  // NaN kept
+    *decoded = _mm256_mul_ps(q, s);
+    return _mm256_add_epi32(_mm256_cvttps_epi32(q), u32(dgc::kInt4Offset));
+  } else if constexpr (F == dgc::kInt2) {
+    const __m256 q = _mm256_min_ps(_mm256_set1_ps(1.0f), _mm256_max_ps(_mm256_set1_ps(-2.0f),
+        _mm256_floor_ps(_mm256_add_ps(_mm256_sub_ps(_mm256_div_ps(v, s), half), half))));  // NaN kept
+    const __m256 nz = _mm256_cmp_ps(v, zero, _CMP_NEQ_OQ);
+    *decoded = _mm256_and_ps(_mm256_mul_ps(_mm256_add_ps(q, half), s), nz);  // +0 for a zero value
+    return _mm256_or_si256(_mm256_add_epi32(_mm256_cvttps_epi32(q), u32(2)),
+                           _mm256_and_si256(_mm256_castps_si256(nz), u32(0x80)));
+  } else if constexpr (F == dgc::kInt1) {  // +-s by the sign (v >= 0: +s, -0 included), +0 for a zero value
+    const __m256 pos = _mm256_cmp_ps(v, zero, _CMP_GE_OQ), nz = _mm256_cmp_ps(v, zero, _CMP_NEQ_UQ);
+    *decoded = _mm256_and_ps(_mm256_blendv_ps(_mm256_sub_ps(zero, s), s, pos), nz);
+    return _mm256_or_si256(_mm256_and_si256(_mm256_castps_si256(pos), u32(1)),
+                           _mm256_and_si256(_mm256_castps_si256(nz), u32(0x80)));
+  } else {
+    constexpr int E = F == dgc::kFp8E4M3 ? 4 : 5, M = F == dgc::kFp8E4M3 ? 3 : 2;
+    __m256 unit;
+    const __m256i code = fp8_code_unit_avx2<E, M>(_mm256_div_ps(v, s), sat, &unit);
+    *decoded = _mm256_mul_ps(unit, s);
+    return code;
+  }
+}
+
+// The codes of one scale group of scale > 0 (encode_block's loop) with AVX2 where the CPU has it, 32 values a step
+// (code8_avx2): a[x] -= what each code decodes to (the new residual), one code byte each into codes. GCC's own
+// vectorization of encode_value spilled registers and blended per lane: a dense INT4 row of 16M elements took 26 ms
+// with it, 19 ms with this loop (docs/kernels.md). Returns the count of values done (a multiple of 32), and in *zeros
+// the zero values among them (counted from INT2/INT1's non-zero marks; 0 for the others); the caller codes the rest.
+template <int F>
+__attribute__((target("avx2"))) int64_t encode_group_avx2(float* __restrict a, uint8_t* __restrict codes, int64_t len,
+                                                          float scale, uint8_t sat, int64_t* zeros) {
   const __m256 s = _mm256_set1_ps(scale);
-  int64_t x = 0;
+  int64_t x = 0, nonzero = 0;
   for (; x + 32 <= len; x += 32) {
     __m256i w[4];
     for (int k = 0; k < 4; ++k) {
       const __m256 v = _mm256_loadu_ps(a + x + 8 * k);
-      __m256 unit;
-      w[k] = fp8_code_unit_avx2<E, M>(_mm256_div_ps(v, s), sat, &unit);
-      _mm256_storeu_ps(a + x + 8 * k, _mm256_sub_ps(v, _mm256_mul_ps(unit, s)));
+      __m256 decoded;
+      w[k] = code8_avx2<F>(v, s, sat, &decoded);
+      _mm256_storeu_ps(a + x + 8 * k, _mm256_sub_ps(v, decoded));
+      if (dgc::zero_masked(F)) nonzero += __builtin_popcount(mask_of(_mm256_slli_epi32(w[k], 24)));
     }
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + x), narrow_to_bytes(w[0], w[1], w[2], w[3]));
   }
+  *zeros = dgc::zero_masked(F) ? x - nonzero : 0;
   return x;
 }
 
-// pack_piece's loop with AVX2 where the CPU has it, 32 codes a step (whole bytes of every width); returns the count
-// done (a multiple of 32). Each step: the marks are the bytes' top bits (one movemask); INT4 pairs c0 + 16 c1 and
-// INT2 quadruples c0 + 4 c1 + 16 c2 + 64 c3 are multiply-adds of the masked codes (u8 x s8 into 16 bits, then 16 x
-// 16 into 32 bits), narrowed to bytes; INT1's bits are the codes' bit 0 moved to bit 7, then one movemask.
+// 32 one-byte codes v (the code in the low bits, bit 7 INT2/INT1's non-zero mark) packed as pack_piece packs them, with
+// AVX2: into packed[0, 4 BITS) and, where `nonzero` is given, the marks into nonzero[0, 4). The marks are the bytes'
+// top bits (one movemask); INT4 pairs c0 + 16 c1 and INT2 quadruples c0 + 4 c1 + 16 c2 + 64 c3 are multiply-adds of
+// the masked codes (u8 x s8 into 16 bits, then 16 x 16 into 32 bits), narrowed to bytes; INT1's bits are the codes'
+// bit 0 moved to bit 7, then one movemask.
+template <int BITS>
+__attribute__((target("avx2"))) inline void pack32_avx2(__m256i v, uint8_t* __restrict packed,
+                                                        uint8_t* __restrict nonzero) {
+  if (nonzero) {
+    const uint32_t marks = static_cast<uint32_t>(_mm256_movemask_epi8(v));
+    std::memcpy(nonzero, &marks, 4);
+  }
+  if constexpr (BITS == 4) {
+    const __m256i w = _mm256_maddubs_epi16(_mm256_and_si256(v, _mm256_set1_epi8(0x0F)), _mm256_set1_epi16(0x1001));
+    const __m256i b = _mm256_permute4x64_epi64(_mm256_packus_epi16(w, w), 0x08);  // each half's 8 bytes
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(packed), _mm256_castsi256_si128(b));
+  } else if constexpr (BITS == 2) {
+    const __m256i w = _mm256_maddubs_epi16(_mm256_and_si256(v, _mm256_set1_epi8(0x03)), _mm256_set1_epi16(0x0401));
+    const __m256i d = _mm256_madd_epi16(w, _mm256_set1_epi32(0x00100001));  // one packed byte per int32 lane
+    const __m256i b = _mm256_packus_epi16(_mm256_packs_epi32(d, d), _mm256_setzero_si256());
+    const __m256i q = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(packed), _mm256_castsi256_si128(q));
+  } else {
+    const uint32_t bits = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_slli_epi16(v, 7)));
+    std::memcpy(packed, &bits, 4);
+  }
+}
+
+// pack_piece's loop with AVX2 where the CPU has it, 32 codes a step (pack32_avx2); returns the count done (a multiple
+// of 32).
 template <int BITS>
 __attribute__((target("avx2"))) int64_t pack_piece_avx2(const uint8_t* __restrict c, int64_t n,
                                                          uint8_t* __restrict packed, uint8_t* __restrict nonzero) {
   int64_t x = 0;
-  for (; x + 32 <= n; x += 32) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + x));
-    if (nonzero) {
-      const uint32_t marks = static_cast<uint32_t>(_mm256_movemask_epi8(v));
-      std::memcpy(nonzero + x / 8, &marks, 4);
-    }
-    if constexpr (BITS == 4) {
-      const __m256i w = _mm256_maddubs_epi16(_mm256_and_si256(v, _mm256_set1_epi8(0x0F)), _mm256_set1_epi16(0x1001));
-      const __m256i b = _mm256_permute4x64_epi64(_mm256_packus_epi16(w, w), 0x08);  // each half's 8 bytes
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(packed + x / 2), _mm256_castsi256_si128(b));
-    } else if constexpr (BITS == 2) {
-      const __m256i w = _mm256_maddubs_epi16(_mm256_and_si256(v, _mm256_set1_epi8(0x03)), _mm256_set1_epi16(0x0401));
-      const __m256i d = _mm256_madd_epi16(w, _mm256_set1_epi32(0x00100001));  // one packed byte per int32 lane
-      const __m256i b = _mm256_packus_epi16(_mm256_packs_epi32(d, d), _mm256_setzero_si256());
-      const __m256i q = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0));
-      _mm_storel_epi64(reinterpret_cast<__m128i*>(packed + x / 4), _mm256_castsi256_si128(q));
-    } else {
-      const uint32_t bits = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_slli_epi16(v, 7)));
-      std::memcpy(packed + x / 8, &bits, 4);
-    }
-  }
+  for (; x + 32 <= n; x += 32)
+    pack32_avx2<BITS>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + x)), packed + x * BITS / 8,
+                      nonzero ? nonzero + x / 8 : nullptr);
   return x;
 }
 
@@ -478,6 +478,16 @@ __attribute__((target("avx2"))) inline __m256 load8(const float* v) { return _mm
 __attribute__((target("avx2"))) inline __m256 load8(const c10::BFloat16* v) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// acc of 8 elements as accumulate_block computes them, each lane one IEEE operation at a time: s * inverse (Mode 1)
+// or s / divisor (Mode 2) or s (Mode 0), then + res where there is one
+template <int Mode, typename T>
+__attribute__((target("avx2"))) inline __m256 acc8_avx2(const T* s, const float* res, __m256 vinv, __m256 vd) {
+  __m256 a = load8(s);
+  if (Mode == 1) a = _mm256_mul_ps(a, vinv);
+  if (Mode == 2) a = _mm256_div_ps(a, vd);
+  return res ? _mm256_add_ps(a, _mm256_loadu_ps(res)) : a;
 }
 
 // The INT8 or FP8 e4m3 weight codes of one group of scale > 0 (quantize_weight_groups' loop: dgc::encode_weight of
@@ -547,19 +557,8 @@ __attribute__((target("avx2"))) int64_t accumulate_compact_avx2(const T* __restr
     const __m256i finite_max = _mm256_set1_epi32(0x7F7FFFFF);  // FLT_MAX's bits: above it Inf and NaN
     const __m256 vinv = _mm256_set1_ps(inv), vd = _mm256_set1_ps(d);
     for (; x + 16 <= len; x += 16) {
-      __m256 a0 = load8(s + x), a1 = load8(s + x + 8);
-      if (Mode == 1) {
-        a0 = _mm256_mul_ps(a0, vinv);
-        a1 = _mm256_mul_ps(a1, vinv);
-      }
-      if (Mode == 2) {
-        a0 = _mm256_div_ps(a0, vd);
-        a1 = _mm256_div_ps(a1, vd);
-      }
-      if (res) {
-        a0 = _mm256_add_ps(a0, _mm256_loadu_ps(res + x));
-        a1 = _mm256_add_ps(a1, _mm256_loadu_ps(res + x + 8));
-      }
+      const __m256 a0 = acc8_avx2<Mode>(s + x, res ? res + x : nullptr, vinv, vd);
+      const __m256 a1 = acc8_avx2<Mode>(s + x + 8, res ? res + x + 8 : nullptr, vinv, vd);
       _mm256_stream_ps(dst + x, a0);
       _mm256_stream_ps(dst + x + 8, a1);
       // magnitudes' bits: against FLT_MAX's (non-finite) and thr's (kept), two signed compares each (all in [0, 2^31))
@@ -586,12 +585,10 @@ inline void compact_at_least_avx2(const float* a, int64_t len, float thr, int64_
 inline void stream_copy(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
 inline void stream_fence() {}
 template <int F>
-inline int64_t encode_group_avx2(float*, uint8_t*, int64_t, float, int64_t* zeros) {
+inline int64_t encode_group_avx2(float*, uint8_t*, int64_t, float, uint8_t, int64_t* zeros) {
   *zeros = 0;
   return 0;
 }
-template <int F>
-inline int64_t encode_fp8_group_avx2(float*, uint8_t*, int64_t, float, uint8_t) { return 0; }
 template <int W, typename T>
 inline int64_t weight_codes_avx2(const T*, uint8_t*, int64_t, float, uint8_t) { return 0; }
 template <int BITS>
@@ -730,8 +727,9 @@ DGC_SIMD_CLONES void encode_block(float* __restrict a, int64_t len, int64_t j0, 
     } else if constexpr (F == dgc::kFp8E4M3 || F == dgc::kFp8E5M2) {
       // the AVX2 coder where it runs; the rest (or all, without AVX2): codes, then what they decode to, with selects,
       // in two loops that each vectorize (GCC gives up on one)
+      int64_t zeros = 0;  // not counted for FP8
       const int64_t done =
-          kHaveAvx2 && scale > 0.0f ? g0 + encode_fp8_group_avx2<F>(a + g0, codes + g0, g1 - g0, scale, sat) : g0;
+          kHaveAvx2 && scale > 0.0f ? g0 + encode_group_avx2<F>(a + g0, codes + g0, g1 - g0, scale, sat, &zeros) : g0;
       for (int64_t y = done; y < g1; ++y) {
         const float x = dgc::divide_by_scale(a[y], scale);
         codes[y] = F == dgc::kFp8E4M3 ? dgc::fp8_e4m3_code(x, sat) : dgc::fp8_e5m2_code(x);
@@ -741,7 +739,7 @@ DGC_SIMD_CLONES void encode_block(float* __restrict a, int64_t len, int64_t j0, 
     } else {
       int64_t zeros = 0;
       const int64_t done =
-          kHaveAvx2 && scale > 0.0f ? g0 + encode_group_avx2<F>(a + g0, codes + g0, g1 - g0, scale, &zeros) : g0;
+          kHaveAvx2 && scale > 0.0f ? g0 + encode_group_avx2<F>(a + g0, codes + g0, g1 - g0, scale, sat, &zeros) : g0;
       for (int64_t y = done; y < g1; ++y) {
         const float v = a[y];
         uint8_t c;
@@ -797,6 +795,137 @@ void copy_packed(const uint8_t* src, int64_t n_bits, int shift, uint8_t* dst) {
   });
 }
 
+#ifdef DGC_X86_AVX2_PATHS
+// the largest of 8 int32 lanes
+__attribute__((target("avx2"))) inline int32_t hmax_epi32(__m256i v) {
+  __m128i m = _mm_max_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  m = _mm_max_epi32(m, _mm_shuffle_epi32(m, 0x4E));
+  return _mm_cvtsi128_si32(_mm_max_epi32(m, _mm_shuffle_epi32(m, 0xB1)));
+}
+
+// acc of n elements (the operations of accumulate_block: s * inverse or s / divisor, then + res) into buf, with AVX2,
+// n a multiple of gs and gs of 16; per scale group k of gs elements, gmax[k] = the largest of its magnitudes' bits
+// (an integer max: above FLT_MAX's 0x7F7FFFFF only where an acc is not finite, else the bits of its absmax) and,
+// where Masked (INT2, INT1), gnz[k] = its count of non-zero values.
+template <typename T, int Mode, bool Masked>  // Mode 0: s, 1: s * inverse, 2: s / divisor
+__attribute__((target("avx2"))) void accumulate_groups_avx2(const T* __restrict s, const float* __restrict res,
+                                                            const Params& p, float* __restrict buf, int64_t n,
+                                                            int64_t gs, int32_t* gmax, int32_t* gnz) {
+  const __m256 vinv = _mm256_set1_ps(p.inverse), vd = _mm256_set1_ps(p.divisor), zero = _mm256_setzero_ps();
+  const __m256i abs_bits = u32(0x7FFFFFFF);
+  for (int64_t k = 0, x = 0; x < n; ++k) {
+    __m256i m0 = _mm256_setzero_si256(), m1 = _mm256_setzero_si256();
+    int32_t nz = 0;
+    for (const int64_t end = x + gs; x < end; x += 16) {
+      const __m256 a0 = acc8_avx2<Mode>(s + x, res ? res + x : nullptr, vinv, vd);
+      const __m256 a1 = acc8_avx2<Mode>(s + x + 8, res ? res + x + 8 : nullptr, vinv, vd);
+      _mm256_storeu_ps(buf + x, a0);
+      _mm256_storeu_ps(buf + x + 8, a1);
+      m0 = _mm256_max_epi32(m0, _mm256_and_si256(_mm256_castps_si256(a0), abs_bits));
+      m1 = _mm256_max_epi32(m1, _mm256_and_si256(_mm256_castps_si256(a1), abs_bits));
+      if (Masked)
+        nz += __builtin_popcount(static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(a0, zero, _CMP_NEQ_UQ))) |
+                                 static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(a1, zero, _CMP_NEQ_UQ))) << 8);
+    }
+    gmax[k] = hmax_epi32(_mm256_max_epi32(m0, m1));
+    if (Masked) gnz[k] = nz;
+  }
+}
+
+// Codes the n values of buf (n a multiple of gs, gs of 32; columns j0 + x of a row sent whole, j0 a multiple of gs)
+// as encode_block codes them, from accumulate_groups_avx2's statistics of their finite values: each group's scale
+// into dst.gscale (and INT2/INT1's mixed flag into dst.gmixed), the codes into dst.codes (FP8: a byte each; else
+// packed, with INT2/INT1's non-zero marks into dst.nonzero) and the new residual (acc - decoded) into res[0, n), with
+// non-temporal stores where `stream` (res 32-byte aligned). A group of scale <= 0 (all zeros) takes encode_value.
+template <int F>
+__attribute__((target("avx2"))) void code_groups_avx2(const float* __restrict buf, int64_t n, int64_t gs, int64_t j0,
+                                                      const int32_t* gmax, const int32_t* gnz, float* __restrict res,
+                                                      bool stream, Kept& dst) {
+  constexpr bool masked = F == dgc::kInt2 || F == dgc::kInt1;
+  constexpr int bits = dgc::format_bits(F);
+  const uint8_t sat = dgc::e4m3_saturated_code();
+  float sums[kPiece / 32];  // INT1: the magnitude sums of the piece's groups, in value order (group_mag_sums)
+  const int64_t summed = F == dgc::kInt1 ? group_mag_sums(buf, n, gs, sums) : 0;
+  for (int64_t x = 0, k = 0, g = j0 / gs; x < n; ++k, ++g) {
+    float mag_sum = 0.0f;
+    if (F == dgc::kInt1 && k < summed) mag_sum = sums[k];
+    else if (F == dgc::kInt1)
+      for (int64_t y = x; y < x + gs; ++y) mag_sum += std::fabs(buf[y]);
+    const int64_t nonzero = masked ? gnz[k] : gs;
+    const float scale = dgc::group_scale(F, dgc::f32_from_bits(static_cast<uint32_t>(gmax[k])), mag_sum,
+                                         static_cast<float>(nonzero));
+    dst.gscale[g] = scale;
+    if (masked) dst.gmixed[g] = nonzero < gs && scale > 0.0f;
+    const __m256 s = _mm256_set1_ps(scale);
+    for (const int64_t end = x + gs; x < end; x += 32) {
+      __m256i w[4];
+      if (F == dgc::kInt1 || scale > 0.0f) {
+        for (int l = 0; l < 4; ++l) {
+          const __m256 v = _mm256_loadu_ps(buf + x + 8 * l);
+          __m256 decoded;
+          w[l] = code8_avx2<F>(v, s, sat, &decoded);
+          const __m256 r = _mm256_sub_ps(v, decoded);
+          if (stream) _mm256_stream_ps(res + x + 8 * l, r);
+          else _mm256_storeu_ps(res + x + 8 * l, r);
+        }
+      } else {  // an all-zero group
+        alignas(32) int32_t c32[32];
+        for (int y = 0; y < 32; ++y) {
+          const float v = buf[x + y];
+          uint8_t c;
+          res[x + y] = v - dgc::encode_value(F, v, scale, &c);
+          c32[y] = masked ? (c | ((v != 0.0f) << 7)) : c;
+        }
+        for (int l = 0; l < 4; ++l) w[l] = _mm256_load_si256(reinterpret_cast<const __m256i*>(c32 + 8 * l));
+      }
+      const __m256i b = narrow_to_bytes(w[0], w[1], w[2], w[3]);
+      if constexpr (bits == 8) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst.codes.get() + j0 + x), b);
+      else pack32_avx2<bits>(b, dst.codes.get() + (j0 + x) * bits / 8, masked ? dst.nonzero.get() + (j0 + x) / 8 : nullptr);
+    }
+  }
+}
+
+// A row sent whole's block [j0, j0 + len) in one pass with AVX2 (fp32 and bf16 sources, groups of a multiple of 32
+// values): per piece of whole scale groups, acc into an L1 buffer with each group's absmax (accumulate_groups_avx2),
+// then codes and the new residual straight into res (code_groups_avx2). Where accumulate_block, encode_block (its
+// absmax, zero counts, codes and packing passes) and stream_copy pass a piece through L1 five times or more, this
+// passes it twice. Returns the count of non-finite acc found (then nothing more is coded: the caller gives up the
+// bucket) and in *done the elements coded (whole groups; the caller codes the rest); -1 where it does not apply.
+template <typename T, int F>
+__attribute__((target("avx2"))) int64_t accumulate_encode_avx2(const T* __restrict s, const float* __restrict rs,
+                                                               const Params& p, float* __restrict res, int64_t len,
+                                                               int64_t j0, int64_t gs, float* buf, Kept& dst,
+                                                               int64_t* done) {
+  if constexpr (!std::is_same<T, float>::value && !std::is_same<T, c10::BFloat16>::value) {
+    return -1;
+  } else {
+    if (gs % 32 != 0) return -1;
+    constexpr bool masked = F == dgc::kInt2 || F == dgc::kInt1;
+    const int64_t piece = std::max(kPiece, gs), whole = len / gs * gs;
+    const bool stream = (reinterpret_cast<uintptr_t>(res) & 31) == 0;
+    int32_t gmax[kPiece / 32], gnz[kPiece / 32];
+    for (int64_t x0 = 0; x0 < whole; x0 += piece) {
+      const int64_t n = std::min(piece, whole - x0);
+      const T* sx = s + x0;
+      const float* rx = rs ? rs + x0 : nullptr;
+      if (!p.divide) accumulate_groups_avx2<T, 0, masked>(sx, rx, p, buf, n, gs, gmax, gnz);
+      else if (p.inverse != 0.0f) accumulate_groups_avx2<T, 1, masked>(sx, rx, p, buf, n, gs, gmax, gnz);
+      else accumulate_groups_avx2<T, 2, masked>(sx, rx, p, buf, n, gs, gmax, gnz);
+      if (*std::max_element(gmax, gmax + n / gs) > 0x7F7FFFFF) return 1;  // not finite: the bucket is given up
+      code_groups_avx2<F>(buf, n, gs, j0 + x0, gmax, gnz, res + x0, stream, dst);
+    }
+    *done = whole;
+    return 0;
+  }
+}
+#else
+template <typename T, int F>
+inline int64_t accumulate_encode_avx2(const T*, const float*, const Params&, float*, int64_t, int64_t, int64_t,
+                                      float*, Kept&, int64_t*) {
+  return -1;
+}
+#endif
+
 // The dense pass over one block: acc, residual write (acc), compaction of |acc| >= thr.
 // With `direct` (every element kept): acc goes straight to direct[j0, j1), nothing is compacted; and with
 // `pre` (set for rows whose out.pre is on) the block is coded at once (encode_block) where it is finite.
@@ -829,9 +958,29 @@ int64_t dense_block(const Spec& t, const Params& p, int64_t r, int64_t j0, int64
       return bad;
     }
   }
-  if (stream) scratch.resize(piece);
-  int64_t nonfinite = 0;
-  for (int64_t x0 = 0; x0 < len; x0 += piece) {
+  if (stream || (direct && pre)) scratch.resize(piece);
+  int64_t nonfinite = 0, x_start = 0;
+  if (kHaveAvx2 && direct && pre) {  // a row sent whole: whole groups in one pass (fp32 and bf16 sources)
+    const T* s = static_cast<const T*>(t.src) + t.offset + r * t.stride + j0;
+    const float* rs = t.residual ? t.residual + r * t.c + j0 : nullptr;
+    const int64_t gs = pre->group_size;
+    float* buf = scratch.data();
+    int64_t bad;
+    switch (pre->fmt) {
+      case dgc::kInt4: bad = accumulate_encode_avx2<T, dgc::kInt4>(s, rs, p, a, len, j0, gs, buf, out, &x_start); break;
+      case dgc::kInt2: bad = accumulate_encode_avx2<T, dgc::kInt2>(s, rs, p, a, len, j0, gs, buf, out, &x_start); break;
+      case dgc::kInt1: bad = accumulate_encode_avx2<T, dgc::kInt1>(s, rs, p, a, len, j0, gs, buf, out, &x_start); break;
+      case dgc::kFp8E4M3:
+        bad = accumulate_encode_avx2<T, dgc::kFp8E4M3>(s, rs, p, a, len, j0, gs, buf, out, &x_start);
+        break;
+      default: bad = accumulate_encode_avx2<T, dgc::kFp8E5M2>(s, rs, p, a, len, j0, gs, buf, out, &x_start); break;
+    }
+    if (bad > 0) {
+      stream_fence();
+      return bad;
+    }
+  }
+  for (int64_t x0 = x_start; x0 < len; x0 += piece) {
     const int64_t n = std::min(piece, len - x0);
     float* v = stream ? scratch.data() : a + x0;
     const int64_t bad = accumulate_block<T>(t, p, r, j0 + x0, j0 + x0 + n, v);

@@ -420,6 +420,22 @@ def test_non_finite_sends_nothing(fused):
     assert all(p.numel() == 20 for p in fu.payloads)  # header only
 
 
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", ["int4", "int1"])
+def test_non_finite_in_a_row_sent_whole_sends_nothing(fused, bad, dtype, fmt):
+    """A row sent whole is accumulated and coded in one pass from groups of 32 values or more; a NaN or an infinity
+    anywhere in it (here in a random group of a tensor sent whole beside a sparse one) makes both send nothing."""
+    seed = int(torch.randint(0, 1 << 30, ()))
+    job = make_job([40_000, 9_000], 2, dtype=dtype, density=0.05, group_size=128, value_format=fmt, seed=seed,
+                   min_numel=10_000)
+    assert job.sparse == [True, False]
+    job.srcs[1][int(torch.randint(0, 9_000, (), generator=torch.Generator().manual_seed(seed)))] = bad
+    ref, fu = REFERENCE.compress(job), fused.compress(job)
+    assert_same(ref, fu)
+    assert not fu.finite and fu.kept == 0 and fu.residuals is None
+
+
 def test_topk_threshold_binding(fused):
     g = torch.Generator().manual_seed(3)
     for n, k in ((5000, 50), (100_000, 1000), (3000, 2999)):
@@ -620,7 +636,7 @@ def test_rows_sent_whole_code_every_value_class_as_the_reference(fused, fmt, gro
     x = torch.cat([x, torch.randn(n - x.numel(), generator=g).clamp(-(top or 4.0), top or 4.0)])[:n]
     if top is not None:
         x[::group_size] = torch.where(torch.arange(x[::group_size].numel()) % 2 == 0, top, -top)
-    x[group_size:2 * group_size] = 0.0  # an all-zero group (scale 0)
+    x[group_size:2 * group_size] = torch.where(torch.rand(group_size, generator=g) < 0.5, 0.0, -0.0)  # scale 0
     job = make_job([n], 1, density=1.0, value_format=fmt, group_size=group_size, min_numel=10**9, seed=seed)
     job.srcs[0].copy_(x)
     job.residuals[0].fill_(-0.0)  # acc = src + (-0) is src exactly, -0 included (a +0 residual would make it +0)
