@@ -1293,8 +1293,8 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
   //    groups and the varint positions of the sparse tensors.
   const bool masked = dgc::zero_masked(fmt);
   const int bits = dgc::format_bits(fmt);
-  struct Group {  // 32 bytes (a row's values and mask bits fit the int32 header: checked before the groups are made)
-    int32_t r, i, x0, x1, v0, mb0;  // row, tensor, kept range [x0, x1) of kept[i][r], first value, first mask bit
+  struct Group {  // 24 bytes (a row's values fit the int32 header: checked before the groups are made)
+    int32_t i, x0, x1, v0;  // tensor, kept range [x0, x1) of kept[i][r], first value in the row
     float scale;
     bool mixed;
   };
@@ -1327,51 +1327,57 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
                 " does not fit the int32 header (", n_kept[r], " values)");
   }
   first_group[R] = seg_start[R * T] = total_groups;
-  std::unique_ptr<Group[]> groups(new Group[std::max<int64_t>(total_groups, 1)]);  // each written below
-  at::parallel_for(0, total_groups, 4096, [&](int64_t b, int64_t e) {
-    // the segment of group b (the last of equal starts: empty segments start where the next one does)
+  // fn(sg, g0, g1) for the groups [g0, g1) of [b, e), one segment sg at a time (empty segments skipped)
+  auto for_segments = [&](int64_t b, int64_t e, auto&& fn) {
     int64_t sg = std::upper_bound(seg_start.begin(), seg_start.end(), b) - seg_start.begin() - 1;
-    int64_t r = sg / static_cast<int64_t>(T), i = sg % static_cast<int64_t>(T);  // again only where sg moves on
-    for (int64_t gi = b; gi < e; ++gi) {
-      if (gi >= seg_start[sg + 1]) {
-        while (gi >= seg_start[sg + 1]) ++sg;
-        r = sg / static_cast<int64_t>(T);
-        i = sg % static_cast<int64_t>(T);
-      }
-      const int64_t g0 = (gi - seg_start[sg]) * group_size;
-      groups[gi] = {static_cast<int32_t>(r), static_cast<int32_t>(i), static_cast<int32_t>(g0),
-                    static_cast<int32_t>(std::min(g0 + group_size, kept[i][r].size())),
-                    static_cast<int32_t>(seg_v0[sg] + g0), 0, 0.0f, false};
+    for (int64_t gi = b; gi < e;) {
+      while (gi >= seg_start[sg + 1]) ++sg;
+      const int64_t g1 = std::min(e, seg_start[sg + 1]);
+      fn(sg, gi, g1);
+      gi = g1;
     }
-  });
+  };
+  auto kept_of = [&](int64_t sg) -> Kept& { return kept[sg % static_cast<int64_t>(T)][sg / static_cast<int64_t>(T)]; };
+  // A record for each group of the segments the dense pass did not code (its statistics and scale made here); the
+  // groups of rows sent whole (pre) keep theirs in kept[i][r].gscale and gmixed and are handled a segment at a time
+  std::unique_ptr<Group[]> groups(new Group[std::max<int64_t>(total_groups, 1)]);  // those records written below
   at::parallel_for(0, total_groups, 256, [&](int64_t b, int64_t e) {
-    for (int64_t gi = b; gi < e; ++gi) {
-      Group& gr = groups[gi];
-      const Kept& kr = kept[gr.i][gr.r];
-      if (kr.pre) {  // coded by the dense pass
-        gr.scale = kr.gscale[gr.x0 / group_size];
-        gr.mixed = kr.gmixed[gr.x0 / group_size] != 0;
-        continue;
-      }
+    for_segments(b, e, [&](int64_t sg, int64_t g0, int64_t g1) {
+      const Kept& kr = kept_of(sg);
+      if (kr.pre) return;
       const float* acc = kr.values();
-      float absmax = 0.0f, mag_sum = 0.0f, nonzero = 0.0f;
-      bool has_zero = false;
-      for (int64_t x = gr.x0; x < gr.x1; ++x) {
-        const float mag = std::fabs(acc[x]);
-        absmax = std::max(absmax, mag);
-        mag_sum += mag;
-        nonzero += mag > 0.0f;
-        has_zero |= acc[x] == 0.0f;
+      for (int64_t gi = g0; gi < g1; ++gi) {
+        const int64_t x0 = (gi - seg_start[sg]) * group_size, x1 = std::min(x0 + group_size, kr.size());
+        float absmax = 0.0f, mag_sum = 0.0f, nonzero = 0.0f;
+        bool has_zero = false;
+        for (int64_t x = x0; x < x1; ++x) {
+          const float mag = std::fabs(acc[x]);
+          absmax = std::max(absmax, mag);
+          mag_sum += mag;
+          nonzero += mag > 0.0f;
+          has_zero |= acc[x] == 0.0f;
+        }
+        const float scale = dgc::group_scale(static_cast<int>(fmt), absmax, mag_sum, nonzero);
+        groups[gi] = {static_cast<int32_t>(sg % static_cast<int64_t>(T)), static_cast<int32_t>(x0),
+                      static_cast<int32_t>(x1), static_cast<int32_t>(seg_v0[sg] + x0), scale,
+                      masked && has_zero && scale > 0.0f};
       }
-      gr.scale = dgc::group_scale(static_cast<int>(fmt), absmax, mag_sum, nonzero);
-      gr.mixed = masked && has_zero && gr.scale > 0.0f;
-    }
+    });
   });
-  for (int64_t r = 0; r < R && masked; ++r)  // where each mixed group's bits start in its row's zero bitmap
-    for (int64_t gi = first_group[r]; gi < first_group[r + 1]; ++gi) {
-      groups[gi].mb0 = static_cast<int32_t>(mask_bits[r]);
-      if (groups[gi].mixed) mask_bits[r] += groups[gi].x1 - groups[gi].x0;
+  // fn(i, x0, x1) for each mixed group of row r in the row's order: the values [x0, x1) of kept[i][r]
+  auto each_mixed = [&](int64_t r, auto&& fn) {
+    for (size_t i = 0; i < T; ++i) {
+      const int64_t sg = r * static_cast<int64_t>(T) + static_cast<int64_t>(i);
+      const Kept& kr = kept[i][r];
+      for (int64_t gi = seg_start[sg]; gi < seg_start[sg + 1]; ++gi) {
+        const int64_t k = gi - seg_start[sg];
+        if (kr.pre ? kr.gmixed[k] != 0 : groups[gi].mixed)
+          fn(i, k * group_size, std::min((k + 1) * group_size, kr.size()));
+      }
     }
+  };
+  for (int64_t r = 0; r < R && masked; ++r)  // the bits of each row's zero bitmap
+    each_mixed(r, [&](size_t, int64_t x0, int64_t x1) { mask_bits[r] += x1 - x0; });
   std::vector<at::Tensor> payloads;
   std::vector<int64_t> scale_words(R);
   std::vector<uint8_t*> bases(R);
@@ -1405,20 +1411,19 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
   at::parallel_for(0, R, 1, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       uint8_t* mask = reinterpret_cast<uint8_t*>(scales_of(r) + n_groups[r]);  // after the scales
-      for (int64_t gi = first_group[r]; gi < first_group[r + 1]; ++gi) {
-        const Group& gr = groups[gi];
-        if (!gr.mixed) continue;
-        const Kept& kr = kept[gr.i][r];
-        if (kr.pre) {
-          const uint8_t* nz = kr.nonzero.get();
-          for (int64_t x = gr.x0, mb = gr.mb0; x < gr.x1; ++x, ++mb)
-            mask[mb >> 3] |= static_cast<uint8_t>(((nz[x >> 3] >> (x & 7)) & 1) << (mb & 7));
-          continue;
-        }
-        const float* acc = kr.values();
-        for (int64_t x = gr.x0, mb = gr.mb0; x < gr.x1; ++x, ++mb)
-          mask[mb >> 3] |= static_cast<uint8_t>((acc[x] != 0.0f) << (mb & 7));
-      }
+      int64_t mb = 0;  // the next bit of the row's bitmap
+      if (masked)
+        each_mixed(r, [&](size_t i, int64_t x0, int64_t x1) {
+          const Kept& kr = kept[i][r];
+          if (kr.pre) {
+            const uint8_t* nz = kr.nonzero.get();
+            for (int64_t x = x0; x < x1; ++x, ++mb)
+              mask[mb >> 3] |= static_cast<uint8_t>(((nz[x >> 3] >> (x & 7)) & 1) << (mb & 7));
+            return;
+          }
+          const float* acc = kr.values();
+          for (int64_t x = x0; x < x1; ++x, ++mb) mask[mb >> 3] |= static_cast<uint8_t>((acc[x] != 0.0f) << (mb & 7));
+        });
       uint8_t* index = values_of(r) + dgc::packed_bytes(n_kept[r], fmt);
       uint8_t* const index_end = index + n_index[r];
       int64_t prev = -1;
@@ -1459,33 +1464,40 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
     constexpr int F = decltype(fmt_tag)::value;
     const int64_t grain = std::max<int64_t>(1, kBlock / group_size);
     at::parallel_for(0, total_groups, grain, [&](int64_t b, int64_t e) {
-      for (int64_t gi = b; gi < e; ++gi) {
-        const Group& gr = groups[gi];
-        const int64_t r = gr.r;
-        scales_of(r)[gi - first_group[r]] = gr.mixed ? -gr.scale : gr.scale;
-        const Kept& kr = kept[gr.i][r];
-        const Spec& t = specs[gr.i];
-        const float* acc = kr.values();
-        if (kr.pre) {  // codes made by the dense pass, residual written there too; 8-bit ones (FP8: no zero mark)
-          if (bits == 8 && kr.codes.get() + gr.x0 != values_of(r) + gr.v0)  // are copied here (unless made in
-            std::memcpy(values_of(r) + gr.v0, kr.codes.get() + gr.x0, gr.x1 - gr.x0);  // place), narrower packed below
-          continue;
+      for_segments(b, e, [&](int64_t sg, int64_t g0, int64_t g1) {
+        const int64_t r = sg / static_cast<int64_t>(T);
+        float* scales = scales_of(r) + (g0 - first_group[r]);
+        const Kept& kr = kept_of(sg);
+        if (kr.pre) {  // codes made by the dense pass, residual written there too: only the scales, signed, and the
+          const int64_t k0 = g0 - seg_start[sg];  // 8-bit codes (FP8: no zero mark) where not made in place (the
+          for (int64_t k = k0; k < k0 + (g1 - g0); ++k)  // narrower ones are packed below)
+            scales[k - k0] = kr.gmixed[k] ? -kr.gscale[k] : kr.gscale[k];
+          const int64_t x0 = k0 * group_size, x1 = std::min((k0 + (g1 - g0)) * group_size, kr.size());
+          if (bits == 8 && kr.codes.get() + x0 != values_of(r) + seg_v0[sg] + x0)
+            std::memcpy(values_of(r) + seg_v0[sg] + x0, kr.codes.get() + x0, x1 - x0);
+          return;
         }
-        uint8_t* codes = (bits < 8 ? scratch[r].get() : values_of(r)) + gr.v0 - gr.x0;
-        float* res = t.residual_out ? t.residual_out + r * t.c : nullptr;
-        const float scale = gr.scale;
-        if (res && kr.all)  // columns are x: a loop without indirection
-          for (int64_t x = gr.x0; x < gr.x1; ++x) {
-            const float a = acc[x];
-            res[x] = a - dgc::encode_value(F, a, scale, codes + x);
-          }
-        else
-          for (int64_t x = gr.x0; x < gr.x1; ++x) {
-            const float a = acc[x];
-            const float decoded = dgc::encode_value(F, a, scale, codes + x);
-            if (res) res[kr.col(x)] = a - decoded;
-          }
-      }
+        for (int64_t gi = g0; gi < g1; ++gi) {
+          const Group& gr = groups[gi];
+          scales[gi - g0] = gr.mixed ? -gr.scale : gr.scale;
+          const Spec& t = specs[gr.i];
+          const float* acc = kr.values();
+          uint8_t* codes = (bits < 8 ? scratch[r].get() : values_of(r)) + gr.v0 - gr.x0;
+          float* res = t.residual_out ? t.residual_out + r * t.c : nullptr;
+          const float scale = gr.scale;
+          if (res && kr.all)  // columns are x: a loop without indirection
+            for (int64_t x = gr.x0; x < gr.x1; ++x) {
+              const float a = acc[x];
+              res[x] = a - dgc::encode_value(F, a, scale, codes + x);
+            }
+          else
+            for (int64_t x = gr.x0; x < gr.x1; ++x) {
+              const float a = acc[x];
+              const float decoded = dgc::encode_value(F, a, scale, codes + x);
+              if (res) res[kr.col(x)] = a - decoded;
+            }
+        }
+      });
     });
   };
   switch (fmt) {
