@@ -947,6 +947,11 @@ int64_t dense_block(const Spec& t, const Params& p, int64_t r, int64_t j0, int64
   // pieces of whole scale groups when coding (the group size divides kBlock, so it is a power of two)
   const int64_t piece = pre ? std::max<int64_t>(kPiece, pre->group_size) : kPiece;
   const bool stream = kHaveAvx2 && res != nullptr && a == res;
+  if (!direct && t.m > 0) {  // room for 1.5 times the block's expected share of the k kept, so that appending
+    const int64_t expect = static_cast<int64_t>(1.5 * static_cast<double>(t.k) / t.m * len) + 64;  // seldom grows
+    out.j.reserve(out.j.size() + expect);
+    out.acc.reserve(out.acc.size() + expect);
+  }
   if (stream && !direct) {  // a sparse row into the new residual: one loop (fp32 and bf16 sources)
     const T* s = static_cast<const T*>(t.src) + t.offset + r * t.stride + j0;
     const float* rs = t.residual ? t.residual + r * t.c + j0 : nullptr;
