@@ -333,6 +333,22 @@ __attribute__((target("avx2"))) inline __m256i u32(uint32_t v) { return _mm256_s
 // below the smallest normal, c10's magic-number sum less the magic number, exact), so the unit costs no decode. The
 // rare vectors holding a magnitude past that (e4m3 above 464, e5m2 from 61440, NaN: saturated, infinite or NaN codes)
 // take the scalar functions lane by lane.
+// fp8_code_unit_avx2's lanes one at a time by the scalar functions (the rare vectors holding a magnitude past the
+// format's largest finite value), out of line so that the vector path stays small where it is inlined
+template <int E, int M>
+__attribute__((target("avx2"), noinline, cold)) __m256i fp8_code_unit_scalar(__m256 x, uint8_t sat, __m256* unit) {
+  alignas(32) float in[8], units[8];
+  alignas(32) int32_t codes[8];
+  _mm256_store_ps(in, x);
+  for (int l = 0; l < 8; ++l) {
+    const uint8_t c = E == 4 ? dgc::fp8_e4m3_code(in[l], sat) : dgc::fp8_e5m2_code(in[l]);
+    codes[l] = c;
+    units[l] = dgc::fp8_unit<E, M>(c);
+  }
+  *unit = _mm256_load_ps(units);
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(codes));
+}
+
 template <int E, int M>
 __attribute__((target("avx2"))) inline __m256i fp8_code_unit_avx2(__m256 x, uint8_t sat, __m256* unit) {
   constexpr int bias = (1 << (E - 1)) - 1;
@@ -354,18 +370,7 @@ __attribute__((target("avx2"))) inline __m256i fp8_code_unit_avx2(__m256 x, uint
     *unit = _mm256_castsi256_ps(_mm256_or_si256(norm_unit, sign));
     return _mm256_or_si256(norm_code, _mm256_srli_epi32(sign, 24));
   }
-  if (!_mm256_testz_si256(over, _mm256_set1_epi32(-1))) {
-    alignas(32) float in[8], units[8];
-    alignas(32) int32_t codes[8];
-    _mm256_store_ps(in, x);
-    for (int l = 0; l < 8; ++l) {
-      const uint8_t c = E == 4 ? dgc::fp8_e4m3_code(in[l], sat) : dgc::fp8_e5m2_code(in[l]);
-      codes[l] = c;
-      units[l] = dgc::fp8_unit<E, M>(c);
-    }
-    *unit = _mm256_load_ps(units);
-    return _mm256_load_si256(reinterpret_cast<const __m256i*>(codes));
-  }
+  if (!_mm256_testz_si256(over, _mm256_set1_epi32(-1))) return fp8_code_unit_scalar<E, M>(x, sat, unit);
   const __m256 magic = _mm256_castsi256_ps(u32(denorm_mask));
   const __m256 den_sum = _mm256_add_ps(_mm256_castsi256_ps(mag), magic);
   const __m256i den_code = _mm256_sub_epi32(_mm256_castps_si256(den_sum), u32(denorm_mask));
@@ -408,8 +413,24 @@ __attribute__((target("avx2"))) inline __m256i code8_avx2(__m256 v, __m256 s, ui
   }
 }
 
+// The codes of the 32 values v[0, 32) of a scale group of scale s > 0 (code8_avx2) as 32 bytes in value order, and
+// v[x] - what each code decodes to (the new residual) into res[0, 32): with non-temporal stores where Stream (res
+// 32-byte aligned), else plain ones (res may be v).
+template <int F, bool Stream>
+__attribute__((target("avx2"))) inline __m256i code32_avx2(const float* v, __m256 s, uint8_t sat, float* res) {
+  __m256i w[4];
+  for (int l = 0; l < 4; ++l) {
+    const __m256 x = _mm256_loadu_ps(v + 8 * l);
+    __m256 decoded;
+    w[l] = code8_avx2<F>(x, s, sat, &decoded);
+    if (Stream) _mm256_stream_ps(res + 8 * l, _mm256_sub_ps(x, decoded));
+    else _mm256_storeu_ps(res + 8 * l, _mm256_sub_ps(x, decoded));
+  }
+  return narrow_to_bytes(w[0], w[1], w[2], w[3]);
+}
+
 // The codes of one scale group of scale > 0 (encode_block's loop) with AVX2 where the CPU has it, 32 values a step
-// (code8_avx2): a[x] -= what each code decodes to (the new residual), one code byte each into codes. GCC's own
+// (code32_avx2): a[x] -= what each code decodes to (the new residual), one code byte each into codes. GCC's own
 // vectorization of encode_value spilled registers and blended per lane: a dense INT4 row of 16M elements took 26 ms
 // with it, 19 ms with this loop (docs/kernels.md). Returns the count of values done (a multiple of 32), and in *zeros
 // the zero values among them (counted from INT2/INT1's non-zero marks; 0 for the others); the caller codes the rest.
@@ -419,15 +440,9 @@ __attribute__((target("avx2"))) int64_t encode_group_avx2(float* __restrict a, u
   const __m256 s = _mm256_set1_ps(scale);
   int64_t x = 0, nonzero = 0;
   for (; x + 32 <= len; x += 32) {
-    __m256i w[4];
-    for (int k = 0; k < 4; ++k) {
-      const __m256 v = _mm256_loadu_ps(a + x + 8 * k);
-      __m256 decoded;
-      w[k] = code8_avx2<F>(v, s, sat, &decoded);
-      _mm256_storeu_ps(a + x + 8 * k, _mm256_sub_ps(v, decoded));
-      if (dgc::zero_masked(F)) nonzero += __builtin_popcount(mask_of(_mm256_slli_epi32(w[k], 24)));
-    }
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + x), narrow_to_bytes(w[0], w[1], w[2], w[3]));
+    const __m256i b = code32_avx2<F, false>(a + x, s, sat, a + x);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + x), b);
+    if (dgc::zero_masked(F)) nonzero += __builtin_popcount(static_cast<uint32_t>(_mm256_movemask_epi8(b)));
   }
   *zeros = dgc::zero_masked(F) ? x - nonzero : 0;
   return x;
@@ -832,6 +847,15 @@ __attribute__((target("avx2"))) void accumulate_groups_avx2(const T* __restrict 
   }
 }
 
+// The 32 code bytes b of values j .. j + 31 of a row sent whole (j a multiple of 32) where encode_block puts them:
+// FP8's as they are into dst.codes, narrower ones packed (with INT2/INT1's non-zero marks into dst.nonzero)
+template <int F>
+__attribute__((target("avx2"))) inline void put_codes_avx2(__m256i b, int64_t j, Kept& dst) {
+  constexpr int bits = dgc::format_bits(F);
+  if constexpr (bits == 8) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst.codes.get() + j), b);
+  else pack32_avx2<bits>(b, dst.codes.get() + j * bits / 8, dgc::zero_masked(F) ? dst.nonzero.get() + j / 8 : nullptr);
+}
+
 // Codes the n values of buf (n a multiple of gs, gs of 32; columns j0 + x of a row sent whole, j0 a multiple of gs)
 // as encode_block codes them, from accumulate_groups_avx2's statistics of their finite values: each group's scale
 // into dst.gscale (and INT2/INT1's mixed flag into dst.gmixed), the codes into dst.codes (FP8: a byte each; else
@@ -842,7 +866,6 @@ __attribute__((target("avx2"))) void code_groups_avx2(const float* __restrict bu
                                                       const int32_t* gmax, const int32_t* gnz, float* __restrict res,
                                                       bool stream, Kept& dst) {
   constexpr bool masked = F == dgc::kInt2 || F == dgc::kInt1;
-  constexpr int bits = dgc::format_bits(F);
   const uint8_t sat = dgc::e4m3_saturated_code();
   float sums[kPiece / 32];  // INT1: the magnitude sums of the piece's groups, in value order (group_mag_sums)
   const int64_t summed = F == dgc::kInt1 ? group_mag_sums(buf, n, gs, sums) : 0;
@@ -857,31 +880,22 @@ __attribute__((target("avx2"))) void code_groups_avx2(const float* __restrict bu
     dst.gscale[g] = scale;
     if (masked) dst.gmixed[g] = nonzero < gs && scale > 0.0f;
     const __m256 s = _mm256_set1_ps(scale);
-    for (const int64_t end = x + gs; x < end; x += 32) {
-      __m256i w[4];
-      if (F == dgc::kInt1 || scale > 0.0f) {
-        for (int l = 0; l < 4; ++l) {
-          const __m256 v = _mm256_loadu_ps(buf + x + 8 * l);
-          __m256 decoded;
-          w[l] = code8_avx2<F>(v, s, sat, &decoded);
-          const __m256 r = _mm256_sub_ps(v, decoded);
-          if (stream) _mm256_stream_ps(res + x + 8 * l, r);
-          else _mm256_storeu_ps(res + x + 8 * l, r);
-        }
-      } else {  // an all-zero group
-        alignas(32) int32_t c32[32];
+    const int64_t end = x + gs;
+    if ((F == dgc::kInt1 || scale > 0.0f) && stream)
+      for (; x < end; x += 32) put_codes_avx2<F>(code32_avx2<F, true>(buf + x, s, sat, res + x), j0 + x, dst);
+    else if (F == dgc::kInt1 || scale > 0.0f)
+      for (; x < end; x += 32) put_codes_avx2<F>(code32_avx2<F, false>(buf + x, s, sat, res + x), j0 + x, dst);
+    else  // an all-zero group
+      for (; x < end; x += 32) {
+        alignas(32) uint8_t c32[32];
         for (int y = 0; y < 32; ++y) {
           const float v = buf[x + y];
           uint8_t c;
           res[x + y] = v - dgc::encode_value(F, v, scale, &c);
-          c32[y] = masked ? (c | ((v != 0.0f) << 7)) : c;
+          c32[y] = masked ? static_cast<uint8_t>(c | ((v != 0.0f) << 7)) : c;
         }
-        for (int l = 0; l < 4; ++l) w[l] = _mm256_load_si256(reinterpret_cast<const __m256i*>(c32 + 8 * l));
+        put_codes_avx2<F>(_mm256_load_si256(reinterpret_cast<const __m256i*>(c32)), j0 + x, dst);
       }
-      const __m256i b = narrow_to_bytes(w[0], w[1], w[2], w[3]);
-      if constexpr (bits == 8) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst.codes.get() + j0 + x), b);
-      else pack32_avx2<bits>(b, dst.codes.get() + (j0 + x) * bits / 8, masked ? dst.nonzero.get() + (j0 + x) / 8 : nullptr);
-    }
   }
 }
 

@@ -648,6 +648,24 @@ def test_rows_sent_whole_code_every_value_class_as_the_reference(fused, fmt, gro
         assert scales[1] == 0.0 and (scales[0] == 1.0) and (scales[2:] == 1.0).all()
 
 
+@pytest.mark.parametrize("fmt", ["int4"] + OTHER_FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rows_sent_whole_with_zeros_from_every_source_dtype(fused, fmt, dtype):
+    """fp32 and bf16 rows sent whole take the one-pass coder, fp16 ones the three steps (accumulate, encode_block,
+    pack); both from groups of 32 and 128 values where about a third of the values are exact zeros (INT2's and
+    INT1's mixed groups and zero bitmaps), some groups all zeros. The same payload bytes and residual bits as the
+    reference."""
+    seed = int(torch.randint(0, 1 << 30, ()))
+    g = torch.Generator().manual_seed(seed)
+    for group_size in (32, 128):
+        job = make_job([5000, 70_001], 2, dtype=dtype, density=1.0, value_format=fmt, group_size=group_size,
+                       seed=seed, residual=False, min_numel=10**9)
+        for src in job.srcs:
+            src[torch.rand(src.numel(), generator=g) < 0.3] = 0.0
+            src[group_size:3 * group_size] = 0.0
+        assert_same(REFERENCE.compress(job), fused.compress(job))
+
+
 def _code_of_quotient(fmt, t):
     """INT4's or INT2's code (as a signed level) of quotients ``t`` (fp32), as formats.quantize_values takes it."""
     if fmt == "int4":
