@@ -327,12 +327,6 @@ __attribute__((target("avx2"))) inline __m256i narrow_to_bytes(__m256i w0, __m25
 // 8 int32 lanes of bits v
 __attribute__((target("avx2"))) inline __m256i u32(uint32_t v) { return _mm256_set1_epi32(static_cast<int32_t>(v)); }
 
-// dgc::fp8_e4m3_code / fp8_e5m2_code of 8 values (E exponent, M mantissa bits) with AVX2, in int32 lanes ([0, 255]),
-// and in *unit the value each code decodes to at scale 1 (dgc::fp8_unit): below the format's largest finite value the
-// rounded magnitude's fp32 bits are the code's value (the cut-off bits cleared after the round-to-nearest-even carry;
-// below the smallest normal, c10's magic-number sum less the magic number, exact), so the unit costs no decode. The
-// rare vectors holding a magnitude past that (e4m3 above 464, e5m2 from 61440, NaN: saturated, infinite or NaN codes)
-// take the scalar functions lane by lane.
 // fp8_code_unit_avx2's lanes one at a time by the scalar functions (the rare vectors holding a magnitude past the
 // format's largest finite value), out of line so that the vector path stays small where it is inlined
 template <int E, int M>
@@ -349,6 +343,12 @@ __attribute__((target("avx2"), noinline, cold)) __m256i fp8_code_unit_scalar(__m
   return _mm256_load_si256(reinterpret_cast<const __m256i*>(codes));
 }
 
+// dgc::fp8_e4m3_code / fp8_e5m2_code of 8 values (E exponent, M mantissa bits) with AVX2, in int32 lanes ([0, 255]),
+// and in *unit the value each code decodes to at scale 1 (dgc::fp8_unit): below the format's largest finite value the
+// rounded magnitude's fp32 bits are the code's value (the cut-off bits cleared after the round-to-nearest-even carry;
+// below the smallest normal, c10's magic-number sum less the magic number, exact), so the unit costs no decode. The
+// rare vectors holding a magnitude past that (e4m3 above 464, e5m2 from 61440, NaN: saturated, infinite or NaN codes)
+// take the scalar functions lane by lane.
 template <int E, int M>
 __attribute__((target("avx2"))) inline __m256i fp8_code_unit_avx2(__m256 x, uint8_t sat, __m256* unit) {
   constexpr int bias = (1 << (E - 1)) - 1;
@@ -925,9 +925,13 @@ __attribute__((target("avx2"))) int64_t accumulate_encode_avx2(const T* __restri
       if (!p.divide) accumulate_groups_avx2<T, 0, masked>(sx, rx, p, buf, n, gs, gmax, gnz);
       else if (p.inverse != 0.0f) accumulate_groups_avx2<T, 1, masked>(sx, rx, p, buf, n, gs, gmax, gnz);
       else accumulate_groups_avx2<T, 2, masked>(sx, rx, p, buf, n, gs, gmax, gnz);
-      if (*std::max_element(gmax, gmax + n / gs) > 0x7F7FFFFF) return 1;  // not finite: the bucket is given up
+      if (*std::max_element(gmax, gmax + n / gs) > 0x7F7FFFFF) {  // not finite: the bucket is given up
+        _mm_sfence();
+        return 1;
+      }
       code_groups_avx2<F>(buf, n, gs, j0 + x0, gmax, gnz, res + x0, stream, dst);
     }
+    _mm_sfence();  // the streamed residual is seen by every thread after it
     *done = whole;
     return 0;
   }
