@@ -970,9 +970,9 @@ int64_t dense_block(const Spec& t, const Params& p, int64_t r, int64_t j0, int64
     out.j.reserve(out.j.size() + expect);
     out.acc.reserve(out.acc.size() + expect);
   }
+  const T* s = static_cast<const T*>(t.src) + t.offset + r * t.stride + j0;  // the block's sources and residual
+  const float* rs = t.residual ? t.residual + r * t.c + j0 : nullptr;
   if (stream && !direct) {  // a sparse row into the new residual: one loop (fp32 and bf16 sources)
-    const T* s = static_cast<const T*>(t.src) + t.offset + r * t.stride + j0;
-    const float* rs = t.residual ? t.residual + r * t.c + j0 : nullptr;
     const int64_t bad = !p.divide ? accumulate_compact_avx2<T, 0>(s, rs, p, a, len, thr, j0, out)
                         : p.inverse != 0.0f ? accumulate_compact_avx2<T, 1>(s, rs, p, a, len, thr, j0, out)
                                             : accumulate_compact_avx2<T, 2>(s, rs, p, a, len, thr, j0, out);
@@ -984,8 +984,6 @@ int64_t dense_block(const Spec& t, const Params& p, int64_t r, int64_t j0, int64
   if (stream || (direct && pre)) scratch.resize(piece);
   int64_t nonfinite = 0, x_start = 0;
   if (kHaveAvx2 && direct && pre) {  // a row sent whole: whole groups in one pass (fp32 and bf16 sources)
-    const T* s = static_cast<const T*>(t.src) + t.offset + r * t.stride + j0;
-    const float* rs = t.residual ? t.residual + r * t.c + j0 : nullptr;
     const int64_t gs = pre->group_size;
     float* buf = scratch.data();
     int64_t bad;
@@ -998,10 +996,7 @@ int64_t dense_block(const Spec& t, const Params& p, int64_t r, int64_t j0, int64
         break;
       default: bad = accumulate_encode_avx2<T, dgc::kFp8E5M2>(s, rs, p, a, len, j0, gs, buf, out, &x_start); break;
     }
-    if (bad > 0) {
-      stream_fence();
-      return bad;
-    }
+    if (bad > 0) return bad;  // (its streamed stores fenced)
   }
   for (int64_t x0 = x_start; x0 < len; x0 += piece) {
     const int64_t n = std::min(piece, len - x0);
@@ -1137,12 +1132,12 @@ float topk_threshold(at::Tensor mag, int64_t k, at::Tensor sample) {
   return thr;
 }
 
-// acc = src / divisor + residual (the divisor holds the world size and the loss scale: everything here is in
-// unscaled units). fixed[i] not < 0 (a NaN too, which keeps nothing): tensor i (if sparse) keeps |acc| >= fixed[i]
-// instead of estimating a threshold from its sample, without DGC's corrections. reuse: the fixed thresholds are top-k thresholds of an earlier step
-// (Ok-Topk's threshold reuse): they apply only where k < m, and more than 1.3 k kept still becomes the k largest.
-// Returns the payloads, the new residuals, finiteness, the kept count and, per tensor, the threshold that selected
-// it (-1: every real element was kept).
+// acc = src / divisor + residual (the divisor holds the world size and the loss scale: everything here is in unscaled
+// units). fixed[i] not < 0 (a NaN too, which keeps nothing): tensor i (if sparse) keeps |acc| >= fixed[i] instead of
+// estimating a threshold from its sample, without DGC's corrections. reuse: the fixed thresholds are top-k thresholds
+// of an earlier step (Ok-Topk's threshold reuse): they apply only where k < m, and more than 1.3 k kept still becomes
+// the k largest. Returns the payloads, the new residuals, finiteness, the kept count and, per tensor, the threshold
+// that selected it (-1: every real element was kept).
 std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std::vector<double>> compress_bucket(
     std::vector<at::Tensor> srcs, std::vector<int64_t> offsets, std::vector<int64_t> strides,
     std::vector<at::Tensor> residuals, std::vector<int64_t> residual_numels, std::vector<int64_t> numels,
