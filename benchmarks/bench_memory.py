@@ -195,7 +195,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.worker_config:
         worker(args)
-        from train_char_gpt import exit_without_finalization
+        from deepspeed_dgc.comm.communicators import exit_without_finalization
         exit_without_finalization()  # gloo's teardown at exit can abort a rank whose record is written
     if args.steps < 1:
         ap.error("--steps must be >= 1")

@@ -27,6 +27,8 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import train_char_gpt as job  # noqa: E402  (the model, data and evaluation of the main job)
 
+from deepspeed_dgc.comm.communicators import exit_without_finalization  # noqa: E402
+
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -146,4 +148,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    job.exit_without_finalization()  # gloo's teardown at exit can abort a finished rank
+    exit_without_finalization()  # gloo's teardown at exit can abort a finished rank

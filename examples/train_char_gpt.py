@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 try:
     import deepspeed_dgc  # importing activates the DGC extension for deepspeed.initialize
+    from deepspeed_dgc.comm.communicators import exit_without_finalization
     from deepspeed_dgc.syncs import HostSyncCounter
 except ImportError as exc:
     sys.exit(f"train_char_gpt.py: cannot import deepspeed_dgc ({exc}). "
@@ -480,18 +481,6 @@ def main() -> None:
     # a process: "terminate called without an active exception")
     dist.barrier()
     dist.destroy_process_group()
-
-
-def exit_without_finalization() -> None:
-    """Leaves a finished rank with status 0 without interpreter finalization. gloo's worker threads can still hold
-    work objects with Python references there, and destroying them then aborts the process now and then ("terminate
-    called without an active exception", after all output; pytorch/pytorch#179291), failing a run that succeeded.
-    Used by this script and by the benchmarks' DeepSpeed workers that load it."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if "mpi4py.MPI" in sys.modules:  # under mpirun, a rank that exits without MPI_Finalize fails the job
-        sys.modules["mpi4py.MPI"].Finalize()
-    os._exit(0)
 
 
 if __name__ == "__main__":

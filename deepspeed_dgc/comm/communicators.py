@@ -19,6 +19,8 @@ at once on the host), and NCCL's watchdog aborts a collective that outlives the 
 
 import ctypes
 import datetime
+import os
+import sys
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -392,3 +394,16 @@ def check_mpi_world() -> Optional[str]:
                 "start the job with mpirun (or the deepspeed launcher with --launcher openmpi) so that "
                 "MPI and torch see the same ranks")
     return None
+
+
+def exit_without_finalization() -> None:
+    """Leaves a finished rank with status 0 at once, without interpreter finalization (stdout and stderr flushed,
+    and MPI finalized where mpi4py is loaded: under mpirun a rank that exits without MPI_Finalize fails the job).
+    gloo's worker threads can still hold work objects with Python references at finalization, and destroying them
+    then aborts the process now and then ("terminate called without an active exception", after all output;
+    pytorch/pytorch#179291), failing a run that succeeded. Call it last, after every result is written."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if "mpi4py.MPI" in sys.modules:
+        sys.modules["mpi4py.MPI"].Finalize()
+    os._exit(0)
