@@ -47,6 +47,7 @@ namespace {
 
 constexpr int64_t kBlock = 1 << 15;  // elements per task of the dense pass
 constexpr int64_t kPiece = 1 << 10;  // elements the dense pass carries from one step to the next in L1
+constexpr int64_t kBinnedAtLeast = 4096;  // values from which a k-th largest is found by bins
 constexpr int64_t kAhead = 128;      // samples ahead whose lines the threshold sample's loop prefetches
 constexpr double kUpperSlack = 1.3;
 constexpr double kLowerSlack = 0.8;
@@ -101,31 +102,38 @@ inline void dispatch_dtype(at::ScalarType dtype, F&& f) {
   }
 }
 
-// k-th largest of v (1-based), as torch.topk(v, k).values.min(). Magnitudes (sign bits clear, no NaN) take a radix
-// select: a histogram of the top 12 bits (sign, exponent, 3 mantissa bits; the bits of floats >= +0 order as their
-// values) finds the bin that holds the k-th largest, and nth_element runs on that bin only (about 10x faster than
-// nth_element on all of 168K sampled magnitudes); anything else, or few values, takes nth_element on all of v.
+// Magnitude bins for the radix select: the top 12 bits of a float (sign, exponent, 3 mantissa bits; the bits of
+// floats >= +0 order as their values)
+constexpr int kBinShift = 20;
+using Bins = std::vector<int64_t>;
+
+// The k-th largest (1-based) of magnitudes v (sign bits clear, no NaN) from hist, v's count per bin: the bin that
+// holds it, then nth_element on that bin's values only (about 10x faster than nth_element on all of 168K sampled
+// magnitudes).
+float kth_in_bins(const std::vector<float>& v, int64_t k, const Bins& hist) {
+  int64_t above = 0, bin = static_cast<int64_t>(hist.size()) - 1;
+  for (; bin > 0 && above + hist[bin] < k; --bin) above += hist[bin];
+  std::vector<float> in_bin;
+  in_bin.reserve(hist[bin]);
+  for (float x : v)
+    if ((dgc::f32_bits(x) >> kBinShift) == static_cast<uint32_t>(bin)) in_bin.push_back(x);
+  std::nth_element(in_bin.begin(), in_bin.begin() + (k - above - 1), in_bin.end(), std::greater<float>());
+  return in_bin[k - above - 1];
+}
+
+// k-th largest of v (1-based), as torch.topk(v, k).values.min(). Magnitudes take kth_in_bins; anything else, or few
+// values, takes nth_element on all of v.
 float kth_largest(std::vector<float>& v, int64_t k) {
-  constexpr int kShift = 20;
   const int64_t n = static_cast<int64_t>(v.size());
-  if (n >= 4096) {
-    std::vector<int64_t> hist(int64_t(1) << (32 - kShift), 0);
+  if (n >= kBinnedAtLeast) {
+    Bins hist(int64_t(1) << (32 - kBinShift), 0);
     uint32_t any_sign_or_nan = 0;
     for (float x : v) {
       const uint32_t b = dgc::f32_bits(x);
       any_sign_or_nan |= (b >> 31) | (b > UINT32_C(0x7F800000));
-      ++hist[b >> kShift];
+      ++hist[b >> kBinShift];
     }
-    if (!any_sign_or_nan) {
-      int64_t above = 0, bin = static_cast<int64_t>(hist.size()) - 1;
-      for (; bin > 0 && above + hist[bin] < k; --bin) above += hist[bin];
-      std::vector<float> in_bin;
-      in_bin.reserve(hist[bin]);
-      for (float x : v)
-        if ((dgc::f32_bits(x) >> kShift) == static_cast<uint32_t>(bin)) in_bin.push_back(x);
-      std::nth_element(in_bin.begin(), in_bin.begin() + (k - above - 1), in_bin.end(), std::greater<float>());
-      return in_bin[k - above - 1];
-    }
+    if (!any_sign_or_nan) return kth_in_bins(v, k, hist);
   }
   std::nth_element(v.begin(), v.begin() + (k - 1), v.end(), std::greater<float>());
   return v[k - 1];
@@ -230,44 +238,78 @@ DGC_SIMD_CLONES int64_t accumulate_block(const Spec& t, const Params& p, int64_t
   return nonfinite;
 }
 
-// |acc| of every sampled real element (or of all real elements). A run of consecutive positions within one row is
-// accumulated by one accumulate_block call (vectorized; the samples of large tensors come in runs of 16).
-std::vector<float> sample_magnitudes(const Spec& t, const Params& p) {
-  int64_t ns = t.sample ? t.n_sample : t.m;
-  std::vector<float> out(ns);
+// A threshold sample: |acc| of every sampled real element (or of all real elements), the largest of their bits
+// (above FLT_MAX's: an Inf or NaN among them) and, from kBinnedAtLeast values on, their count per magnitude bin.
+struct Sample {
+  std::vector<float> mags;
+  uint32_t max_bits = 0;
+  Bins hist;
+};
+
+// The sample of tensor t, in one parallel pass. A run of consecutive positions within one row is accumulated by one
+// accumulate_block call (vectorized; the samples of large tensors come in runs of 16).
+// Throws std::out_of_range for a sampled position outside [0, t.m).
+Sample sample_magnitudes(const Spec& t, const Params& p) {
+  const int64_t ns = t.sample ? t.n_sample : t.m;
+  Sample out;
+  out.mags.resize(ns);
   const int64_t R = static_cast<int64_t>(t.real.size());
-  for (int64_t s = 0; s < ns; ++s)
-    if (t.sample && (t.sample[s] < 0 || t.sample[s] >= t.m)) throw std::out_of_range("dgc: sample index out of range");
+  // one chunk per thread, each with its own bins (merged after)
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (ns + 4095) / 4096));
+  const bool binned = ns >= kBinnedAtLeast;
+  std::vector<Bins> hists(chunks, Bins(binned ? int64_t(1) << (32 - kBinShift) : 0, 0));
+  std::vector<uint32_t> max_bits(chunks, 0);
   dispatch_dtype(t.dtype, [&](auto tag) {
     using T = decltype(tag);
     auto row_of = [&](int64_t idx) {
       return std::upper_bound(t.real_prefix.begin(), t.real_prefix.begin() + R, idx) - t.real_prefix.begin() - 1;
     };
-    at::parallel_for(0, ns, 4096, [&](int64_t b, int64_t e) {  // random reads: overlap their cache misses
-      for (int64_t s = b; s < e;) {
-        if (t.sample && s + kAhead < e) {  // the reads of a later sample started now: more misses in flight
-          const int64_t ahead = t.sample[s + kAhead], ra = row_of(ahead), ja = ahead - t.real_prefix[ra];
-          __builtin_prefetch(static_cast<const T*>(t.src) + t.offset + ra * t.stride + ja);
-          if (t.residual) __builtin_prefetch(t.residual + ra * t.c + ja);
+    at::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {  // random reads: overlap their cache misses
+      for (int64_t c = cb; c < ce; ++c) {
+        const int64_t b = ns * c / chunks, e = ns * (c + 1) / chunks;
+        float* mags = out.mags.data();
+        for (int64_t s = b; s < e;) {
+          if (t.sample && s + kAhead < e) {  // the reads of a later sample started now: more misses in flight
+            const int64_t ahead = t.sample[s + kAhead];
+            if (ahead >= 0 && ahead < t.m) {
+              const int64_t ra = row_of(ahead), ja = ahead - t.real_prefix[ra];
+              __builtin_prefetch(static_cast<const T*>(t.src) + t.offset + ra * t.stride + ja);
+              if (t.residual) __builtin_prefetch(t.residual + ra * t.c + ja);
+            }
+          }
+          const int64_t idx = t.sample ? t.sample[s] : s;
+          if (idx < 0 || idx >= t.m) throw std::out_of_range("dgc: sample index out of range");
+          const int64_t r = row_of(idx), j = idx - t.real_prefix[r];
+          // the run of consecutive positions from here within row r (sample_indices draws runs of 16 on large
+          // tensors): its acc as the dense pass computes it (the same numbers as acc_at), in one vectorized call
+          int64_t len = 1;
+          if (t.sample)
+            while (s + len < e && t.sample[s + len] == idx + len && j + len < t.real[r]) ++len;
+          else
+            len = std::min(e - s, t.real[r] - j);
+          if (len == 1) mags[s] = acc_at<T>(t, p, r, j);
+          else accumulate_block<T>(t, p, r, j, j + len, mags + s);
+          s += len;
         }
-        const int64_t idx = t.sample ? t.sample[s] : s, r = row_of(idx), j = idx - t.real_prefix[r];
-        // the run of consecutive positions from here within row r (sample_indices draws runs of 16 on large
-        // tensors): its acc as the dense pass computes it (the same numbers as acc_at), in one vectorized call
-        int64_t len = 1;
-        if (t.sample)
-          while (s + len < e && t.sample[s + len] == idx + len && j + len < t.real[r]) ++len;
-        else
-          len = std::min(e - s, t.real[r] - j);
-        if (len == 1) {
-          out[s] = std::fabs(acc_at<T>(t, p, r, j));
-        } else {
-          accumulate_block<T>(t, p, r, j, j + len, out.data() + s);
-          for (int64_t x = s; x < s + len; ++x) out[x] = std::fabs(out[x]);
+        uint32_t top = 0;
+        Bins& hist = hists[c];
+        for (int64_t s = b; s < e; ++s) {
+          const float m = std::fabs(mags[s]);
+          mags[s] = m;
+          const uint32_t bits = dgc::f32_bits(m);
+          top = std::max(top, bits);
+          if (binned) ++hist[bits >> kBinShift];
         }
-        s += len;
+        max_bits[c] = top;
       }
     });
   });
+  out.max_bits = *std::max_element(max_bits.begin(), max_bits.end());
+  if (binned) {
+    out.hist = std::move(hists[0]);
+    for (int64_t c = 1; c < chunks; ++c)
+      for (size_t x = 0; x < out.hist.size(); ++x) out.hist[x] += hists[c][x];
+  }
   return out;
 }
 
@@ -1259,15 +1301,15 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
       continue;
     }
     if (!t.sparse || t.k >= t.m) continue;
-    std::vector<float> mags = sample_magnitudes(t, p);
-    bool finite = std::all_of(mags.begin(), mags.end(), [](float v) { return std::isfinite(v); });
-    if (!finite) {
+    Sample smp = sample_magnitudes(t, p);
+    if (smp.max_bits > UINT32_C(0x7F7FFFFF)) {  // an Inf or NaN
       thr[i] = INFINITY;  // the dense pass finds the non-finite value and aborts
       continue;
     }
+    const int64_t n_sample = static_cast<int64_t>(smp.mags.size());
     int64_t ksample = std::max<int64_t>(
-        1, static_cast<int64_t>(std::ceil(static_cast<double>(static_cast<int64_t>(mags.size()) * t.k) / t.m)));
-    thr[i] = kth_largest(mags, ksample);
+        1, static_cast<int64_t>(std::ceil(static_cast<double>(n_sample * t.k) / t.m)));
+    thr[i] = smp.hist.empty() ? kth_largest(smp.mags, ksample) : kth_in_bins(smp.mags, ksample, smp.hist);
   }
 
   // 2. the dense pass: acc, new residual (acc), candidates |acc| >= thr
