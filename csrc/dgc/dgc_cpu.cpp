@@ -164,6 +164,7 @@ struct NoInit : std::allocator<V> {
 struct Kept {
   std::vector<int64_t, NoInit<int64_t>> j;
   std::vector<float, NoInit<float>> acc;
+  int64_t gap_bytes = 0;  // varint bytes of the gaps between consecutive columns of j (j[x] - j[x - 1] - 1, x >= 1)
   bool all = false;
   std::shared_ptr<float[]> whole;  // uninitialised: every element is written by the dense pass
   float* ext = nullptr;
@@ -178,6 +179,12 @@ struct Kept {
   std::shared_ptr<uint8_t[]> codes;
   std::shared_ptr<uint8_t[]> nonzero;
   int64_t size() const { return all ? n_all : static_cast<int64_t>(acc.size()); }
+  // appends column c, value a (c after the last column)
+  void push(int64_t c, float a) {
+    if (!j.empty()) gap_bytes += dgc::varint_length(static_cast<uint64_t>(c - j.back() - 1));
+    j.push_back(c);
+    acc.push_back(a);
+  }
   int64_t col(int64_t x) const { return all ? x : j[x]; }
   const float* values() const { return all ? ext : acc.data(); }
 };
@@ -316,8 +323,7 @@ Sample sample_magnitudes(const Spec& t, const Params& p) {
 // Appends column j0 + x and value a[x] to out if |a[x]| >= thr (never for a NaN).
 inline void keep_at_least(const float* a, int64_t x, float thr, int64_t j0, Kept& out) {
   if (std::fabs(a[x]) >= thr) {
-    out.j.push_back(j0 + x);
-    out.acc.push_back(a[x]);
+    out.push(j0 + x, a[x]);
   }
 }
 
@@ -645,8 +651,7 @@ __attribute__((target("avx2"))) int64_t accumulate_compact_avx2(const T* __restr
       uint32_t keep = (mask_of(_mm256_cmpgt_epi32(m0, below)) | mask_of(_mm256_cmpgt_epi32(m1, below)) << 8) & ~bad;
       for (; keep; keep &= keep - 1) {  // rare (about the density): acc again from the lines just read
         const int64_t y = x + __builtin_ctz(keep);
-        out.j.push_back(j0 + y);
-        out.acc.push_back(one(y));
+        out.push(j0 + y, one(y));
       }
     }
     for (; x < len; ++x) scalar(x);
@@ -1129,14 +1134,25 @@ int64_t dense_pass(std::vector<Spec>& specs, const Params& p, const std::vector<
   for (int64_t bad : nonfinite) total += bad;
   // each task's candidates appended to its destination's in task order: where each part goes, one resize per
   // destination, then the copies in parallel (a serial append of 168K candidates took 0.2-0.3 ms on 2 cores)
+  // (and the varint bytes of each destination's gaps: the parts' own, and those from one part's last column to the
+  // next part's first)
   std::vector<int64_t> at(tasks.size(), 0);
-  std::vector<std::vector<int64_t>> end(kept.size());
+  std::vector<std::vector<int64_t>> end(kept.size()), last(kept.size());
   for (size_t i = 0; i < kept.size(); ++i)
-    for (const Kept& dst : kept[i]) end[i].push_back(static_cast<int64_t>(dst.j.size()));
+    for (const Kept& dst : kept[i]) {
+      end[i].push_back(static_cast<int64_t>(dst.j.size()));
+      last[i].push_back(dst.j.empty() ? -1 : dst.j.back());
+    }
   for (size_t x = 0; x < tasks.size(); ++x) {
+    const Kept& part = parts[x];
+    Kept& dst = kept[tasks[x].i][tasks[x].r];
     int64_t& e = end[tasks[x].i][tasks[x].r];
     at[x] = e;
-    e += static_cast<int64_t>(parts[x].j.size());
+    if (dst.all || part.j.empty()) continue;
+    int64_t& prev = last[tasks[x].i][tasks[x].r];
+    dst.gap_bytes += part.gap_bytes + (e ? dgc::varint_length(static_cast<uint64_t>(part.j[0] - prev - 1)) : 0);
+    prev = part.j.back();
+    e += static_cast<int64_t>(part.j.size());
   }
   for (size_t i = 0; i < kept.size(); ++i)
     for (size_t r = 0; r < kept[i].size(); ++r)
@@ -1377,8 +1393,7 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
         Kept f;
         for (int64_t x = 0; x < kr.size(); ++x)
           if (std::fabs(kr.acc[x]) >= th) {
-            f.j.push_back(kr.col(x));
-            f.acc.push_back(kr.acc[x]);
+            f.push(kr.col(x), kr.acc[x]);
           }
         kr = std::move(f);
       }
@@ -1412,11 +1427,7 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
       n_kept[r] += cnt;
       if (specs[i].sparse && cnt > 0) {  // varint bytes of the gaps: the first from the row's previous position
         n_index[r] += dgc::varint_length(static_cast<uint64_t>(specs[i].col + kr.col(0) - prev - 1));
-        n_index[r] += at::parallel_reduce(1, cnt, kBlock, int64_t(0), [&](int64_t b, int64_t e, int64_t bytes) {
-          for (int64_t x = b; x < e; ++x)
-            bytes += dgc::varint_length(static_cast<uint64_t>(kr.col(x) - kr.col(x - 1) - 1));
-          return bytes;
-        }, std::plus<int64_t>());
+        n_index[r] += kr.all ? cnt - 1 : kr.gap_bytes;  // (consecutive columns: a byte each)
         prev = specs[i].col + kr.col(cnt - 1);
       }
     }
