@@ -724,6 +724,27 @@ def test_large_buckets_equal_reference(fused, fmt, group_size):
         assert_same(REFERENCE.compress(hier), fused.compress(hier))
 
 
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="huge-page residuals are made on Linux only")
+def test_residuals_of_32_mb_and_more_on_huge_pages_equal_reference(fused, tmp_path):
+    """A new residual of 32 MB or more is 2 MB-aligned memory advised for transparent huge pages (a tensor the op
+    made over memory of its own, freed by its own deleter): the same bits as the reference's, fed back as the next
+    step's residual, saved and loaded, and freed."""
+    seed = int(torch.randint(0, 1 << 30, ()))
+    big = (32 << 20) // 4 + 1001  # a residual of 32 MB and 4004 bytes
+    for density, fmt in ((0.01, "int4"), (1.0, "int2")):
+        job = make_job([big, 3000], 1, density=density, value_format=fmt, group_size=128, seed=seed,
+                       min_numel=64 if density < 1 else 10**9)
+        ref, out = REFERENCE.compress(job), fused.compress(job)
+        assert_same(ref, out)
+        assert out.residuals[0].data_ptr() % (2 << 20) == 0
+        job.residuals = out.residuals  # the next step reads the op's residual
+        job.srcs = [torch.randn_like(s) for s in job.srcs]
+        assert_same(REFERENCE.compress(job), fused.compress(job))
+        torch.save(out.residuals[0], tmp_path / "r.pt")
+        assert torch.equal(torch.load(tmp_path / "r.pt").view(torch.int32), ref.residuals[0].view(torch.int32))
+        del job, ref, out
+
 def _cpu_has_avx2() -> bool:
     try:
         with open("/proc/cpuinfo") as f:
