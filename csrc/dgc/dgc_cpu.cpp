@@ -20,6 +20,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <type_traits>
 #include <utility>
 #include <stdexcept>
@@ -1233,24 +1234,87 @@ float topk_threshold(at::Tensor mag, int64_t k, at::Tensor sample) {
   return thr;
 }
 
-// An uninitialised fp32 tensor of n elements for a new residual. From 32 MB on (glibc's largest threshold for memory
-// mapped afresh by each allocation, whose 4 KB pages then fault in one by one as the dense pass first writes them: a
-// 16M-element residual took 22-25 ms more than with reused memory, docs/kernels.md), 2 MB-aligned and advised to the
-// kernel for transparent huge pages (madvise MADV_HUGEPAGE): 32 faults where there were 16384. Advice only: where the
-// kernel's THP setting is "never" it is ignored. Throws std::bad_alloc when no memory is left.
-at::Tensor residual_empty(int64_t n) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr size_t kHuge = size_t(2) << 20;
-  const size_t bytes = static_cast<size_t>(n) * sizeof(float);
-  if (bytes >= 16 * kHuge) {
+// New residuals of 32 MB or more come from here: glibc maps memory of that size afresh for each allocation (32 MB
+// is its largest threshold), so each step's residual would fault in its 4 KB pages one by one as the dense pass first
+// writes them (a 16M-element row took 31-37 ms where it takes 6-8 ms in reused memory, docs/kernels.md). Freed ones
+// are kept (at most kKeep: past that the oldest freed is freed) and handed out again for the same size (the last
+// freed first), as a caching allocator
+// does on a GPU: a bucket's new residual takes the memory of the residual the bucket before freed. They are 2
+// MB-aligned and advised for transparent huge pages (madvise MADV_HUGEPAGE: advice only, ignored where the kernel's
+// THP setting is "never"). release_residual_cache() frees the kept ones.
+class ResidualCache {
+ public:
+  static constexpr size_t kHuge = size_t(2) << 20;
+  static constexpr size_t kFrom = 16 * kHuge;
+  static constexpr size_t kKeep = 2;
+
+  static ResidualCache& get() {
+    static ResidualCache* cache = new ResidualCache();  // never destroyed: tensors may free into it at exit
+    return *cache;
+  }
+
+  // uninitialised memory of `bytes` (>= kFrom). Throws std::bad_alloc when no memory is left.
+  void* take(size_t bytes) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto it = kept_.rbegin(); it != kept_.rend(); ++it)  // the last freed first (warmest in cache)
+        if (it->second == bytes) {
+          void* q = it->first;
+          kept_.erase(std::next(it).base());
+          return q;
+        }
+    }
     void* q = nullptr;
     if (posix_memalign(&q, kHuge, bytes) != 0) throw std::bad_alloc();
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
     madvise(q, bytes / kHuge * kHuge, MADV_HUGEPAGE);
-    return at::from_blob(q, {n}, [](void* x) { std::free(x); }, at::TensorOptions().dtype(at::kFloat));
-  }
 #endif
-  return at::empty({n}, at::kFloat);
+    return q;
+  }
+
+  void give_back(void* q, size_t bytes) {
+    void* drop = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      kept_.emplace_back(q, bytes);
+      if (kept_.size() > kKeep) {
+        drop = kept_.front().first;
+        kept_.erase(kept_.begin());
+      }
+    }
+    std::free(drop);
+  }
+
+  // frees every kept buffer; returns their bytes
+  int64_t release() {
+    std::vector<std::pair<void*, size_t>> all;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      all.swap(kept_);
+    }
+    int64_t bytes = 0;
+    for (auto& [q, n] : all) {
+      std::free(q);
+      bytes += static_cast<int64_t>(n);
+    }
+    return bytes;
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::pair<void*, size_t>> kept_;  // oldest freed first
+};
+
+// An uninitialised fp32 tensor of n elements for a new residual (from ResidualCache from 32 MB on).
+at::Tensor residual_empty(int64_t n) {
+  const size_t bytes = static_cast<size_t>(n) * sizeof(float);
+  if (bytes < ResidualCache::kFrom) return at::empty({n}, at::kFloat);
+  void* q = ResidualCache::get().take(bytes);
+  return at::from_blob(q, {n}, [bytes](void* x) { ResidualCache::get().give_back(x, bytes); },
+                       at::TensorOptions().dtype(at::kFloat));
 }
+
+int64_t release_residual_cache() { return ResidualCache::get().release(); }
 
 // acc = src / divisor + residual (the divisor holds the world size and the loss scale: everything here is in unscaled
 // units). fixed[i] not < 0 (a NaN too, which keeps nothing): tensor i (if sparse) keeps |acc| >= fixed[i] instead of
@@ -1981,6 +2045,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("topk_threshold", &topk_threshold, "DGC's sampled top-k threshold of a 1-D fp32 magnitude tensor",
         py::call_guard<py::gil_scoped_release>());
+  m.def("release_residual_cache", &release_residual_cache,
+        "free the residual buffers of 32 MB or more kept for reuse; returns their bytes");
   m.def("avx2_paths", []() { return kHaveAvx2; });  // whether the hand-written AVX2 passes run here
   m.def("simd_info", []() {  // the widest vectors the element passes run with here
 #if defined(__AVX512F__)
