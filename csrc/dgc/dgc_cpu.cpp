@@ -1234,14 +1234,15 @@ float topk_threshold(at::Tensor mag, int64_t k, at::Tensor sample) {
   return thr;
 }
 
-// New residuals of 32 MB or more come from here: glibc maps memory of that size afresh for each allocation (32 MB
-// is its largest threshold), so each step's residual would fault in its 4 KB pages one by one as the dense pass first
-// writes them (a 16M-element row took 31-37 ms where it takes 6-8 ms in reused memory, docs/kernels.md). Freed ones
-// are kept (at most kKeep: past that the oldest freed is freed) and handed out again for the same size (the last
-// freed first), as a caching allocator
-// does on a GPU: a bucket's new residual takes the memory of the residual the bucket before freed. They are 2
-// MB-aligned and advised for transparent huge pages (madvise MADV_HUGEPAGE: advice only, ignored where the kernel's
-// THP setting is "never"). release_residual_cache() frees the kept ones.
+// New residuals of 32 MB or more come from here. glibc maps memory of that size afresh for each allocation (32 MB is
+// its largest threshold), so each step's residual would fault in its 4 KB pages one by one as the dense pass first
+// writes them: a 16M-element row took 30-37 ms that way and takes 6.5-8.5 ms in reused memory (docs/kernels.md).
+// Freed buffers are kept, at most kKeep (past that the oldest freed is freed), and handed out again for the same
+// size, the last freed first, as a caching allocator does on a GPU: a bucket's new residual takes the memory that
+// the bucket before it freed. What this holds beyond the live residuals is at most kKeep freed buffers (the largest
+// residuals' size each). They are 2 MB-aligned and advised for transparent huge pages (madvise
+// MADV_HUGEPAGE: advice only, ignored where the kernel's THP setting is "never"). release_residual_cache() frees
+// the kept ones.
 class ResidualCache {
  public:
   static constexpr size_t kHuge = size_t(2) << 20;
