@@ -145,10 +145,6 @@ float kth_largest(std::vector<float>& v, int64_t k) {
   return v[k - 1];
 }
 
-// The kept elements of one tensor in one row: columns j and accumulated values. `all`: every real element is
-// kept (a tensor sent whole, or k >= m), j is implicit (x) and acc was written in place by the dense pass.
-// kept elements (rare among many) are compacted into acc; a row sent whole is accumulated in place: straight into
-// its slot of the new residual (`ext`, overwritten by acc - decoded when it is coded) or into `whole`.
 // std::allocator but for resize(), which leaves the new elements uninitialised: for arrays written in full next
 template <typename V>
 struct NoInit : std::allocator<V> {
@@ -167,6 +163,10 @@ struct NoInit : std::allocator<V> {
   }
 };
 
+// The kept elements of one tensor in one row: columns j and accumulated values. `all`: every real element is
+// kept (a tensor sent whole, or k >= m), j is implicit (x) and acc was written in place by the dense pass.
+// kept elements (rare among many) are compacted into acc; a row sent whole is accumulated in place: straight into
+// its slot of the new residual (`ext`, overwritten by acc - decoded when it is coded) or into `whole`.
 struct Kept {
   std::vector<int64_t, NoInit<int64_t>> j;
   std::vector<float, NoInit<float>> acc;
