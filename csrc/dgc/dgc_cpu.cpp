@@ -111,6 +111,7 @@ inline void dispatch_dtype(at::ScalarType dtype, F&& f) {
 // Magnitude bins for the radix select: the top 12 bits of a float (sign, exponent, 3 mantissa bits; the bits of
 // floats >= +0 order as their values)
 constexpr int kBinShift = 20;
+constexpr int64_t kBins = int64_t(1) << (32 - kBinShift);
 using Bins = std::vector<int64_t>;
 
 // The k-th largest (1-based) of magnitudes v (sign bits clear, no NaN) from hist, v's count per bin: the bin that
@@ -132,7 +133,7 @@ float kth_in_bins(const std::vector<float>& v, int64_t k, const Bins& hist) {
 float kth_largest(std::vector<float>& v, int64_t k) {
   const int64_t n = static_cast<int64_t>(v.size());
   if (n >= kBinnedAtLeast) {
-    Bins hist(int64_t(1) << (32 - kBinShift), 0);
+    Bins hist(kBins, 0);
     uint32_t any_sign_or_nan = 0;
     for (float x : v) {
       const uint32_t b = dgc::f32_bits(x);
@@ -270,7 +271,7 @@ Sample sample_magnitudes(const Spec& t, const Params& p) {
   // one chunk per thread, each with its own bins (merged after)
   const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (ns + 4095) / 4096));
   const bool binned = ns >= kBinnedAtLeast;
-  std::vector<Bins> hists(chunks, Bins(binned ? int64_t(1) << (32 - kBinShift) : 0, 0));
+  std::vector<Bins> hists(chunks, Bins(binned ? kBins : 0, 0));
   std::vector<uint32_t> max_bits(chunks, 0);
   dispatch_dtype(t.dtype, [&](auto tag) {
     using T = decltype(tag);
@@ -998,12 +999,12 @@ __attribute__((target("avx2"))) int64_t accumulate_encode_avx2(const T* __restri
       else if (p.inverse != 0.0f) accumulate_groups_avx2<T, 1, masked>(sx, rx, p, buf, n, gs, gmax, gnz);
       else accumulate_groups_avx2<T, 2, masked>(sx, rx, p, buf, n, gs, gmax, gnz);
       if (*std::max_element(gmax, gmax + n / gs) > 0x7F7FFFFF) {  // not finite: the bucket is given up
-        _mm_sfence();
+        stream_fence();
         return 1;
       }
       code_groups_avx2<F>(buf, n, gs, j0 + x0, gmax, gnz, res + x0, stream, dst);
     }
-    _mm_sfence();  // the streamed residual is seen by every thread after it
+    stream_fence();  // the streamed residual is seen by every thread after it
     *done = whole;
     return 0;
   }
@@ -1495,8 +1496,7 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
   //    groups and the varint positions of the sparse tensors.
   const bool masked = dgc::zero_masked(fmt);
   const int bits = dgc::format_bits(fmt);
-  struct Group {  // 24 bytes (a row's values fit the int32 header: checked before the groups are made)
-    int32_t i, x0, x1, v0;  // tensor, kept range [x0, x1) of kept[i][r], first value in the row
+  struct Group {  // a sparse group's scale and whether it mixes zeros and non-zeros (INT2/INT1)
     float scale;
     bool mixed;
   };
@@ -1536,6 +1536,11 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
     }
   };
   auto kept_of = [&](int64_t sg) -> Kept& { return kept[sg % static_cast<int64_t>(T)][sg / static_cast<int64_t>(T)]; };
+  // the values [x0, x1) of kept_of(sg) in group gi of segment sg (value seg_v0[sg] + x0 of the row on)
+  auto range_of = [&](int64_t sg, int64_t gi) {
+    const int64_t x0 = (gi - seg_start[sg]) * group_size;
+    return std::make_pair(x0, std::min(x0 + group_size, kept_of(sg).size()));
+  };
   // A record for each group of the segments the dense pass did not code (its statistics and scale made here); the
   // groups of rows sent whole (pre) keep theirs in kept[i][r].gscale and gmixed and are handled a segment at a time
   std::unique_ptr<Group[]> groups(new Group[std::max<int64_t>(total_groups, 1)]);  // those records written below
@@ -1545,7 +1550,7 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
       if (kr.pre) return;
       const float* acc = kr.values();
       for (int64_t gi = g0; gi < g1; ++gi) {
-        const int64_t x0 = (gi - seg_start[sg]) * group_size, x1 = std::min(x0 + group_size, kr.size());
+        const auto [x0, x1] = range_of(sg, gi);
         float absmax = 0.0f, mag_sum = 0.0f, nonzero = 0.0f;
         bool has_zero = false;
         for (int64_t x = x0; x < x1; ++x) {
@@ -1556,9 +1561,7 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
           has_zero |= acc[x] == 0.0f;
         }
         const float scale = dgc::group_scale(static_cast<int>(fmt), absmax, mag_sum, nonzero);
-        groups[gi] = {static_cast<int32_t>(sg % static_cast<int64_t>(T)), static_cast<int32_t>(x0),
-                      static_cast<int32_t>(x1), static_cast<int32_t>(seg_v0[sg] + x0), scale,
-                      masked && has_zero && scale > 0.0f};
+        groups[gi] = {scale, masked && has_zero && scale > 0.0f};
       }
     });
   });
@@ -1567,11 +1570,11 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
     for (size_t i = 0; i < T; ++i) {
       const int64_t sg = r * static_cast<int64_t>(T) + static_cast<int64_t>(i);
       const Kept& kr = kept[i][r];
-      for (int64_t gi = seg_start[sg]; gi < seg_start[sg + 1]; ++gi) {
-        const int64_t k = gi - seg_start[sg];
-        if (kr.pre ? kr.gmixed[k] != 0 : groups[gi].mixed)
-          fn(i, k * group_size, std::min((k + 1) * group_size, kr.size()));
-      }
+      for (int64_t gi = seg_start[sg]; gi < seg_start[sg + 1]; ++gi)
+        if (kr.pre ? kr.gmixed[gi - seg_start[sg]] != 0 : groups[gi].mixed) {
+          const auto [x0, x1] = range_of(sg, gi);
+          fn(i, x0, x1);
+        }
     }
   };
   for (int64_t r = 0; r < R && masked; ++r)  // the bits of each row's zero bitmap
@@ -1675,21 +1678,21 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
             std::memcpy(values_of(r) + seg_v0[sg] + x0, kr.codes.get() + x0, x1 - x0);
           return;
         }
+        const Spec& t = specs[sg % static_cast<int64_t>(T)];
+        const float* acc = kr.values();
+        uint8_t* codes = (bits < 8 ? scratch[r].get() : values_of(r)) + seg_v0[sg];  // value x of kept_of(sg) at x
+        float* res = t.residual_out ? t.residual_out + r * t.c : nullptr;
         for (int64_t gi = g0; gi < g1; ++gi) {
-          const Group& gr = groups[gi];
-          scales[gi - g0] = gr.mixed ? -gr.scale : gr.scale;
-          const Spec& t = specs[gr.i];
-          const float* acc = kr.values();
-          uint8_t* codes = (bits < 8 ? scratch[r].get() : values_of(r)) + gr.v0 - gr.x0;
-          float* res = t.residual_out ? t.residual_out + r * t.c : nullptr;
-          const float scale = gr.scale;
+          const float scale = groups[gi].scale;
+          scales[gi - g0] = groups[gi].mixed ? -scale : scale;
+          const auto [x0, x1] = range_of(sg, gi);
           if (res && kr.all)  // columns are x: a loop without indirection
-            for (int64_t x = gr.x0; x < gr.x1; ++x) {
+            for (int64_t x = x0; x < x1; ++x) {
               const float a = acc[x];
               res[x] = a - dgc::encode_value(F, a, scale, codes + x);
             }
           else
-            for (int64_t x = gr.x0; x < gr.x1; ++x) {
+            for (int64_t x = x0; x < x1; ++x) {
               const float a = acc[x];
               const float decoded = dgc::encode_value(F, a, scale, codes + x);
               if (res) res[kr.col(x)] = a - decoded;
