@@ -15,6 +15,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cfloat>
 #include <cstdlib>
 #include <cstring>
@@ -1737,29 +1738,15 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
   return {payloads, res_out, true, total_kept, used};
 }
 
-void decode_add(at::Tensor out, at::Tensor values, at::Tensor scales, at::Tensor index_bytes, int64_t kept,
-                int64_t n_indexed, std::vector<int64_t> seg_real, std::vector<int64_t> seg_chunks,
-                std::vector<bool> sparse, int64_t group_size, int64_t fmt) {
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous(), "decode_add: out must be contiguous fp32");
-  TORCH_CHECK(fmt >= 0 && fmt < dgc::kNumValueFormats, "decode_add: unknown value format ", fmt);
-  const size_t T = seg_chunks.size();
-  TORCH_CHECK(seg_real.size() == T && sparse.size() == T, "decode_add: per-tensor lists differ in length");
-  TORCH_CHECK(group_size >= 2, "decode_add: group_size must be >= 2");
-  int64_t row = 0;
-  for (size_t i = 0; i < T; ++i) {
-    TORCH_CHECK(seg_chunks[i] >= 0 && seg_real[i] >= 0 && seg_real[i] <= seg_chunks[i],
-                "decode_add: tensor ", i, " has ", seg_real[i], " real elements in ", seg_chunks[i], " columns");
-    row += seg_chunks[i];
-  }
-  TORCH_CHECK(out.numel() >= row, "decode_add: out has ", out.numel(), " elements for a row of ", row);
-  if (kept < 0 || n_indexed < 0) throw std::invalid_argument("negative kept or indexed count");
-  float* o = out.data_ptr<float>();
-  const uint8_t* vals = values.data_ptr<uint8_t>();
-  const float* sc = scales.data_ptr<float>();
-  const uint8_t* ib = index_bytes.data_ptr<uint8_t>();
-  const int64_t nb = index_bytes.numel();
-  // varint gaps -> positions (columns of the row)
-  std::vector<int64_t> pos;
+namespace {
+
+using Positions = std::vector<int64_t, NoInit<int64_t>>;
+
+// The positions (columns of a row) that the varint gaps ib[0, nb) encode, each the one before + 1 + its gap (the
+// first from -1), as wire.py writes a row's index bytes. Throws std::invalid_argument for bytes ending inside a
+// varint, a varint longer than 9 bytes, a position at or past `row`, or a count other than n_indexed.
+Positions decode_positions_serial(const uint8_t* ib, int64_t nb, int64_t row, int64_t n_indexed) {
+  Positions pos;
   pos.reserve(n_indexed);
   int64_t prev = -1;
   for (int64_t b = 0; b < nb;) {
@@ -1781,6 +1768,98 @@ void decode_add(at::Tensor out, at::Tensor values, at::Tensor scales, at::Tensor
   if (static_cast<int64_t>(pos.size()) != n_indexed)
     throw std::invalid_argument(std::to_string(nb) + " index bytes hold " + std::to_string(pos.size()) +
                                 " positions, expected " + std::to_string(n_indexed));
+  return pos;
+}
+
+constexpr int64_t kIndexChunk = 16384;  // index bytes per chunk of decode_positions (at least)
+
+// decode_positions_serial's positions, from 2 kIndexChunk index bytes on in parallel over chunks of the bytes. A
+// varint ends at a byte below 0x80, so each chunk starts after such a byte and holds whole varints: the count of
+// those bytes says where each chunk's positions go, each chunk decodes its gaps into positions relative to its
+// start, and then each adds the position its first follows. Bad input seen on the way is left to the serial loop,
+// which throws its error for the first bad varint, as before.
+Positions decode_positions(const uint8_t* ib, int64_t nb, int64_t row, int64_t n_indexed) {
+  const int64_t C = std::min<int64_t>(4 * at::get_num_threads(), nb / kIndexChunk);
+  if (C < 2 || ib[nb - 1] >= 0x80) return decode_positions_serial(ib, nb, row, n_indexed);
+  std::vector<int64_t> start(C + 1, nb), base(C + 1, 0), step(C, 0);
+  start[0] = 0;
+  for (int64_t c = 1; c < C; ++c) {  // chunk starts: after a varint's last byte
+    int64_t b = std::max(start[c - 1], nb * c / C);
+    while (b < nb && ib[b - 1] >= 0x80) ++b;
+    start[c] = b;
+  }
+  at::parallel_for(0, C, 1, [&](int64_t cb, int64_t ce) {
+    for (int64_t c = cb; c < ce; ++c) {
+      int64_t n = 0;
+      for (int64_t b = start[c]; b < start[c + 1]; ++b) n += ib[b] < 0x80;
+      base[c + 1] = n;
+    }
+  });
+  for (int64_t c = 0; c < C; ++c) base[c + 1] += base[c];
+  if (base[C] != n_indexed) return decode_positions_serial(ib, nb, row, n_indexed);
+  Positions pos(n_indexed);
+  std::atomic<bool> bad(false);
+  at::parallel_for(0, C, 1, [&](int64_t cb, int64_t ce) {
+    for (int64_t c = cb; c < ce; ++c) {
+      int64_t q = -1, k = base[c];  // q: the last position, relative to the position chunk c's first follows + 1
+      for (int64_t b = start[c]; b < start[c + 1];) {
+        uint64_t gap = 0;
+        int shift = 0;
+        uint8_t byte;
+        do {
+          if (shift > 56) {
+            bad = true;
+            return;
+          }
+          byte = ib[b++];
+          gap |= static_cast<uint64_t>(byte & 0x7F) << shift;
+          shift += 7;
+        } while (byte & 0x80);
+        if (gap >= static_cast<uint64_t>(row)) {
+          bad = true;
+          return;
+        }
+        q += 1 + static_cast<int64_t>(gap);
+        pos[k++] = q;
+      }
+      step[c] = q + 1;
+    }
+  });
+  if (bad) return decode_positions_serial(ib, nb, row, n_indexed);
+  std::vector<int64_t> add(C, 0);  // what chunk c's relative positions need added
+  for (int64_t c = 1; c < C; ++c) add[c] = add[c - 1] + step[c - 1];
+  if (add[C - 1] + step[C - 1] - 1 >= row) return decode_positions_serial(ib, nb, row, n_indexed);
+  at::parallel_for(0, C, 1, [&](int64_t cb, int64_t ce) {
+    for (int64_t c = cb; c < ce; ++c)
+      for (int64_t k = base[c]; k < base[c + 1]; ++k) pos[k] += add[c];
+  });
+  return pos;
+}
+
+}  // namespace
+
+void decode_add(at::Tensor out, at::Tensor values, at::Tensor scales, at::Tensor index_bytes, int64_t kept,
+                int64_t n_indexed, std::vector<int64_t> seg_real, std::vector<int64_t> seg_chunks,
+                std::vector<bool> sparse, int64_t group_size, int64_t fmt) {
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous(), "decode_add: out must be contiguous fp32");
+  TORCH_CHECK(fmt >= 0 && fmt < dgc::kNumValueFormats, "decode_add: unknown value format ", fmt);
+  const size_t T = seg_chunks.size();
+  TORCH_CHECK(seg_real.size() == T && sparse.size() == T, "decode_add: per-tensor lists differ in length");
+  TORCH_CHECK(group_size >= 2, "decode_add: group_size must be >= 2");
+  int64_t row = 0;
+  for (size_t i = 0; i < T; ++i) {
+    TORCH_CHECK(seg_chunks[i] >= 0 && seg_real[i] >= 0 && seg_real[i] <= seg_chunks[i],
+                "decode_add: tensor ", i, " has ", seg_real[i], " real elements in ", seg_chunks[i], " columns");
+    row += seg_chunks[i];
+  }
+  TORCH_CHECK(out.numel() >= row, "decode_add: out has ", out.numel(), " elements for a row of ", row);
+  if (kept < 0 || n_indexed < 0) throw std::invalid_argument("negative kept or indexed count");
+  float* o = out.data_ptr<float>();
+  const uint8_t* vals = values.data_ptr<uint8_t>();
+  const float* sc = scales.data_ptr<float>();
+  const uint8_t* ib = index_bytes.data_ptr<uint8_t>();
+  const int64_t nb = index_bytes.numel();
+  const Positions pos = decode_positions(ib, nb, row, n_indexed);  // varint gaps -> columns of the row
   // positions per segment: implied (all real) for tensors sent whole, decoded for sparse ones
   std::vector<int64_t> col(T + 1, 0);
   for (size_t i = 0; i < T; ++i) col[i + 1] = col[i] + seg_chunks[i];
@@ -1793,6 +1872,8 @@ void decode_add(at::Tensor out, at::Tensor values, at::Tensor scales, at::Tensor
   std::vector<Run> runs;
   for (size_t i = 0; i < T; ++i) {
     Run run{!sparse[i], 0, 0};
+    // (positions ascend, so pos[next] is the first at or past col[i]; a binary search finds the segment's first
+    // position at or past its real elements: in its padding if before col[i + 1])
     if (!sparse[i]) {
       if (next < pos.size() && pos[next] < col[i + 1])
         throw std::invalid_argument("index " + std::to_string(pos[next]) + " points into a tensor sent whole");
@@ -1800,11 +1881,9 @@ void decode_add(at::Tensor out, at::Tensor values, at::Tensor scales, at::Tensor
       run.count = seg_real[i];
     } else {
       run.first = static_cast<int64_t>(next);
-      while (next < pos.size() && pos[next] < col[i + 1]) {
-        if (pos[next] >= col[i] + seg_real[i])
-          throw std::invalid_argument("index " + std::to_string(pos[next]) + " points into padding");
-        ++next;
-      }
+      next = std::lower_bound(pos.begin() + next, pos.end(), col[i] + seg_real[i]) - pos.begin();
+      if (next < pos.size() && pos[next] < col[i + 1])
+        throw std::invalid_argument("index " + std::to_string(pos[next]) + " points into padding");
       run.count = static_cast<int64_t>(next) - run.first;
     }
     runs.push_back(run);
@@ -1845,23 +1924,41 @@ void decode_add(at::Tensor out, at::Tensor values, at::Tensor scales, at::Tensor
   const int bits = dgc::format_bits(fmt);
   float unit[256];  // code -> value at scale 1 (exact: value = unit[code] * scale)
   for (int c = 0; c < 256; ++c) unit[c] = dgc::decode_unit(static_cast<int>(fmt), static_cast<uint8_t>(c));
-  // one sender's positions are distinct: groups add into disjoint elements
-  at::parallel_for(0, static_cast<int64_t>(groups.size()), 64, [&](int64_t b, int64_t e) {
-    for (int64_t gi = b; gi < e; ++gi) {
-      const Group& gr = groups[gi];
-      const Run& run = runs[gr.run];
-      const float scale = sc[gi];
-      const bool mixed = masked && scale < 0.0f;
-      for (int64_t x = gr.x0; x < gr.x1; ++x) {
-        float value = unit[dgc::unpack_code(vals, gr.v0 + x - gr.x0, bits)] * std::fabs(scale);
-        if (mixed) {
-          const int64_t mb = gr.mb0 + x - gr.x0;
-          if (!((mask[mb >> 3] >> (mb & 7)) & 1)) value = 0.0f;
+  // One sender's positions are distinct: groups add into disjoint elements. Per group, its values are decoded into
+  // v first (the code width a constant: loops without a branch per value), then added at their columns.
+  auto add_groups = [&](auto bits_tag) {
+    constexpr int B = decltype(bits_tag)::value;
+    at::parallel_for(0, static_cast<int64_t>(groups.size()), 64, [&](int64_t b, int64_t e) {
+      thread_local std::vector<float> buf;
+      buf.resize(group_size);
+      float* __restrict v = buf.data();
+      for (int64_t gi = b; gi < e; ++gi) {
+        const Group& gr = groups[gi];
+        const Run& run = runs[gr.run];
+        const int64_t len = gr.x1 - gr.x0;
+        const float scale = std::fabs(sc[gi]);
+        for (int64_t x = 0; x < len; ++x) v[x] = unit[dgc::unpack_code(vals, gr.v0 + x, B)] * scale;
+        if (masked && sc[gi] < 0.0f)  // a mixed group: zero where its bit is 0
+          for (int64_t x = 0; x < len; ++x) {
+            const int64_t mb = gr.mb0 + x;
+            if (!((mask[mb >> 3] >> (mb & 7)) & 1)) v[x] = 0.0f;
+          }
+        if (run.implied) {
+          float* __restrict dst = o + run.first + gr.x0;
+          for (int64_t x = 0; x < len; ++x) dst[x] += v[x];
+        } else {
+          const int64_t* __restrict at_ = pos.data() + run.first + gr.x0;
+          for (int64_t x = 0; x < len; ++x) o[at_[x]] += v[x];
         }
-        o[run.implied ? run.first + x : pos[run.first + x]] += value;
       }
-    }
-  });
+    });
+  };
+  switch (bits) {
+    case 8: add_groups(std::integral_constant<int, 8>()); break;
+    case 4: add_groups(std::integral_constant<int, 4>()); break;
+    case 2: add_groups(std::integral_constant<int, 2>()); break;
+    default: add_groups(std::integral_constant<int, 1>()); break;
+  }
 }
 
 namespace {
