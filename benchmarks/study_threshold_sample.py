@@ -12,10 +12,11 @@ shipped Shakespeare text with Adam for ``--steps`` steps, each parameter's gradi
 next step. At ``--at`` steps, for every tensor of ``--min-numel`` elements or more, ``--draws`` samples of each kind
 give a threshold each (the ``ceil(s k / m)``-th largest sampled magnitude, before DGC's corrections), and the figure
 is the count that threshold keeps over k. Kinds: ``iid`` (DGC's independent positions: ``torch.randint``), ``runs``
-(``sample_indices``: runs of 16 from 2^21 elements, independent positions below), ``runs16`` (runs of 16 on every
-tensor, for contrast). Printed per kind and per run length L that ``sample_indices`` uses for the tensor: draws,
-mean, standard deviation, 1st and 99th percentile, and the share outside DGC's [0.8, 1.3] band (where its
-correction rounds would run).
+(``sample_indices``: runs of 16 from 2^21 elements, independent positions below), and for contrast, on every tensor:
+``runs16`` and ``runs64`` (runs of 16 or 64 from uniform multiples of the length), ``strat16``, ``strat32`` and
+``strat64`` (stratified: the multiples split into as many equal strata as there are runs, one run drawn in each).
+Printed per kind and per run length L that ``sample_indices`` uses for the tensor: draws, mean, standard deviation,
+1st and 99th percentile, and the share outside DGC's [0.8, 1.3] band (where its correction rounds would run).
 """
 
 import argparse
@@ -34,10 +35,17 @@ from deepspeed_dgc.codec.selection import (MIN_SAMPLE, run_length, sample_indice
                                            target_count, topk_threshold)
 
 
-def runs_of(m: int, length: int, gen: torch.Generator) -> torch.Tensor:
-    """``sample_size(m) // length`` runs of ``length`` positions from uniform multiples of ``length``."""
-    starts = torch.randint(0, m // length, (sample_size(m) // length, 1), generator=gen) * length
-    return (starts + torch.arange(length)).reshape(-1)
+def runs_of(m: int, length: int, gen: torch.Generator, stratified: bool = False) -> torch.Tensor:
+    """``sample_size(m) // length`` runs of ``length`` positions from multiples of ``length``: uniform (with
+    replacement), or one from each of as many equal strata of the multiples (``stratified``)."""
+    n_runs, slots = sample_size(m) // length, m // length
+    if stratified:
+        lo = torch.arange(n_runs) * slots // n_runs
+        hi = (torch.arange(n_runs) + 1) * slots // n_runs
+        starts = lo + (torch.rand(n_runs, dtype=torch.float64, generator=gen) * (hi - lo)).long()
+    else:
+        starts = torch.randint(0, slots, (n_runs, ), generator=gen)
+    return (starts[:, None] * length + torch.arange(length)).reshape(-1)
 
 
 def main(argv=None) -> int:
@@ -70,7 +78,9 @@ def main(argv=None) -> int:
             if step in args.at and m >= args.min_numel:
                 length = run_length(m)
                 draw = {"iid": lambda: torch.randint(0, m, (sample_size(m), ), generator=gen),
-                        "runs": lambda: sample_indices(m, k, gen), "runs16": lambda: runs_of(m, 16, gen)}
+                        "runs": lambda: sample_indices(m, k, gen), "runs16": lambda: runs_of(m, 16, gen),
+                        "runs64": lambda: runs_of(m, 64, gen), "strat16": lambda: runs_of(m, 16, gen, True),
+                        "strat32": lambda: runs_of(m, 32, gen, True), "strat64": lambda: runs_of(m, 64, gen, True)}
                 for kind, sample in draw.items():
                     for _ in range(args.draws):
                         s = sample()
