@@ -1747,7 +1747,7 @@ using Positions = std::vector<int64_t, NoInit<int64_t>>;
 // varint, a varint longer than 9 bytes, a position at or past `row`, or a count other than n_indexed.
 Positions decode_positions_serial(const uint8_t* ib, int64_t nb, int64_t row, int64_t n_indexed) {
   Positions pos;
-  pos.reserve(n_indexed);
+  pos.reserve(std::min(n_indexed, nb));  // (each position takes a byte at least: a header's count is not trusted)
   int64_t prev = -1;
   for (int64_t b = 0; b < nb;) {
     uint64_t gap = 0;
@@ -1815,7 +1815,8 @@ Positions decode_positions(const uint8_t* ib, int64_t nb, int64_t row, int64_t n
           gap |= static_cast<uint64_t>(byte & 0x7F) << shift;
           shift += 7;
         } while (byte & 0x80);
-        if (gap >= static_cast<uint64_t>(row)) {
+        // a position past the row, relative or not (so no sum of gaps can overflow)
+        if (gap >= static_cast<uint64_t>(row) || q + 1 + static_cast<int64_t>(gap) >= row) {
           bad = true;
           return;
         }
