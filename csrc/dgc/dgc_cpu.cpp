@@ -610,6 +610,31 @@ __attribute__((target("avx2"))) int64_t weight_codes_avx2(const T* __restrict v,
   }
 }
 
+// 8 INT8 weight codes (the low 8 bytes of `bytes8`) times `scale`, rounded to bf16 as WeightStore<BFloat16> rounds
+// (NaN as 0x7FC0): their bits in int32 lanes.
+__attribute__((target("avx2"))) inline __m256i int8_bf16_bits8(__m128i bytes8, __m256 scale) {
+  const __m256i u = _mm256_castps_si256(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes8)), scale));
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, lsb), _mm256_set1_epi32(0x7FFF)), 16);
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)), _mm256_set1_epi32(0x7F800000));
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+}
+
+// INT8 weight codes c[0, len) at `scale` into bf16 o, 16 at a time with AVX2 (dequantize_weight_groups' loops: the
+// signed byte times scale, rounded once to bf16), in one pass without the fp32 buffer; returns the count done (a
+// multiple of 16).
+__attribute__((target("avx2"))) int64_t int8_to_bf16_avx2(const uint8_t* __restrict c, float scale,
+                                                          uint16_t* __restrict o, int64_t len) {
+  const __m256 s = _mm256_set1_ps(scale);
+  int64_t x = 0;
+  for (; x + 16 <= len; x += 16) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + x));
+    const __m256i packed = _mm256_packus_epi32(int8_bf16_bits8(b, s), int8_bf16_bits8(_mm_srli_si128(b, 8), s));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + x), _mm256_permute4x64_epi64(packed, 0xD8));  // (packus
+  }                                                                                                   // interleaves
+  return x;                                                                                           // the halves)
+}
+
 // The dense pass over [j0, j0 + len) of a sparse row in one loop, with AVX2 where the CPU has it: acc (the operations
 // of accumulate_block: s * inverse or s / divisor, then + res, each one IEEE operation) is streamed to dst with
 // non-temporal stores, and the columns j0 + x and values of |acc| >= thr are appended to out in order (as
@@ -686,6 +711,7 @@ template <typename T, int Mode>
 inline int64_t accumulate_compact_avx2(const T*, const float*, const Params&, float*, int64_t, float, int64_t, Kept&) {
   return -1;
 }
+inline int64_t int8_to_bf16_avx2(const uint8_t*, float, uint16_t*, int64_t) { return 0; }
 #endif
 
 // Packs the one-byte codes c[0, n) of a piece that encode_block made (the code in the low bits, bit 7 INT2/INT1's
@@ -2051,6 +2077,10 @@ DGC_SIMD_CLONES void dequantize_weight_groups(const uint8_t* in, const float* sc
           t[2 * k + 1] = weight_unit<W>(bytes[k] >> 4) * scale;
         }
         if (x0 + 2 * pairs < len) tmp[len - 1] = weight_unit<W>(nibble(i + len - 1)) * scale;
+      } else if constexpr (W == dgc::kWInt8 && std::is_same<T, c10::BFloat16>::value) {  // (the all-gather's case)
+        const int64_t x0 = kHaveAvx2 ? int8_to_bf16_avx2(codes + i, scale, out + i, len) : 0;
+        for (int64_t x = x0; x < len; ++x) out[i + x] = S::from(weight_unit<W>(codes[i + x]) * scale);
+        continue;
       } else {
         for (int64_t x = 0; x < len; ++x) tmp[x] = weight_unit<W>(codes[i + x]) * scale;
       }

@@ -16,7 +16,7 @@ import zlib
 import pytest
 import torch
 
-from deepspeed_dgc.codec import indices, wire
+from deepspeed_dgc.codec import formats, indices, wire
 from deepspeed_dgc.codec.kernels import DGCKernelError, FusedCPUOps, fused_can_code, get_ops, load_fused_op
 from deepspeed_dgc.codec.reference import REFERENCE
 from deepspeed_dgc.codec.selection import topk_threshold
@@ -836,3 +836,28 @@ def test_long_position_lists_decode_in_parallel_as_the_reference(fused):
                 ops.decode_add(start.clone(), wire.Body(bad_n, bad_n, scales, values, bad_index), layout)
             if ops is fused:
                 assert message in str(err.value)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "int4"])
+def test_weights_decode_to_bf16_bits_as_the_reference(fused, fmt):
+    """Dequantizing into bf16 rounds each weight once as torch does, bit for bit: every code at scales whose products
+    fall exactly halfway between two bf16 values (1 + 2^-8 and 1 + 2^-7 + 2^-8: ties to even), infinity, a subnormal
+    and random scales, in groups that end inside a vector and after a segment boundary; a NaN scale's group decodes
+    to NaN."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
+    gs = 128
+    special = torch.tensor([1.00390625, -1.01171875, 1.01171875, 2.0**-120, float("inf")])  # (1 + 2^-7 + 2^-8: up)
+    special = torch.cat([special, torch.tensor([0xFFC00000], dtype=torch.int64).to(torch.int32).view(torch.float32)])
+    for segments in (None, [3 * gs + 5, 9 * gs - 2]):
+        n = 12 * gs + 3
+        groups = formats.weight_num_groups(n, gs, segments)
+        scales = torch.rand(groups, generator=g) * 3
+        scales[:special.numel()] = special
+        codes = torch.randint(0, 256, (n if fmt != "int4" else (n + 1) // 2, ), dtype=torch.uint8, generator=g)
+        codes[:256] = torch.arange(256, dtype=torch.uint8)
+        outs = [torch.empty(n, dtype=torch.bfloat16) for _ in range(2)]
+        REFERENCE.dequantize_weights_into(outs[0], codes, scales, fmt, gs, segments)
+        fused.dequantize_weights_into(outs[1], codes, scales, fmt, gs, segments)
+        nan = outs[0].isnan()  # (NaN's bits differ between torch's own vectorized and scalar conversions)
+        assert torch.equal(nan, outs[1].isnan()) and int(nan.sum()) >= gs
+        assert torch.equal(outs[0].view(torch.int16)[~nan], outs[1].view(torch.int16)[~nan])
