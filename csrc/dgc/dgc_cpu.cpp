@@ -629,10 +629,11 @@ __attribute__((target("avx2"))) int64_t int8_to_bf16_avx2(const uint8_t* __restr
   int64_t x = 0;
   for (; x + 16 <= len; x += 16) {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + x));
+    // (the pack interleaves the two vectors' 128-bit halves; the permutation puts them back in order)
     const __m256i packed = _mm256_packus_epi32(int8_bf16_bits8(b, s), int8_bf16_bits8(_mm_srli_si128(b, 8), s));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + x), _mm256_permute4x64_epi64(packed, 0xD8));  // (packus
-  }                                                                                                   // interleaves
-  return x;                                                                                           // the halves)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + x), _mm256_permute4x64_epi64(packed, 0xD8));
+  }
+  return x;
 }
 
 // The dense pass over [j0, j0 + len) of a sparse row in one loop, with AVX2 where the CPU has it: acc (the operations
@@ -1956,8 +1957,8 @@ void decode_add(at::Tensor out, at::Tensor values, at::Tensor scales, at::Tensor
   auto add_groups = [&](auto bits_tag) {
     constexpr int B = decltype(bits_tag)::value;
     at::parallel_for(0, static_cast<int64_t>(groups.size()), 64, [&](int64_t b, int64_t e) {
-      thread_local std::vector<float> buf;
-      buf.resize(group_size);
+      thread_local std::vector<float> buf;  // (a group holds at most min(group_size, kept) values)
+      buf.resize(std::max<int64_t>(1, std::min(group_size, kept)));
       float* __restrict v = buf.data();
       for (int64_t gi = b; gi < e; ++gi) {
         const Group& gr = groups[gi];
