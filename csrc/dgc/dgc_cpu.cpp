@@ -1769,6 +1769,26 @@ namespace {
 
 using Positions = std::vector<int64_t, NoInit<int64_t>>;
 
+enum class Varint { kOk, kEndsInside, kTooLong, kPastRow };
+
+// The varint gap at ib[b, nb) and the position it leads to from prev (prev + 1 + gap), b moved past it: kOk, or what
+// is wrong (the bytes end inside it, it is longer than 9 bytes, the position is at or past `row`). kEnded: the caller
+// knows a byte below 0x80 ends ib[b, nb), so the end is not checked per byte.
+template <bool kEnded = false>
+inline Varint next_position(const uint8_t* ib, int64_t& b, int64_t nb, int64_t row, int64_t& prev) {
+  uint64_t gap = 0;
+  for (int shift = 0;; shift += 7) {
+    if (!kEnded && b >= nb) return Varint::kEndsInside;
+    if (shift > 56) return Varint::kTooLong;
+    const uint8_t byte = ib[b++];
+    gap |= static_cast<uint64_t>(byte & 0x7F) << shift;
+    if (!(byte & 0x80)) break;
+  }
+  if (gap >= static_cast<uint64_t>(row) || prev + 1 + static_cast<int64_t>(gap) >= row) return Varint::kPastRow;
+  prev += 1 + static_cast<int64_t>(gap);
+  return Varint::kOk;
+}
+
 // The positions (columns of a row) that the varint gaps ib[0, nb) encode, each the one before + 1 + its gap (the
 // first from -1), as wire.py writes a row's index bytes. Throws std::invalid_argument for bytes ending inside a
 // varint, a varint longer than 9 bytes, a position at or past `row`, or a count other than n_indexed.
@@ -1777,19 +1797,13 @@ Positions decode_positions_serial(const uint8_t* ib, int64_t nb, int64_t row, in
   pos.reserve(std::min(n_indexed, nb));  // (each position takes a byte at least: a header's count is not trusted)
   int64_t prev = -1;
   for (int64_t b = 0; b < nb;) {
-    uint64_t gap = 0;
-    int shift = 0;
-    while (true) {
-      if (b >= nb) throw std::invalid_argument("index bytes end inside a varint");
-      if (shift > 56) throw std::invalid_argument("varint longer than 9 bytes");
-      uint8_t byte = ib[b++];
-      gap |= static_cast<uint64_t>(byte & 0x7F) << shift;
-      shift += 7;
-      if (!(byte & 0x80)) break;
+    switch (next_position(ib, b, nb, row, prev)) {
+      case Varint::kEndsInside: throw std::invalid_argument("index bytes end inside a varint");
+      case Varint::kTooLong: throw std::invalid_argument("varint longer than 9 bytes");
+      case Varint::kPastRow:
+        throw std::invalid_argument("index past the partition of " + std::to_string(row) + " elements");
+      case Varint::kOk: break;
     }
-    if (gap >= static_cast<uint64_t>(row) || prev + 1 + static_cast<int64_t>(gap) >= row)
-      throw std::invalid_argument("index past the partition of " + std::to_string(row) + " elements");
-    prev = prev + 1 + static_cast<int64_t>(gap);
     pos.push_back(prev);
   }
   if (static_cast<int64_t>(pos.size()) != n_indexed)
@@ -1828,26 +1842,14 @@ Positions decode_positions(const uint8_t* ib, int64_t nb, int64_t row, int64_t n
   std::atomic<bool> bad(false);
   at::parallel_for(0, C, 1, [&](int64_t cb, int64_t ce) {
     for (int64_t c = cb; c < ce; ++c) {
-      int64_t q = -1, k = base[c];  // q: the last position, relative to the position chunk c's first follows + 1
+      // q: the last position, relative to the position chunk c's first follows + 1 (a relative position past the
+      // row is bad too, so no sum of gaps can overflow)
+      int64_t q = -1, k = base[c];
       for (int64_t b = start[c]; b < start[c + 1];) {
-        uint64_t gap = 0;
-        int shift = 0;
-        uint8_t byte;
-        do {
-          if (shift > 56) {
-            bad = true;
-            return;
-          }
-          byte = ib[b++];
-          gap |= static_cast<uint64_t>(byte & 0x7F) << shift;
-          shift += 7;
-        } while (byte & 0x80);
-        // a position past the row, relative or not (so no sum of gaps can overflow)
-        if (gap >= static_cast<uint64_t>(row) || q + 1 + static_cast<int64_t>(gap) >= row) {
+        if (next_position<true>(ib, b, start[c + 1], row, q) != Varint::kOk) {  // (chunks end after a varint)
           bad = true;
           return;
         }
-        q += 1 + static_cast<int64_t>(gap);
         pos[k++] = q;
       }
       step[c] = q + 1;
