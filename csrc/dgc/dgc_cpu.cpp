@@ -1209,9 +1209,9 @@ int64_t dense_pass(std::vector<Spec>& specs, const Params& p, const std::vector<
 }
 
 // The dense pass's tasks over tensors `which`: each row in blocks of a multiple of kBlock elements, a quarter of
-// one thread's even share of the pass, at most kTask. Fewer, longer tasks cost less than many of kBlock (a sparse
-// row of 16M elements at density 0.01 took about 5% less time in blocks of 2^18 than of 2^15 on 2 cores,
-// docs/kernels.md); four per thread or more keep the threads evenly loaded.
+// one thread's even share of the pass, at most kTask. Fewer, longer tasks cost less than many of kBlock (sparse rows
+// of 16M elements took 2-5% less time in tasks of 2^18 than of 2^15 on 2 cores, docs/kernels.md); four per thread
+// or more keep the threads evenly loaded.
 std::vector<Task> make_tasks(const std::vector<Spec>& specs, const std::vector<int64_t>& which) {
   int64_t total = 0;
   for (int64_t i : which) total += specs[i].m;
