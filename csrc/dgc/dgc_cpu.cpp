@@ -1059,14 +1059,14 @@ int64_t dense_block(const Spec& t, const Params& p, int64_t r, int64_t j0, int64
   thread_local std::vector<float> buf, scratch;
   float* res = write_residual && t.residual_out ? t.residual_out + r * t.c + j0 : nullptr;
   float* a = direct ? direct + j0 : res;
-  const bool into_buf = a == nullptr;  // acc is only compacted: each piece into one L1 buffer
-  if (into_buf) {
-    buf.resize(kPiece);
-    a = buf.data();
-  }
   const int64_t len = j1 - j0;
   // pieces of whole scale groups when coding (the group size divides kBlock, so it is a power of two)
   const int64_t piece = pre ? std::max<int64_t>(kPiece, pre->group_size) : kPiece;
+  const bool into_buf = a == nullptr;  // acc is only compacted: each piece into one L1 buffer
+  if (into_buf) {
+    buf.resize(piece);
+    a = buf.data();
+  }
   const bool stream = kHaveAvx2 && res != nullptr && a == res;
   if (!direct && t.m > 0) {  // room for 1.5 times the block's expected share of the k kept, so that appending
     const int64_t expect = static_cast<int64_t>(1.5 * static_cast<double>(t.k) / t.m * len) + 64;  // seldom grows
