@@ -771,6 +771,17 @@ inline float absmax_of(const T* __restrict v, int64_t len) {
   }
 }
 
+// The scale of a group of values v[0, n) with absmax, the fp32 sum of their magnitudes in value order and their count
+// of non-zeros (dgc::group_scale). INT1's is their mean magnitude; where that sum passes the largest float (finite
+// magnitudes from about 2.7e36 in a group of 128) the mean is taken of the magnitudes times 2^-64 (summed in value
+// order) and times 2^64 after, which is finite, as formats.group_scales takes it (an Inf scale would decode to Inf).
+inline float value_group_scale(int fmt, const float* v, int64_t n, float absmax, float mag_sum, float nonzero) {
+  if (fmt != dgc::kInt1 || !std::isinf(mag_sum)) return dgc::group_scale(fmt, absmax, mag_sum, nonzero);
+  float small = 0.0f;
+  for (int64_t x = 0; x < n; ++x) small += std::fabs(v[x]) * 0x1p-64f;
+  return small / (nonzero < 1.0f ? 1.0f : nonzero) * 0x1p64f;
+}
+
 // sums[g] = |a[g gs]| + |a[g gs + 1]| + ... over the whole groups of gs values in a[0, len), each added in value order
 // (INT1's scale is the mean magnitude, summed as the reference's index_add_ sums it). One group's sum is a chain of
 // dependent additions (3-4 cycles each); eight groups' chains side by side, one lane each, keep the adders busy
@@ -830,7 +841,7 @@ DGC_SIMD_CLONES void encode_block(float* __restrict a, int64_t len, int64_t j0, 
       else
         for (int64_t y = g0; y < g1; ++y) mag_sum += std::fabs(a[y]);
     }
-    const float scale = dgc::group_scale(F, absmax, mag_sum, static_cast<float>(nonzero));
+    const float scale = value_group_scale(F, a + g0, g1 - g0, absmax, mag_sum, static_cast<float>(nonzero));
     dst.gscale[g] = scale;
     if (F == dgc::kInt1) dst.gmixed[g] = nonzero < g1 - g0 && scale > 0.0f;  // INT2's: after coding, below
     if constexpr (F == dgc::kInt1) {  // encode_value's INT1 without branches (the loop vectorizes)
@@ -977,8 +988,8 @@ __attribute__((target("avx2"))) void code_groups_avx2(const float* __restrict bu
     else if (F == dgc::kInt1)
       for (int64_t y = x; y < x + gs; ++y) mag_sum += std::fabs(buf[y]);
     const int64_t nonzero = masked ? gnz[k] : gs;
-    const float scale = dgc::group_scale(F, dgc::f32_from_bits(static_cast<uint32_t>(gmax[k])), mag_sum,
-                                         static_cast<float>(nonzero));
+    const float scale = value_group_scale(F, buf + x, gs, dgc::f32_from_bits(static_cast<uint32_t>(gmax[k])), mag_sum,
+                                          static_cast<float>(nonzero));
     dst.gscale[g] = scale;
     if (masked) dst.gmixed[g] = nonzero < gs && scale > 0.0f;
     const __m256 s = _mm256_set1_ps(scale);
@@ -1598,7 +1609,7 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
           nonzero += mag > 0.0f;
           has_zero |= acc[x] == 0.0f;
         }
-        const float scale = dgc::group_scale(static_cast<int>(fmt), absmax, mag_sum, nonzero);
+        const float scale = value_group_scale(static_cast<int>(fmt), acc + x0, x1 - x0, absmax, mag_sum, nonzero);
         groups[gi] = {scale, masked && has_zero && scale > 0.0f};
       }
     });

@@ -235,18 +235,26 @@ def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     return ((packed[:, None] >> shifts) & ((1 << bits) - 1)).view(-1)[:numel]
 
 
+INT1_DOWN, INT1_UP = 2.0**-64, 2.0**64  # INT1's mean of huge magnitudes is taken at 2^-64 their size (group_scales)
+
+
 def group_scales(values: torch.Tensor, gid: torch.Tensor, n_groups: int, fmt: str) -> torch.Tensor:
     """Group-wise scales of ``fmt``: absmax / qmax (INT4: 7, INT2: 1.5, FP8: the format's largest
     finite value), and for INT1 the mean magnitude (the scale that minimises the L2 error of
-    ``s * sign(v)``; 1-bit Adam, Tang et al., ICML 2021, section 3) over the group's non-zero values.
-    fp32, shape ``(n_groups,)``."""
+    ``s * sign(v)``; 1-bit Adam, Tang et al., ICML 2021, section 3) over the group's non-zero values,
+    summed in fp32 in value order (where that sum overflows, of the magnitudes times 2^-64, multiplied back: the
+    scale stays finite for any finite values). fp32, shape ``(n_groups,)``."""
     if fmt == "int4":
         return int4_group_scales(values, gid, n_groups)
     mag = values.float().abs()
     if fmt == "int1":  # exact zeros are sent as zeros (ZERO_MASKED), so they take no part in the mean
         sums = torch.zeros(n_groups, dtype=torch.float32, device=values.device).index_add_(0, gid, mag)
         counts = torch.zeros(n_groups, dtype=torch.float32, device=values.device).index_add_(0, gid, (mag > 0).float())
-        return sums / counts.clamp_(min=1)
+        counts.clamp_(min=1)
+        # where the fp32 sum passes the largest float (finite magnitudes from about 2.7e36 in groups of 128), the mean
+        # of the magnitudes times 2^-64, times 2^64: finite, as the mean is (int1_scale in csrc/dgc/dgc_cpu.cpp)
+        small = torch.zeros(n_groups, dtype=torch.float32, device=values.device).index_add_(0, gid, mag * INT1_DOWN)
+        return torch.where(torch.isinf(sums), small / counts * INT1_UP, sums / counts)
     scales = torch.zeros(n_groups, dtype=torch.float32, device=values.device)
     scales.scatter_reduce_(0, gid, mag, reduce="amax", include_self=True)
     return scales.div_(INT2_LEVEL if fmt == "int2" else FP8_MAX[fmt])

@@ -861,3 +861,40 @@ def test_weights_decode_to_bf16_bits_as_the_reference(fused, fmt):
         nan = outs[0].isnan()  # (NaN's bits differ between torch's own vectorized and scalar conversions)
         assert torch.equal(nan, outs[1].isnan()) and int(nan.sum()) >= gs
         assert torch.equal(outs[0].view(torch.int16)[~nan], outs[1].view(torch.int16)[~nan])
+
+
+@pytest.mark.parametrize("density", [0.05, 1.0])
+def test_int1_scales_of_huge_magnitudes_stay_finite_as_the_reference(fused, density):
+    """INT1's scale is a group's mean magnitude. Where the fp32 sum of a group's magnitudes passes the largest float
+    (finite values from about 2.7e36 in groups of 128) the mean is taken at 2^-64 the size, so the scale, the decoded
+    values and the new residual stay finite. Sparse tensors (step 4's scales) and tensors sent whole (the dense pass's
+    coder), fused against the reference: the same bytes and residual bits, everything finite; each scale within
+    float rounding of its group's float64 mean (formats.group_scales against float64); the fixed layout finite too."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1, ))))
+    job = make_job([70001, 300, 4099], 2, density=density, group_size=128, value_format="int1",
+                   seed=int(torch.randint(0, 2**31 - 1, (1, ), generator=g)))
+    for src in job.srcs[:2]:  # huge values (acc up to 1.5e38) in the first half, ordinary ones after
+        half = src.numel() // 2
+        sign = torch.randint(0, 2, (half, ), generator=g) * 2.0 - 1
+        src[:half] = sign * (1e37 + 2e38 * torch.rand(half, generator=g))
+    ref, out = REFERENCE.compress(job), fused.compress(job)
+    assert ref.finite and out.finite
+    assert_same(ref, out)
+    assert all(bool(torch.isfinite(r).all()) for r in ref.residuals)
+    rows = [decode_row(fused, job, row, payload)[0] for row, payload in enumerate(out.payloads)]
+    assert all(bool(torch.isfinite(d).all()) for d in rows) and rows[0].abs().max() > 1e36  # (row 0: the huge half)
+    job.capacity_factor = 2.0
+    assert all(bool(torch.isfinite(r).all()) for r in REFERENCE.compress_fixed(job).residuals)
+
+    values = torch.cat([torch.rand(256, generator=g) * 3e38, torch.randn(128, generator=g)])  # 2 huge groups, 1 not
+    values[5] = 0.0
+    gid = torch.arange(384) // 128
+    scales = formats.group_scales(values, gid, 3, "int1")
+    mag = values.double().abs()
+    mean64 = torch.stack([mag[gid == k].sum() / (mag[gid == k] > 0).sum() for k in range(3)])
+    assert bool(torch.isfinite(scales).all())
+    assert torch.allclose(scales.double(), mean64, rtol=1e-5, atol=0)
+    ordinary = torch.zeros((), dtype=torch.float32)
+    for v in values[256:].abs():  # below the overflow: the fp32 mean as before, summed in value order
+        ordinary = ordinary + v
+    assert torch.equal(scales[2], ordinary / 128)
