@@ -252,7 +252,7 @@ def group_scales(values: torch.Tensor, gid: torch.Tensor, n_groups: int, fmt: st
         counts = torch.zeros(n_groups, dtype=torch.float32, device=values.device).index_add_(0, gid, (mag > 0).float())
         counts.clamp_(min=1)
         # where the fp32 sum passes the largest float (finite magnitudes from about 2.7e36 in groups of 128), the mean
-        # of the magnitudes times 2^-64, times 2^64: finite, as the mean is (int1_scale in csrc/dgc/dgc_cpu.cpp)
+        # of the magnitudes times 2^-64, times 2^64: finite, as the mean is (value_group_scale in csrc/dgc/dgc_cpu.cpp)
         small = torch.zeros(n_groups, dtype=torch.float32, device=values.device).index_add_(0, gid, mag * INT1_DOWN)
         return torch.where(torch.isinf(sums), small / counts * INT1_UP, sums / counts)
     scales = torch.zeros(n_groups, dtype=torch.float32, device=values.device)
