@@ -352,7 +352,7 @@ def quantize_rows(values: torch.Tensor, plan: FixedPlan,
         scales = torch.where(mixed, -amax, s4)
     elif fmt == "int1":
         nonzero = (mag > 0).sum(dim=2).clamp(min=1)
-        s = mag.sum(dim=2) / nonzero  # (its sum past the largest float: the mean at 2^-64 the size, formats.group_scales)
+        s = mag.sum(dim=2) / nonzero  # (a sum past the largest float: the mean at 2^-64 the size, group_scales)
         s = torch.where(torch.isinf(s), (mag * INT1_DOWN).sum(dim=2) / nonzero * INT1_UP, s)
         sign = torch.sign(v)
         codes, decoded, scales = sign + 1, sign * s[..., None], s
