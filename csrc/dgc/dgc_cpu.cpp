@@ -779,7 +779,7 @@ inline float value_group_scale(int fmt, const float* v, int64_t n, float absmax,
   if (fmt != dgc::kInt1 || !std::isinf(mag_sum)) return dgc::group_scale(fmt, absmax, mag_sum, nonzero);
   float small = 0.0f;
   for (int64_t x = 0; x < n; ++x) small += std::fabs(v[x]) * 0x1p-64f;
-  return small / (nonzero < 1.0f ? 1.0f : nonzero) * 0x1p64f;
+  return dgc::group_scale(fmt, absmax, small, nonzero) * 0x1p64f;  // (the mean's clamped count, as above)
 }
 
 // sums[g] = |a[g gs]| + |a[g gs + 1]| + ... over the whole groups of gs values in a[0, len), each added in value order

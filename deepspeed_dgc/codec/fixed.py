@@ -46,7 +46,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .formats import FP8_DTYPES, FP8_MAX, INT1_DOWN, INT1_UP, INT2_LEVEL, INT4_QMAX, VALUE_BITS, _divide_by_scale
+from .formats import FP8_DTYPES, FP8_MAX, INT1_DOWN, INT2_LEVEL, INT4_QMAX, VALUE_BITS, _divide_by_scale, int1_mean
 from .selection import LOWER_FACTOR, LOWER_SLACK, MAX_LOWER_ROUNDS, UPPER_SLACK
 
 MAGIC = 0x44474346  # "DGCF"
@@ -351,9 +351,7 @@ def quantize_rows(values: torch.Tensor, plan: FixedPlan,
         decoded = torch.where(m, q3 * amax[..., None], (q4 + 0.5) * s4[..., None])
         scales = torch.where(mixed, -amax, s4)
     elif fmt == "int1":
-        nonzero = (mag > 0).sum(dim=2).clamp(min=1)
-        s = mag.sum(dim=2) / nonzero  # (a sum past the largest float: the mean at 2^-64 the size, group_scales)
-        s = torch.where(torch.isinf(s), (mag * INT1_DOWN).sum(dim=2) / nonzero * INT1_UP, s)
+        s = int1_mean(mag.sum(dim=2), (mag * INT1_DOWN).sum(dim=2), (mag > 0).sum(dim=2).clamp(min=1))
         sign = torch.sign(v)
         codes, decoded, scales = sign + 1, sign * s[..., None], s
     elif fmt in FP8_DTYPES:

@@ -238,6 +238,14 @@ def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
 INT1_DOWN, INT1_UP = 2.0**-64, 2.0**64  # INT1's mean of huge magnitudes is taken at 2^-64 their size (group_scales)
 
 
+def int1_mean(sums: torch.Tensor, small_sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """INT1's group scales: ``sums / counts`` (fp32 sums of the groups' magnitudes, counts of their non-zeros,
+    >= 1), and where a sum passed the largest float (finite magnitudes from about 2.7e36 in groups of 128)
+    ``small_sums / counts * 2^64``, ``small_sums`` the sums of the magnitudes times ``INT1_DOWN``: finite, as the
+    mean is (``value_group_scale`` in csrc/dgc/dgc_cpu.cpp takes it the same way). Shapes broadcast; fp32."""
+    return torch.where(torch.isinf(sums), small_sums / counts * INT1_UP, sums / counts)
+
+
 def group_scales(values: torch.Tensor, gid: torch.Tensor, n_groups: int, fmt: str) -> torch.Tensor:
     """Group-wise scales of ``fmt``: absmax / qmax (INT4: 7, INT2: 1.5, FP8: the format's largest
     finite value), and for INT1 the mean magnitude (the scale that minimises the L2 error of
@@ -250,11 +258,8 @@ def group_scales(values: torch.Tensor, gid: torch.Tensor, n_groups: int, fmt: st
     if fmt == "int1":  # exact zeros are sent as zeros (ZERO_MASKED), so they take no part in the mean
         sums = torch.zeros(n_groups, dtype=torch.float32, device=values.device).index_add_(0, gid, mag)
         counts = torch.zeros(n_groups, dtype=torch.float32, device=values.device).index_add_(0, gid, (mag > 0).float())
-        counts.clamp_(min=1)
-        # where the fp32 sum passes the largest float (finite magnitudes from about 2.7e36 in groups of 128), the mean
-        # of the magnitudes times 2^-64, times 2^64: finite, as the mean is (value_group_scale in csrc/dgc/dgc_cpu.cpp)
         small = torch.zeros(n_groups, dtype=torch.float32, device=values.device).index_add_(0, gid, mag * INT1_DOWN)
-        return torch.where(torch.isinf(sums), small / counts * INT1_UP, sums / counts)
+        return int1_mean(sums, small, counts.clamp_(min=1))
     scales = torch.zeros(n_groups, dtype=torch.float32, device=values.device)
     scales.scatter_reduce_(0, gid, mag, reduce="amax", include_self=True)
     return scales.div_(INT2_LEVEL if fmt == "int2" else FP8_MAX[fmt])
