@@ -1,109 +1,126 @@
-"""Count the tensor calls of deepspeed_dgc's own code that make the host wait for the device.
+"""Count, on aten ops, the kernel launches and the host synchronisations of deepspeed_dgc's own code.
 
-On a GPU each of these calls reads device memory on the host, or copies host data into device memory
-synchronously, so the host waits for every kernel queued before it and stops launching work: ``item``,
-``tolist``, ``cpu``, ``numpy``, ``nonzero``, ``unique``, ``masked_select``, ``bool(t)``, ``int(t)``, ``float(t)``,
-using a tensor as an index (``__index__``), indexing or assigning with a boolean mask, ``repeat_interleave``
-with tensor repeats and no ``output_size``, and ``torch.tensor``/``torch.as_tensor`` of host data with a
-``device``. On CPU tensors nothing waits, but the same calls are made, so a CPU run with
-``"kernels": "reference"`` (the Python path every device runs) counts what a GPU run would wait for; on a GPU,
-``torch.cuda.set_sync_debug_mode("error")`` is the truth.
+On a GPU the host's job in the bucket path is to launch work; an op that reads device memory on the host makes it wait
+for every kernel queued before it. A :class:`~torch.utils._python_dispatch.TorchDispatchMode` sees every aten op, those
+that method wrappers miss included (``_local_scalar_dense`` behind ``int(t)``, ``bool(t)`` and indexing with a 0-d
+tensor), and each op is charged to the innermost frame of the package that made it. On CPU tensors nothing waits, but
+the same ops run, so a CPU run with ``"kernels": "reference"`` (the Python path every device runs) counts what a GPU
+run would wait for; on a GPU, ``torch.cuda.set_sync_debug_mode("error")`` is the truth.
+
+- launches: ops that run a kernel on a GPU (views, metadata and empty allocations left out);
+- syncs: ``_local_scalar_dense`` (``item``, ``int``, ``float``, ``bool``, indexing with a 0-d tensor), ``nonzero``,
+  ``masked_select``, ``unique``, indexing with a boolean mask, ``repeat_interleave`` without ``output_size``.
 
 Example::
 
-    with HostSyncCounter() as syncs:
+    with HostSyncCounter() as ops:
         for step in range(12):
             train_step()
-            print(step, sum(syncs.take().values()))
+            print(step, sum(ops.take().values()), ops.launches)
 """
 
 import os
 import sys
 import threading
 from collections import Counter
-from typing import Callable, Dict, Tuple
+from typing import Dict
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+DEEPSPEED_DIR = os.sep + "deepspeed" + os.sep
 
-TENSOR_METHODS = ("item", "tolist", "cpu", "numpy", "nonzero", "unique", "masked_select", "__bool__", "__int__",
-                  "__float__", "__index__")
-TORCH_FUNCTIONS = ("nonzero", "unique", "masked_select")
+# ops that launch nothing on a device: views, metadata, allocations without a fill
+NOT_LAUNCHES = frozenset((
+    "view", "_unsafe_view", "slice", "select", "expand", "t", "unsqueeze", "squeeze", "alias", "detach", "as_strided",
+    "split", "split_with_sizes", "narrow", "unbind", "permute", "_reshape_alias", "reshape", "lift_fresh", "empty",
+    "empty_like", "empty_strided", "transpose", "view_as_real", "view_as_complex", "resolve_conj", "resolve_neg",
+    "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size", "_has_compatible_shallow_copy_type",
+    "set_", "unfold", "chunk", "movedim", "flatten", "view_as", "dim", "size", "stride", "numel", "is_contiguous",
+    "storage_offset", "record_stream"))
+SYNC_OPS = frozenset(("_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim",
+                      "unique_consecutive", "_unique"))
 
 
-def _has_bool_mask(index) -> bool:
-    items = index if isinstance(index, tuple) else (index, )
-    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
+def _name(func) -> str:
+    return func._schema.name.split("::")[-1]
 
 
-class HostSyncCounter:
-    """A context manager that counts host-synchronising tensor calls made directly from deepspeed_dgc's code.
+def is_sync(name: str, args, kwargs) -> bool:
+    """Whether an aten op (by name, with its arguments) makes the host wait for the device."""
+    if name in SYNC_OPS:
+        return True
+    if name == "repeat_interleave" and kwargs.get("output_size") is None and len(args) < 3:
+        return isinstance(args[0], torch.Tensor) and args[0].dtype in (torch.int64, torch.int32)
+    if name in ("index", "index_put", "index_put_", "_index_put_impl_") and len(args) > 1:
+        return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in (args[1] or ()))
+    return False
 
-    Only calls whose calling frame is a file of the package count (DeepSpeed's and torch's own calls do not).
-    Not thread-safe across counters: one at a time per process.
+
+class HostSyncCounter(TorchDispatchMode):
+    """A dispatch mode that counts the aten ops made from deepspeed_dgc's code (the innermost frame of a call stack
+    that is a file of the package), and those of them that synchronise the host.
+
+    Only one per thread at a time (it is a dispatch mode: pushed on entry, popped on exit).
 
     Attributes:
-        counts: call name -> calls since the last :meth:`take`.
-        sites: ``(file:line, call name)`` -> calls since the last :meth:`take`.
+        counts: sync kind -> syncs since the last :meth:`take`; sites: ``(file:line, kind)`` -> syncs.
+        launches: launching ops since the last :meth:`take`; syncs: syncs since then (the sum of ``counts``).
     """
 
     def __init__(self, package_dir: str = PACKAGE_DIR):
+        super().__init__()
         self.package_dir = package_dir
         self.counts: Counter = Counter()
         self.sites: Counter = Counter()
-        self._saved: Dict[Tuple[object, str], Callable] = {}
+        self.launches = 0
         self._lock = threading.Lock()
 
-    def _hit(self, name: str) -> None:
+    def _site(self):
+        """The innermost frame of the package on the stack (file relative to the package, line), or None where a
+        frame of DeepSpeed's comes first (its own work, even when the package called it: its step, say)."""
         frame = sys._getframe(2)
-        if frame.f_code.co_filename.startswith(self.package_dir):
-            with self._lock:
+        while frame is not None:
+            name = frame.f_code.co_filename
+            if name.startswith(self.package_dir) and not name.endswith("syncs.py"):
+                return os.path.relpath(name, self.package_dir), frame.f_lineno
+            if DEEPSPEED_DIR in name and os.sep + "utils" + os.sep not in name.split(DEEPSPEED_DIR)[-1]:
+                return None
+            frame = frame.f_back
+        return None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        site = self._site()
+        if site is None:
+            return out
+        name = _name(func)
+        with self._lock:
+            if name not in NOT_LAUNCHES:
+                self.launches += 1
+            if is_sync(name, args, kwargs):
                 self.counts[name] += 1
-                self.sites[(f"{os.path.relpath(frame.f_code.co_filename, self.package_dir)}:{frame.f_lineno}",
-                            name)] += 1
+                self.sites[(f"{site[0]}:{site[1]}", name)] += 1
+        return out
 
-    def _wrap(self, owner, attr: str, name: str, when: Callable = None) -> None:
-        original = getattr(owner, attr)
-        self._saved[(owner, attr)] = original
-        counter = self
+    @property
+    def syncs(self) -> int:
+        return sum(self.counts.values())
 
-        def wrapper(*args, **kwargs):
-            if when is None or when(*args, **kwargs):
-                counter._hit(name)
-            return original(*args, **kwargs)
-
-        setattr(owner, attr, wrapper)
-
-    def __enter__(self) -> "HostSyncCounter":
-        for m in TENSOR_METHODS:
-            self._wrap(torch.Tensor, m, m)
-        self._wrap(torch.Tensor, "__getitem__", "bool-mask index", lambda t, index: _has_bool_mask(index))
-        self._wrap(torch.Tensor, "__setitem__", "bool-mask assign", lambda t, index, value: _has_bool_mask(index))
-        for f in TORCH_FUNCTIONS:
-            self._wrap(torch, f, f)
-        for owner in (torch, torch.Tensor):
-            self._wrap(owner, "repeat_interleave", "repeat_interleave",
-                       lambda x, repeats=None, *a, **kw: isinstance(repeats, torch.Tensor) and kw.get("output_size") is
-                       None)
-        for f in ("tensor", "as_tensor"):
-            self._wrap(torch, f, f"torch.{f}(host data, device)",
-                       lambda data, *a, **kw: kw.get("device") is not None and not isinstance(data, torch.Tensor))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for (owner, attr), original in self._saved.items():
-            setattr(owner, attr, original)
-        self._saved = {}
+    @property
+    def sync_names(self) -> Dict[str, int]:
+        return dict(self.sites)
 
     def take(self) -> Counter:
-        """The calls counted since the last take (by call name), and start counting afresh."""
+        """The syncs counted since the last take (by kind), and start counting afresh (launches too)."""
         with self._lock:
-            counts, self.counts, self.sites = self.counts, Counter(), Counter()
+            counts, self.counts, self.sites, self.launches = self.counts, Counter(), Counter(), 0
         return counts
 
     def take_sites(self) -> Counter:
-        """The calls counted since the last take, by ``(file:line, call name)``, and start counting afresh."""
+        """The syncs counted since the last take, by ``(file:line, kind)``, and start counting afresh."""
         with self._lock:
-            sites, self.counts, self.sites = self.sites, Counter(), Counter()
+            sites, self.counts, self.sites, self.launches = self.sites, Counter(), Counter(), 0
         return sites

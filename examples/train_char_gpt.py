@@ -329,7 +329,8 @@ def main() -> None:
     train_data, val_data, vocab_size = load_data()
     torch.manual_seed(args.seed)  # identical initialisation on every rank
     model = CharGPT(vocab_size, args.block_size, args.n_layer, args.n_embd, args.n_head)
-    n_params = sum(p.numel() for p in model.parameters())  # counted before ZeRO-3 partitions them
+    param_numels = [p.numel() for p in model.parameters()]  # counted before ZeRO-3 partitions them
+    n_params = sum(param_numels)
     if is_main:
         print(f"model: {n_params:,} parameters, vocab {vocab_size}, world size {world}", flush=True)
 
@@ -443,6 +444,7 @@ def main() -> None:
             "seed": args.seed,
             "world_size": world,
             "n_params": n_params,
+            "param_numels": param_numels,
             "steps": args.max_steps,
             "final_val_loss": final_val_loss,
             # the whole validation split after the last step (--holdout-eval), and the tokens it scored

@@ -20,7 +20,7 @@ off everywhere (``-ffp-contract=off``, nvcc ``--fmad=false``), and the CUDA buil
 results equal the PyTorch reference bit for bit. The CPU build adds ``-fno-trapping-math``: it changes no value
 (IEEE rounding and signed zeros stay), only lets GCC compute both sides of a select such as the FP8 conversion's
 (``dgc_math.h``) so that its loops vectorize. CUDA architectures come from ``TORCH_CUDA_ARCH_LIST``,
-default ``8.0;9.0`` (A100, H100/H200); the variable is as it was once the flags are computed (DeepSpeed's
+default ``8.0;9.0+PTX`` (A100, H100/H200, and PTX that a newer GPU's driver compiles at load); the variable is as it was once the flags are computed (DeepSpeed's
 ``jit_load`` restores it after a JIT build).
 """
 
@@ -39,7 +39,7 @@ logger = logging.getLogger("deepspeed_dgc")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSRC = os.path.join(REPO_ROOT, "csrc", "dgc")
 PREBUILT_PACKAGE = "deepspeed_dgc._prebuilt"
-DEFAULT_CUDA_ARCHS = "8.0;9.0"
+DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"  # PTX of the newest: a later GPU JIT-compiles it
 PORTABLE_ENV = "DGC_PORTABLE_BUILD"  # set by setup.py while prebuilding
 ARCH_ENV = "TORCH_CUDA_ARCH_LIST"
 # after DeepSpeed's flags: IEEE division and square root, subnormals kept, no fused multiply-add
@@ -144,8 +144,8 @@ class DGCCUDABuilder(_DGCBuilderMixin, CUDAOpBuilder):
 
     BUILD_VAR = "DS_BUILD_DGC"
     NAME = "dgc_cuda_op"
-    ABI = 2  # every value format (values_encode, values_decode_add) and the weight codes
-    SOURCES = ("dgc_cuda_binding.cpp", "dgc_cuda.cu")
+    ABI = 3  # the fixed layout's bucket stages (owner_gather, fixed_encode, fixed_decode), weights by segment tables
+    SOURCES = ("dgc_cuda_binding.cpp", "dgc_cuda.cu", "dgc_cuda_fixed.cu")
 
     def __init__(self):
         super().__init__(name=self.NAME)

@@ -15,7 +15,11 @@ owners' partitions, so that no chunk spans two owners and each owner decodes onl
   with an fp32 absmax scale per ``group_size`` values, groups restarting at each tensor) or raw fp32, and each
   carries its in-chunk position in ``log2(s)`` bits (s is a power of two).
 
-Sizes depend on ``(c_i, s, k)`` only: one ``all_to_all_single`` of equal rows, nothing read back on the host.
+Sizes depend on ``(c_i, s, k)`` only: one ``all_to_all_single`` of equal rows, nothing read back on the host. A bucket
+is one padded owner matrix (:class:`~deepspeed_dgc.codec.layout.BucketLayout`, blocks aligned to s), so every chunk of
+every tensor is transformed by one matrix product and topped by one batched selection along the chunk axis. Products
+that a tensor alone would have made of one or two rows are computed as such (a batched product of those rows): BLAS
+rounds those by another kernel, and this keeps every result bit for bit what the per-tensor computation gave.
 A row's payload (:attr:`ChunkPlan.payload_bytes` bytes)::
 
     int32[3]  header: MAGIC, fingerprint, 0
@@ -32,12 +36,14 @@ only after a skipped step, as the fixed layout's).
 
 import math
 from dataclasses import dataclass
-from functools import cached_property, lru_cache
-from typing import List, Sequence, Tuple
+from functools import lru_cache
+from typing import Dict, List, Tuple
 
 import torch
 
-from .fixed import FixedPlan, decode_values, encode_values, header_mismatch
+from .fixed import header_mismatch
+from .formats import code_bytes, decode_segments, encode_segments
+from .layout import BucketLayout, Workspace
 
 MAGIC = 0x44474344  # "DGCD"
 HEADER_BYTES = 12
@@ -110,13 +116,18 @@ class ChunkPlan:
     def position_bits(self) -> int:
         return self.chunk.bit_length() - 1
 
-    @cached_property
-    def value_plan(self) -> FixedPlan:
-        """The value codec as a fixed-layout plan of tensors sent whole (one per tensor: groups restart); built once
-        per plan (a bucket's encode and decode read it several times)."""
-        quantize = self.value_format != "none"
-        return FixedPlan.build(self.counts, [False] * len(self.counts), 1.0, quantize,
-                               self.value_format if quantize else "int4", self.group_size, torch.float32)
+    @property
+    def quantize(self) -> bool:
+        return self.value_format != "none"
+
+    @property
+    def n_groups(self) -> int:
+        """Scales per row: groups of ``group_size`` values restarting at each tensor (0 for raw values)."""
+        return sum(-(-k // self.group_size) for k in self.counts) if self.quantize else 0
+
+    @property
+    def value_bytes(self) -> int:
+        return code_bytes(self.values, self.value_format) if self.quantize else 4 * self.values
 
     @property
     def position_bytes(self) -> int:
@@ -125,8 +136,7 @@ class ChunkPlan:
 
     @property
     def payload_bytes(self) -> int:
-        vp = self.value_plan
-        n = HEADER_BYTES + 4 * vp.n_groups + vp.value_bytes + self.position_bytes
+        n = HEADER_BYTES + 4 * self.n_groups + self.value_bytes + self.position_bytes
         return n + (-n % 4)
 
 
@@ -203,86 +213,144 @@ def unpack_uint(data: torch.Tensor, bits: int, n: int) -> torch.Tensor:
 ARGMAX_TOPK_MAX = 4
 
 
-def topk_indices(a: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k largest of each row of ``a`` ``(..., s)`` along the last dim: int64 ``(..., k)``, in no
-    particular order, NaN counting as the largest (``torch.topk(a, k, sorted=False).indices``; for
-    ``1 <= k <= ARGMAX_TOPK_MAX`` by k passes of argmax, each taking the chosen entries out with -inf: the same set
-    where values are distinct, k distinct indices in every row without -inf, as ``|X|`` rows are)."""
+def topk_(a: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The k largest of each row of ``a`` ``(..., s)`` along the last dim: ``(values, indices)``, ``(..., k)`` each, in
+    no particular order, NaN counting as the largest; ``a`` is overwritten. For ``1 <= k <= ARGMAX_TOPK_MAX`` by k
+    passes of argmax, each taking the chosen entry out with -inf (the same set as ``torch.topk`` where values are
+    distinct, k distinct indices in every row without -inf, as ``|X|`` rows are); else ``torch.topk(sorted=False)``."""
     if k < 1 or k > ARGMAX_TOPK_MAX or k >= a.shape[-1]:
-        return torch.topk(a, k, dim=-1, sorted=False).indices
-    first = a.argmax(dim=-1, keepdim=True)
-    if k == 1:
-        return first
-    picked, rest = [first], a.scatter(-1, first, float("-inf"))
-    for j in range(1, k):
-        picked.append(rest.argmax(dim=-1, keepdim=True))
+        top = torch.topk(a, k, dim=-1, sorted=False)
+        return top.values, top.indices
+    values, indices = [], []
+    for j in range(k):
+        idx = a.argmax(dim=-1, keepdim=True)
+        values.append(a.gather(-1, idx))
+        indices.append(idx)
         if j + 1 < k:
-            rest.scatter_(-1, picked[-1], float("-inf"))
-    return torch.cat(picked, dim=-1)
+            a.scatter_(-1, idx, float("-inf"))
+    return torch.cat(values, dim=-1), torch.cat(indices, dim=-1)
 
 
-def owner_chunks(src: torch.Tensor, numel: int, c: int, world: int, s: int) -> torch.Tensor:
-    """fp32 ``(W, m, s)``: the owner matrix of a flat tensor of ``numel`` elements, rows cut into chunks of s."""
-    m = -(-c // s)
-    rows = torch.nn.functional.pad(src.reshape(-1)[:numel].float(), (0, world * c - numel)).view(world, c)
-    return torch.nn.functional.pad(rows, (0, m * s - c)).view(world, m, s)
+def layout_align(plan: ChunkPlan) -> int:
+    """The block alignment of a bucket coded by ``plan``: whole transform chunks."""
+    return plan.chunk
 
 
-def _forward(x: torch.Tensor, transform: str) -> torch.Tensor:
-    return x @ dct_matrix(x.shape[-1], x.device).T if transform == "dct" else x
+def _small_rows(L: BucketLayout, plan: ChunkPlan, rows: int, device) -> Dict[int, torch.Tensor]:
+    """The rows of the ``(rows * C / s, s)`` chunk matrix that belong to tensors whose own product would have had one
+    or two rows (``rows * m_i``), grouped by that count: count -> int64 ``(B, count)`` (cached per layout)."""
+    key = (L.key, plan.chunk, rows, str(device))
+    if key not in _SMALL:
+        if len(_SMALL) > 256:
+            _SMALL.clear()
+        s, M = plan.chunk, L.columns // plan.chunk
+        groups: Dict[int, List[List[int]]] = {}
+        for i in range(L.tensors):
+            m = L.widths[i] // s
+            if rows * m <= 2:
+                groups.setdefault(rows * m, []).append([r * M + L.cols[i] // s + j for r in range(rows) for j in range(m)])
+        _SMALL[key] = {n: torch.tensor(g, dtype=torch.long).to(device) for n, g in groups.items()}
+    return _SMALL[key]
 
 
-def _inverse(x: torch.Tensor, transform: str) -> torch.Tensor:
-    return x @ dct_matrix(x.shape[-1], x.device) if transform == "dct" else x
+_SMALL: Dict[Tuple, Dict[int, torch.Tensor]] = {}
 
 
-def encode(srcs: Sequence[torch.Tensor], numels: Sequence[int], plan: ChunkPlan, world: int,
-           fingerprint: int) -> Tuple[torch.Tensor, List[torch.Tensor], int]:
-    """Every owner row's payload, and what left each source.
+def _product(x: torch.Tensor, d: torch.Tensor, small: Dict[int, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """``out = x @ d`` for chunk rows ``x`` ``(N, s)``, the rows of ``small`` computed as the products of their own
+    tensors (:func:`_small_rows`)."""
+    torch.mm(x, d, out=out)
+    for index in small.values():
+        out[index] = torch.bmm(x[index], d.expand(index.shape[0], *d.shape))
+    return out
+
+
+def _subtract_product(acc: torch.Tensor, x: torch.Tensor, d: torch.Tensor, small: Dict[int, torch.Tensor]) -> None:
+    """``acc -= x @ d`` in place (rows of ``small`` as in :func:`_product`)."""
+    kept = {n: acc[index] for n, index in small.items()}
+    acc.addmm_(x, d, alpha=-1)
+    for n, index in small.items():
+        acc[index] = kept[n] - torch.bmm(x[index], d.expand(index.shape[0], *d.shape))
+
+
+def padding_mask(L: BucketLayout, s: int, device) -> torch.Tensor:
+    """Bool ``(R, C / s, s)``: the padding of the owner matrix (kept at 0), made from the layout's per-tensor real
+    counts (O(T) cached values; the mask itself is a temporary)."""
+    key = ("real", L.key, s, str(device))
+    if key not in _SMALL:
+        per_tensor = torch.tensor([[L.real[r][i] for i in L.placement] for r in range(L.rows)], dtype=torch.int32)
+        chunks = torch.tensor([L.widths[i] // s for i in L.placement], dtype=torch.long)
+        _SMALL[key] = (per_tensor.to(device), chunks.to(device), int(chunks.sum()))
+    real, chunks, M = _SMALL[key]
+    T = chunks.numel()
+    tensor = torch.repeat_interleave(torch.arange(T, device=device), chunks, output_size=M)
+    first = torch.cumsum(chunks, 0) - chunks
+    start = ((torch.arange(M, device=device) - first[tensor]) * s).to(torch.int32)  # the chunk's first column
+    limit = real[:, tensor] - start[None, :]  # (R, M): real columns of each chunk (may be <= 0 or > s)
+    return torch.arange(s, dtype=torch.int32, device=device)[None, None, :] >= limit[..., None]
+
+
+def encode(X: torch.Tensor, L: BucketLayout, plan: ChunkPlan, fingerprint: int,
+           ws: Workspace) -> Tuple[torch.Tensor, int]:
+    """Every owner row's payload of the momenta ``X``, and what was sent leaves ``X``.
 
     Args:
-        srcs: per tensor, fp32 ``(n_i,)`` (a rank's decoupled momentum), on one device.
-        numels: n_i; plan: the bucket's :class:`ChunkPlan` (``chunks[i] = ceil(n_i / world)``).
-        world: W, rows; fingerprint: int31 written in every header.
+        X: fp32 ``(R, C)``, the padded owner matrix of a rank's decoupled momenta (blocks aligned to the chunk, padding
+            0); on return it holds what stays: ``X - IDCT(decoded)`` on the real elements, 0 in the padding.
+        L: its layout; plan: the bucket's :class:`ChunkPlan` (``chunks[i] = c_i``); fingerprint: int31 in every header.
+        ws: memory for the temporaries.
 
     Returns:
-        ``(payloads, sent, kept)``: uint8 ``(W, payload_bytes)`` (row o for owner o); per tensor, fp32 ``(n_i,)``
-        the decoded value of what was sent (the receivers' view, quantization included), to subtract from the
-        source; values sent (all rows).
+        ``(payloads, kept)``: uint8 ``(R, payload_bytes)`` (row o for owner o) and the values sent (all rows).
     """
-    device = srcs[0].device
-    s, k, vp = plan.chunk, plan.topk, plan.value_plan
-    values, positions = [], []
-    for src, n, c in zip(srcs, numels, plan.chunks):
-        coef = _forward(owner_chunks(src, n, c, world, s), plan.transform)
-        idx = topk_indices(coef.abs(), k)  # (W, m, k)
-        values.append(coef.gather(2, idx).view(world, -1))
-        positions.append(idx.view(world, -1))
-    vals = torch.cat(values, dim=1)
-    pos = torch.cat(positions, dim=1)
-    value_bytes, decoded = encode_values(vals, vp)
-    parts = [header_rows(MAGIC, fingerprint, world, device)] + value_bytes + [pack_uint(pos, plan.position_bits)]
-    payload = torch.cat(parts, dim=1)
+    R, device = X.shape[0], X.device
+    s, k = plan.chunk, plan.topk
+    M = L.columns // s
+    chunks = X.view(R * M, s)
+    dct = plan.transform == "dct"
+    small = _small_rows(L, plan, R, device) if dct else {}
+    mark = ws.mark()
+    coef = ws.take((R * M, s), torch.float32)
+    if dct:
+        _product(chunks, dct_matrix(s, device).T, small, coef)
+    else:
+        coef.copy_(chunks)
+    negative = torch.signbit(coef)
+    values, idx = topk_(coef.abs_(), k)  # (R M, k) magnitudes and their columns
+    values = torch.where(negative.gather(1, idx), values.neg(), values).view(R, M * k)
+    del negative
+    counts = list(plan.counts)
+    if plan.quantize:
+        scales, packed, decoded = encode_segments(values, counts, plan.value_format, plan.group_size)
+        parts = [scales.view(torch.uint8), packed]
+    else:
+        decoded = values
+        parts = [values.contiguous().view(torch.uint8)]
+    sent = coef.zero_().scatter_(1, idx, decoded.view(R * M, k))
+    if dct:
+        _subtract_product(chunks, sent, dct_matrix(s, device), small)
+    else:
+        chunks.sub_(sent)
+    ws.release(mark)
+    X.view(R, M, s).masked_fill_(padding_mask(L, s, device), 0.0)
+    payload = torch.cat([header_rows(MAGIC, fingerprint, R, device)] + parts + [pack_uint(idx.view(R, M * k),
+                                                                                        plan.position_bits)], dim=1)
     payload = torch.nn.functional.pad(payload, (0, plan.payload_bytes - payload.shape[1]))
-    sent, at = [], 0
-    for n, c, m, cnt, idx in zip(numels, plan.chunks, plan.n_chunks, plan.counts, positions):
-        x = torch.zeros(world, m, s, device=device).scatter_(2, idx.view(world, m, k),
-                                                             decoded[:, at:at + cnt].view(world, m, k))
-        sent.append(_inverse(x, plan.transform).view(world, m * s)[:, :c].reshape(-1)[:n])
-        at += cnt
-    return payload, sent, world * plan.values
+    return payload, R * plan.values
 
 
-def decode_sum(received: torch.Tensor, plan: ChunkPlan, fingerprint: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def decode_sum(received: torch.Tensor, L: BucketLayout, plan: ChunkPlan, fingerprint: int,
+               ws: Workspace) -> Tuple[torch.Tensor, torch.Tensor]:
     """This owner's row of the sum over senders, from the W payloads it received.
 
     Args:
         received: uint8 ``(W, payload_bytes)``, row r from rank r.
-        plan: the bucket's plan; fingerprint: the one every header must carry.
+        L: the bucket's layout; plan: the bucket's plan; fingerprint: the one every header must carry.
+        ws: memory for the temporaries and the result.
 
     Returns:
-        ``(out, bad)``: fp32 ``(sum_i c_i,)``, tensor i in columns ``[sum_{j<i} c_j, ...)`` (NaN everywhere when a
-        payload does not match); bool ``(W,)``, the senders whose payload does not match.
+        ``(out, bad)``: fp32 ``(C,)`` in the layout's columns (NaN everywhere when a payload does not match); bool
+        ``(W,)``, the senders whose payload does not match.
 
     Raises:
         ValueError: ``received`` is not uint8 ``(W, payload_bytes)``.
@@ -290,16 +358,25 @@ def decode_sum(received: torch.Tensor, plan: ChunkPlan, fingerprint: int) -> Tup
     if received.dtype != torch.uint8 or received.dim() != 2 or received.shape[1] != plan.payload_bytes:
         raise ValueError(f"decode_sum: expected uint8 (W, {plan.payload_bytes}) payloads, got {received.dtype} of shape "
                          f"{tuple(received.shape)}")
-    W, device = received.shape[0], received.device
+    device = received.device
     s, k = plan.chunk, plan.topk
+    M, K = L.columns // s, plan.values
     bad = header_mismatch(received, MAGIC, fingerprint)
-    vals, at = decode_values(received, HEADER_BYTES, plan.value_plan)
-    pos = unpack_uint(received[:, at:at + plan.position_bytes], plan.position_bits, plan.values)
-    outs, col = [], 0
-    for c, m, cnt in zip(plan.chunks, plan.n_chunks, plan.counts):
-        index = (torch.arange(m, device=device)[None, :, None] * s + pos[:, col:col + cnt].view(W, m, k)).reshape(-1)
-        coef = torch.zeros(m * s, device=device).scatter_add_(0, index, vals[:, col:col + cnt].reshape(-1))
-        outs.append(_inverse(coef.view(m, s), plan.transform).view(-1)[:c])
-        col += cnt
-    out = torch.cat(outs)
-    return out.masked_fill(bad.any(), float("nan")), bad
+    at = HEADER_BYTES
+    if plan.quantize:
+        G = plan.n_groups
+        scales = received[:, at:at + 4 * G].contiguous().view(torch.float32)
+        vals = decode_segments(scales, received[:, at + 4 * G:at + 4 * G + plan.value_bytes], list(plan.counts),
+                               plan.value_format, plan.group_size)
+    else:
+        vals = received[:, at:at + plan.value_bytes].contiguous().view(torch.float32)
+    at += 4 * plan.n_groups + plan.value_bytes
+    pos = unpack_uint(received[:, at:at + plan.position_bytes], plan.position_bits, K)
+    index = (torch.arange(K, device=device) // k * s)[None, :] + pos
+    coef = ws.take((M * s, ), torch.float32).zero_().scatter_add_(0, index.view(-1), vals.reshape(-1))
+    out = ws.take((L.columns, ), torch.float32)
+    if plan.transform == "dct":
+        _product(coef.view(M, s), dct_matrix(s, device), _small_rows(L, plan, 1, device), out.view(M, s))
+    else:
+        out.copy_(coef)
+    return out.masked_fill_(bad.any(), float("nan")), bad

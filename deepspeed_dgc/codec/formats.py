@@ -516,3 +516,271 @@ def _segment_tensor(n: int, segments: Optional[Sequence[int]], device):
     if sum(segments) != n:
         raise ValueError(f"segments of {sum(segments)} elements for {n} weights")
     return host_segments(segments, device)
+
+
+# ---- the value formats of whole aligned groups (the fixed layout and the fixed-size codecs) -------------------
+# One table, FORMATS: each format says how a group's scale is found, how values become codes (and, in place, what
+# error feedback keeps), how codes decode and how many codes fit in a byte. The callers give the groups as a view
+# (..., G, g) of fp32 values (an owner matrix's aligned blocks, or slots of kept values), so a bucket is one call
+# whatever its tensors; ``tmp`` is fp32 scratch of the same shape (a workspace view: no new memory).
+
+
+class ValueFormat:
+    """A value format on whole groups of ``g`` values (see the table's comment above).
+
+    Attributes:
+        name: the config's name; per_byte: codes per byte in the fixed layout (INT1: ternary, five per byte).
+    """
+
+    name = ""
+    per_byte = 1
+
+    def scales(self, groups: torch.Tensor, gmax: torch.Tensor, gmin: torch.Tensor, tmp: torch.Tensor,
+               padding: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """fp32 ``(..., G)``: each group's scale, from its values ``(..., G, g)`` and their maxima and minima
+        ``(..., G)`` (NaN propagates); ``tmp`` may be overwritten. ``padding``: per group (broadcastable to
+        ``(..., G)``), how many of its values are padding, zeros that are not values (INT2 does not count them as
+        zeros), or None: none."""
+        raise NotImplementedError
+
+    def encode_(self, groups: torch.Tensor, scales: torch.Tensor, codes: torch.Tensor, tmp: torch.Tensor,
+                generator: Optional[torch.Generator] = None) -> None:
+        """Write the codes of ``groups`` into ``codes`` (uint8, same shape), leave in ``groups`` the error of what the
+        receivers decode (``v - decoded`` in fp32: error feedback's residual) and in ``tmp`` the decoded values.
+        ``generator``: stochastic rounding (INT4/INT2)."""
+        raise NotImplementedError
+
+    def decode(self, codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """fp32 values of ``codes`` ``(..., G, g)`` at ``scales`` ``(..., G)``, written into ``out``."""
+        raise NotImplementedError
+
+
+def _safe(scales: torch.Tensor) -> torch.Tensor:
+    """Scales with 0 (an all-zero group) and NaN replaced by 1, broadcastable over a group's values: a true division
+    by them is the value itself there (0 in an all-zero group; a bucket with NaN is poisoned whatever it sends)."""
+    return torch.where(scales > 0, scales, torch.ones_like(scales))[..., None]
+
+
+def _absmax(gmax: torch.Tensor, gmin: torch.Tensor) -> torch.Tensor:
+    return torch.maximum(gmax, gmin.neg())
+
+
+class _Int4(ValueFormat):
+    """Symmetric INT4, ``s = absmax / 7``, codes ``floor(v / s + 1/2) + 8`` (ZeRO++ qgZ's format, Wang et al., arXiv
+    2306.10209, section 4.2); error <= s/2, or below s with stochastic rounding (``floor(v / s + u)``)."""
+
+    name, per_byte = "int4", 2
+
+    def scales(self, groups, gmax, gmin, tmp, padding=None):
+        return _absmax(gmax, gmin).div_(INT4_QMAX)
+
+    def encode_(self, groups, scales, codes, tmp, generator=None):
+        s = _safe(scales)
+        torch.div(groups, s, out=tmp)
+        _add_rounding(tmp, generator).floor_().clamp_(-INT4_QMAX, INT4_QMAX).add_(8)
+        codes.copy_(tmp)
+        groups.sub_(tmp.sub_(8).mul_(scales[..., None]))
+
+    def decode(self, codes, scales, out):
+        out.copy_(codes)
+        return out.sub_(8).mul_(scales[..., None])
+
+
+def _add_rounding(t: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
+    """``t + 1/2`` (then floor: round to nearest), or ``t + u`` with u uniform in [0, 1) from ``generator``
+    (stochastic rounding, unbiased; Gupta et al., ICML 2015), in place."""
+    if generator is None:
+        return t.add_(0.5)
+    return t.add_(torch.rand(t.shape, generator=generator, device=t.device))
+
+
+class _Int2(ValueFormat):
+    """INT2: four levels ``(q + 1/2) s``, ``s = absmax / 1.5``, ``q = floor(v / s - 1/2 + 1/2)`` in [-2, 1]; a group
+    that mixes exact zeros and non-zeros takes three levels ``q a`` (``a`` its absmax, ``q = floor(v / a + 1/2)`` in
+    [-1, 1], error <= a/2), flagged by a negative scale, so zeros decode to exactly 0."""
+
+    name, per_byte = "int2", 4
+
+    def scales(self, groups, gmax, gmin, tmp, padding=None):
+        amax = _absmax(gmax, gmin)
+        if padding is None:
+            mixed = (groups == 0).any(dim=-1)
+        else:
+            mixed = groups.shape[-1] - torch.count_nonzero(groups, dim=-1) > padding
+        mixed &= amax > 0
+        return torch.where(mixed, amax.neg(), amax / INT2_LEVEL)
+
+    def encode_(self, groups, scales, codes, tmp, generator=None):
+        mixed = (scales < 0)[..., None]
+        d = _safe(scales.abs())
+        torch.div(groups, d, out=tmp).add_(torch.where(mixed, 0.0, -0.5))
+        _add_rounding(tmp, generator).floor_().clamp_(min=torch.where(mixed, -1.0, -2.0)).clamp_(max=1.0)
+        offset = torch.where(mixed, 1.0, 2.0)
+        codes.copy_(tmp.add_(offset))
+        groups.sub_(tmp.sub_(offset).add_(torch.where(mixed, 0.0, 0.5)).mul_(scales.abs()[..., None]))
+
+    def decode(self, codes, scales, out):
+        out.copy_(codes)
+        mixed = (scales < 0)[..., None]
+        return out.sub_(torch.where(mixed, 1.0, 1.5)).mul_(scales.abs()[..., None])
+
+
+class _Int1(ValueFormat):
+    """INT1 as sign or zero, ``s * sign(v)`` with s the mean magnitude of the group's non-zero values (1-bit Adam's
+    compressor, Tang et al., ICML 2021, section 3), coded ternary (five codes a byte, 1.6 bits) so zeros stay 0."""
+
+    name, per_byte = "int1", 5
+
+    def scales(self, groups, gmax, gmin, tmp, padding=None):
+        mag = torch.abs(groups, out=tmp)
+        counts = torch.count_nonzero(groups, dim=-1).clamp_(min=1)
+        sums = mag.sum(dim=-1)
+        return int1_mean(sums, mag.mul_(INT1_DOWN).sum(dim=-1), counts)
+
+    def encode_(self, groups, scales, codes, tmp, generator=None):
+        codes.copy_(torch.sign(groups, out=tmp).add_(1))
+        groups.sub_(tmp.sub_(1).mul_(scales[..., None]))
+
+    def decode(self, codes, scales, out):
+        out.copy_(codes)
+        return out.sub_(1).mul_(scales[..., None])
+
+
+class _FP8(ValueFormat):
+    """FP8 (OCP, Micikevicius et al., arXiv 2209.05433): ``v / s`` cast to e4m3 or e5m2, ``s = absmax / max``."""
+
+    per_byte = 1
+
+    def __init__(self, name: str):
+        self.name, self.dtype, self.max = name, FP8_DTYPES[name], FP8_MAX[name]
+
+    def scales(self, groups, gmax, gmin, tmp, padding=None):
+        return _absmax(gmax, gmin).div_(self.max)
+
+    def encode_(self, groups, scales, codes, tmp, generator=None):
+        fp8 = codes.view(self.dtype)
+        fp8.copy_(torch.div(groups, _safe(scales), out=tmp))
+        groups.sub_(tmp.copy_(fp8).mul_(scales[..., None]))
+
+    def decode(self, codes, scales, out):
+        out.copy_(codes.view(self.dtype))
+        return out.mul_(scales[..., None])
+
+
+FORMATS: Dict[str, ValueFormat] = {f.name: f for f in (_Int4(), _Int2(), _Int1(), _FP8("fp8_e4m3"), _FP8("fp8_e5m2"))}
+assert set(FORMATS) == set(VALUE_BITS)
+
+
+def code_bytes(count: int, fmt: str) -> int:
+    """Bytes of ``count`` codes of ``fmt`` packed ``per_byte`` to a byte (INT1: ternary)."""
+    return -(-count // FORMATS[fmt].per_byte)
+
+
+_TERNARY = (1, 3, 9, 27, 81)
+
+
+def pack_codes(codes: torch.Tensor, fmt: str, out: torch.Tensor) -> torch.Tensor:
+    """Pack codes ``(R, K)`` (uint8; K a multiple of the format's ``per_byte``) row by row into ``out``
+    ``(R, K / per_byte)`` uint8: little-endian bit fields (INT4 two a byte, INT2 four), INT1's ternary codes as base-3
+    digits (digit i of a byte weighing 3^i), FP8 as they are."""
+    per = FORMATS[fmt].per_byte
+    if per == 1:
+        return out.copy_(codes)
+    parts = codes.view(codes.shape[0], -1, per)
+    out.copy_(parts[..., 0])
+    tmp = torch.empty_like(out)
+    for j in range(1, per):
+        if fmt == "int1":
+            torch.mul(parts[..., j], _TERNARY[j], out=tmp)
+            out.add_(tmp)
+        else:
+            torch.bitwise_left_shift(parts[..., j], j * VALUE_BITS[fmt], out=tmp)
+            out.bitwise_or_(tmp)
+    return out
+
+
+def unpack_codes(packed: torch.Tensor, fmt: str, out: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`: ``out`` ``(R, K)`` uint8 from ``packed`` ``(R, K / per_byte)``."""
+    per = FORMATS[fmt].per_byte
+    if per == 1:
+        return out.copy_(packed)
+    parts = out.view(out.shape[0], -1, per)
+    for j in range(per):
+        if fmt == "int1":
+            torch.div(packed, _TERNARY[j], rounding_mode="floor", out=parts[..., j])
+            parts[..., j].remainder_(3)
+        else:
+            torch.bitwise_right_shift(packed, j * VALUE_BITS[fmt], out=parts[..., j])
+            parts[..., j].bitwise_and_((1 << VALUE_BITS[fmt]) - 1)
+    return out
+
+
+def _segment_groups(counts: Sequence[int], group_size: int, device):
+    """For values of consecutive segments (``counts``) whose groups restart at each segment: where each value goes in
+    a layout padded to whole groups (int64 ``(K,)``), and how many padding values each group has (int64 ``(G,)``)."""
+    key = (tuple(counts), group_size, str(device))
+    if key not in _SEGMENT_GROUPS:
+        if len(_SEGMENT_GROUPS) > 256:
+            _SEGMENT_GROUPS.clear()
+        padded = [-(-k // group_size) * group_size for k in counts]
+        K, G = sum(counts), sum(padded) // group_size
+        shift = torch.tensor([p0 - k0 for p0, k0 in zip(_prefix(padded), _prefix(counts))], dtype=torch.long)
+        lens = torch.tensor(list(counts), dtype=torch.long)
+        last = torch.tensor([p // group_size - 1 for p in _prefix(padded, inclusive=True)], dtype=torch.long)
+        pads = torch.tensor([p - k for p, k in zip(padded, counts)], dtype=torch.long)
+        dest = torch.arange(K) + torch.repeat_interleave(shift, lens, output_size=K)
+        padding = torch.zeros(G, dtype=torch.long).index_put_((last[pads > 0], ), pads[pads > 0]) if G else \
+            torch.zeros(0, dtype=torch.long)
+        device = torch.device(device)
+        _SEGMENT_GROUPS[key] = (_to_device(dest, device), _to_device(padding, device), G)
+    return _SEGMENT_GROUPS[key]
+
+
+_SEGMENT_GROUPS: Dict[Tuple, Tuple[torch.Tensor, torch.Tensor, int]] = {}
+
+
+def _prefix(xs, inclusive: bool = False):
+    out, total = [], 0
+    for x in xs:
+        total += x
+        out.append(total if inclusive else total - x)
+    return out
+
+
+def encode_segments(values: torch.Tensor, counts: Sequence[int], fmt: str, group_size: int,
+                    generator: Optional[torch.Generator] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Values of consecutive segments (tensors) of every row in ``fmt``, groups restarting at each segment.
+
+    Args:
+        values: fp32 ``(R, K)``, ``K = sum(counts)``; counts: values per segment; group_size: values per scale.
+        generator: stochastic rounding (INT4/INT2).
+
+    Returns:
+        ``(scales, packed, decoded)``: fp32 ``(R, G)`` (``G = sum ceil(count / group_size)``), uint8
+        ``(R, code_bytes(K, fmt))`` and fp32 ``(R, K)``, what the receivers decode.
+    """
+    R, device = values.shape[0], values.device
+    dest, padding, G = _segment_groups(counts, group_size, device)
+    K, f = values.shape[1], FORMATS[fmt]
+    padded = values.new_zeros(R, G * group_size).index_copy_(1, dest, values).view(R, G, group_size)
+    tmp = torch.empty_like(padded)
+    scales = f.scales(padded, padded.amax(dim=-1), padded.amin(dim=-1), tmp, padding)
+    codes = torch.zeros(R, G * group_size, dtype=torch.uint8, device=device)
+    f.encode_(padded, scales, codes.view(R, G, group_size), tmp, generator)
+    compact = torch.zeros(R, -(-K // f.per_byte) * f.per_byte, dtype=torch.uint8, device=device)
+    compact[:, :K] = codes.index_select(1, dest)
+    packed = pack_codes(compact, fmt, torch.empty(R, compact.shape[1] // f.per_byte, dtype=torch.uint8, device=device))
+    return scales, packed, tmp.view(R, -1).index_select(1, dest)
+
+
+def decode_segments(scales: torch.Tensor, packed: torch.Tensor, counts: Sequence[int], fmt: str,
+                    group_size: int) -> torch.Tensor:
+    """Inverse of :func:`encode_segments`: fp32 ``(W, K)`` from scales ``(W, G)`` and packed codes."""
+    W, device = packed.shape[0], packed.device
+    dest, _, G = _segment_groups(counts, group_size, device)
+    f = FORMATS[fmt]
+    K = sum(counts)
+    codes = unpack_codes(packed, fmt, torch.empty(W, packed.shape[1] * f.per_byte, dtype=torch.uint8, device=device))
+    spread = torch.zeros(W, G * group_size, dtype=torch.uint8, device=device).index_copy_(1, dest, codes[:, :K])
+    out = torch.empty(W, G, group_size, dtype=torch.float32, device=device)
+    return f.decode(spread.view(W, G, group_size), scales, out).view(W, -1).index_select(1, dest)

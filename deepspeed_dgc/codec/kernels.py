@@ -1,9 +1,9 @@
 """The fused ops (C++/OpenMP on CPU, CUDA on GPU) and the choice between them and the reference.
 
 - :class:`FusedCPUOps` (``csrc/dgc/dgc_cpu.cpp``): one OpenMP pass over the dense data;
-- :class:`FusedCUDAOps` (``csrc/dgc/dgc_cuda.cu``): accumulation, the codes of every format, decode and the
-  weight codes as CUDA kernels; group scales, selection and packing of the kept ~density fraction as torch
-  ops on the device.
+- :class:`FusedCUDAOps` (``csrc/dgc/dgc_cuda_fixed.cu``, ``dgc_cuda.cu``): the fixed layout's gather of a bucket,
+  its scales, codes and packing in one kernel and its decode-and-sum in one, the weight codes; the selection of the
+  kept values stays torch ops on the device (batched, :mod:`~deepspeed_dgc.codec.fixed`).
 
 Both give the bytes and residual bits of :class:`~deepspeed_dgc.codec.reference.ReferenceOps`. They code
 every value format (INT4, INT2, INT1, FP8 e4m3/e5m2) rounded to nearest with varint positions, and the
@@ -19,8 +19,7 @@ from typing import Sequence, Tuple
 import torch
 
 from . import wire
-from .formats import (VALUE_BITS, WEIGHT_QMAX, ZERO_MASKED, _with_zero_masks, group_scales, int4_group_ids, int4_group_scales,
-                      pack_bits, pack_nibbles, split_scales, weight_code_bytes)
+from .formats import VALUE_BITS, ZERO_MASKED, int4_group_ids, pack_nibbles, split_scales, weight_code_bytes
 from .indices import decode_positions
 from .job import CompressJob, CompressOutput
 from .reference import REFERENCE, ReferenceOps
@@ -29,6 +28,7 @@ logger = logging.getLogger("deepspeed_dgc")
 
 KERNEL_CHOICES = ("auto", "fused", "reference")
 _warned = set()
+_LOAD_FAILURES = {}  # device type -> why its fused op did not load (remembered: one attempt, one warning)
 
 
 class DGCKernelError(RuntimeError):
@@ -121,7 +121,10 @@ def _segment_list(n: int, segments) -> list:
 
 
 class FusedCUDAOps(ReferenceOps):
-    """The CUDA op (``dgc_cuda_op``): accumulation, value and weight codes and decode as CUDA kernels."""
+    """The CUDA op (``dgc_cuda_op``): the fixed layout's bucket stages (the owner matrix gathered from the bucket's
+    tensors, every scale group coded and packed into the payload in one kernel, every sender decoded and summed in
+    one), the weight codes by segment tables, and the exact layout's accumulation and decode. No per-element index
+    tensors: the kernels take small per-tensor or per-segment tables."""
 
     name = "fused-cuda"
 
@@ -129,14 +132,64 @@ class FusedCUDAOps(ReferenceOps):
         self.op = op
         self._owners = {}  # (row owners, device) -> int64 device tensor, copied once
 
+    def _rows(self, owners, device) -> torch.Tensor:
+        key = (tuple(owners), str(device))
+        if key not in self._owners:
+            self._owners[key] = torch.tensor(list(owners), dtype=torch.long).pin_memory().to(device, non_blocking=True)
+        return self._owners[key]
+
+    # ---- the fixed layout --------------------------------------------------------------------------------------
+
+    def gather(self, layout, srcs, out: torch.Tensor, divisor: float = 1.0, by_row: bool = False) -> torch.Tensor:
+        """``out`` (R, C) fp32 = the bucket's owner matrix of ``srcs`` (one dtype, contiguous), divided by ``divisor``,
+        in one launch (:meth:`~deepspeed_dgc.codec.layout.BucketLayout.gather`'s result, times ``1 / divisor`` as
+        torch divides by a scalar on a GPU). Sources of mixed dtypes, not contiguous or not on the GPU take the torch
+        ops."""
+        if not all(s.is_cuda and s.is_contiguous() and s.dtype == srcs[0].dtype for s in srcs) or \
+                srcs[0].dtype not in _FUSED_DTYPES:
+            layout.gather(srcs, out, by_row=by_row)
+            return out.div_(divisor) if divisor != 1 else out
+        table = torch.tensor([[s.data_ptr(), layout.chunks[i], layout.numels[i], layout.cols[i]]
+                              for i, s in ((i, srcs[i]) for i in layout.placement)], dtype=torch.long)
+        table = table.pin_memory().to(out.device, non_blocking=True)
+        rows = self._rows(range(layout.rows) if by_row else layout.key.owners, out.device)
+        self.op.owner_gather(out, table, rows, srcs[0], float(divisor), _stream())
+        return out
+
+    def fixed_encode(self, A: torch.Tensor, plan, sel, payload: torch.Tensor) -> None:
+        """The values of a fixed-layout bucket (its whole-sent columns in ``A``, its slots in ``sel``) coded and packed
+        into ``payload`` with their scales, and ``A`` left holding the residual (:func:`~deepspeed_dgc.codec.fixed.
+        encode`'s quantized path, rounded to nearest)."""
+        from math import gcd
+        s_at, v_at, _, _ = plan.sections
+        per = {"int4": 2, "int2": 4, "int1": 5}.get(plan.value_format, 1)
+        span = plan.group_size * per // gcd(plan.group_size, per)
+        empty_f = torch.empty(0, dtype=torch.float32, device=A.device)
+        if sel is not None:
+            slots, flat = sel.values, torch.where(sel.valid, sel.flat.long(), -1)
+        else:
+            slots, flat = empty_f, torch.empty(0, dtype=torch.long, device=A.device)
+        self.op.fixed_encode(A, plan.dense_columns, slots, flat, torch.empty(0, dtype=torch.int32, device=A.device),
+                             payload, s_at, v_at, VALUE_FORMAT_CODES[plan.value_format], plan.group_size, span,
+                             plan.values, plan.packed_values, _stream())
+
+    def fixed_decode(self, received: torch.Tensor, plan, columns, valid, D, out: torch.Tensor) -> None:
+        """This owner's row: every sender's whole-sent columns and slots decoded and summed in rank order into ``out``
+        (``columns``, ``valid``: the slots' columns in the sparse region and which are filled; ``D`` fp32 ``(W, Cs)``
+        scratch)."""
+        s_at, v_at, _, _ = plan.sections
+        empty = torch.empty(0, device=out.device)
+        self.op.fixed_decode(received, s_at, v_at, VALUE_FORMAT_CODES[plan.value_format], plan.group_size,
+                             plan.dense_columns, columns if columns is not None else empty.long(),
+                             valid if valid is not None else empty.bool(), D if D is not None else empty, out,
+                             _stream())
+
+    # ---- the exact layout ----------------------------------------------------------------------------------------
+
     def accumulate(self, job: CompressJob) -> torch.Tensor:
         C = sum(job.chunks)
         acc_m = torch.empty(job.rows, C, dtype=torch.float32, device=job.srcs[0].device)
-        key = (tuple(job.row_owner), str(acc_m.device))
-        if key not in self._owners:
-            self._owners[key] = torch.tensor(job.row_owner, dtype=torch.long).pin_memory().to(acc_m.device,
-                                                                                              non_blocking=True)
-        owners = self._owners[key]
+        owners = self._rows(job.row_owner, acc_m.device)
         col = 0
         for i, src in enumerate(job.srcs):
             residual = job.residuals[i]
@@ -166,49 +219,49 @@ class FusedCUDAOps(ReferenceOps):
                                   torch.empty(0, dtype=torch.bool, device=out.device) if nonzero is None else nonzero,
                                   VALUE_FORMAT_CODES[fmt], _stream())
 
+    # ---- weights (the quantized all-gather, fp8 residuals) --------------------------------------------------------
+
     def quantize_weights(self, x, fmt, group_size, segments=None):
         if x.device.type != "cuda":
             return ReferenceOps.quantize_weights(self, x, fmt, group_size, segments)
         v = x.reshape(-1).float().contiguous()
-        gid, n_groups = _weight_groups(v.numel(), group_size, segments, v.device)
-        scales = torch.zeros(n_groups, dtype=torch.float32, device=v.device)
-        scales.scatter_reduce_(0, gid, v.abs(), reduce="amax", include_self=True)
-        scales.div_(WEIGHT_QMAX[fmt])
-        codes = self.op.weights_encode(v, scales, gid, WEIGHT_FORMAT_CODES[fmt], _stream())
+        table, n_groups = _segment_table(v.numel(), group_size, segments, v.device)
+        scales = torch.empty(n_groups, dtype=torch.float32, device=v.device)
+        codes = self.op.weights_encode_seg(v, table, group_size, scales, WEIGHT_FORMAT_CODES[fmt], _stream())
         return (pack_nibbles(codes) if fmt == "int4" else codes), scales
 
     def dequantize_weights_into(self, out, codes, scales, fmt, group_size, segments=None):
         if out.device.type != "cuda" or not out.is_contiguous() or out.dtype not in _FUSED_DTYPES:
             return ReferenceOps.dequantize_weights_into(self, out, codes, scales, fmt, group_size, segments)
-        gid, n_groups = _weight_groups(out.numel(), group_size, segments, out.device)
+        table, n_groups = _segment_table(out.numel(), group_size, segments, out.device)
         if n_groups != scales.numel():
             raise ValueError(f"dequantize_weights: {scales.numel()} scales for {n_groups} groups of {out.numel()} "
                              "weights")
         if codes.numel() < weight_code_bytes(out.numel(), fmt):
             raise ValueError(f"dequantize_weights: {codes.numel()} code bytes for {out.numel()} {fmt} weights")
-        self.op.weights_decode(codes.contiguous(), scales.contiguous(), gid, out.view(-1), WEIGHT_FORMAT_CODES[fmt],
-                               _stream())
+        self.op.weights_decode_seg(codes.contiguous(), scales.contiguous(), table, group_size, out.view(-1),
+                                   WEIGHT_FORMAT_CODES[fmt], _stream())
 
 
-def _weight_groups(n: int, group_size: int, segments, device):
-    """Scale group of each of n weights (groups restart at each segment; sizes from the host, nothing read back)."""
-    from .formats import _segment_tensor
-    return int4_group_ids(_segment_tensor(n, segments, device), group_size)
+_TABLES = {}
 
-    def _quantize(self, vals: torch.Tensor, job: CompressJob, segment_counts_: torch.Tensor):
-        if job.rounding_generator is not None:
-            return ReferenceOps._quantize(self, vals, job, segment_counts_)
-        fmt = job.value_format
-        gid, n_groups = int4_group_ids(segment_counts_, job.group_size)
-        v = vals.float().contiguous()
-        if fmt == "int4":
-            scales = int4_group_scales(v, gid, n_groups)
-            nibbles, decoded = self.op.int4_encode(v, scales, gid, _stream())
-            return pack_nibbles(nibbles), scales, decoded
-        scales = group_scales(v, gid, n_groups, fmt)
-        codes, decoded = self.op.values_encode(v, scales, gid, VALUE_FORMAT_CODES[fmt], _stream())
-        side = _with_zero_masks(v, gid, scales) if fmt in ZERO_MASKED else scales
-        return pack_bits(codes, VALUE_BITS[fmt]), side, decoded
+
+def _segment_table(n: int, group_size: int, segments, device) -> Tuple[torch.Tensor, int]:
+    """int64 ``(S, 2)``: each segment's first weight and first scale group (groups restart at each segment), cached per
+    layout and device; and the number of groups."""
+    lengths = tuple(int(s) for s in segments) if segments else (n, )
+    if sum(lengths) != n:
+        raise ValueError(f"segments of {sum(lengths)} elements for {n} weights")
+    key = (lengths, group_size, str(device))
+    if key not in _TABLES:
+        if len(_TABLES) > 1024:
+            _TABLES.clear()
+        rows, start, group = [], 0, 0
+        for length in lengths:
+            rows.append((start, group))
+            start, group = start + length, group + -(-length // group_size)
+        _TABLES[key] = (torch.tensor(rows, dtype=torch.long).pin_memory().to(device, non_blocking=True), group)
+    return _TABLES[key]
 
 
 def _stream() -> int:
@@ -256,12 +309,14 @@ def get_ops(kernels: str, device_type: str, quantize: bool):
         return REFERENCE
     if device_type not in ("cpu", "cuda"):
         reason = f"no fused op for device type {device_type!r}"
+    elif device_type in _LOAD_FAILURES:  # a failed load (or JIT build) is not tried again in this process
+        reason = _LOAD_FAILURES[device_type]
     else:
         try:
             op = load_fused_op(device_type)
             return FusedCUDAOps(op) if device_type == "cuda" else FusedCPUOps(op)
         except Exception as err:  # noqa: BLE001 -- any build/load failure means "fall back" (or fail for "fused")
-            reason = f"{type(err).__name__}: {err}".strip()
+            reason = _LOAD_FAILURES[device_type] = f"{type(err).__name__}: {err}".strip()
     if kernels == "fused":
         raise DGCKernelError(f"'dgc.kernels' is \"fused\" but the fused {device_type} op cannot load: {reason}")
     if (device_type, reason) not in _warned:

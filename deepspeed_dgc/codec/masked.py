@@ -10,17 +10,20 @@ carries no positions at all::
     zeros     padding to a multiple of 4 bytes
 
 and the owner sums the W compacted buffers densely (senders in rank order) before scattering the sum to its
-partition. Every size follows from ``k_i``: one all-to-all of equal rows, nothing read back on the host.
+partition. A bucket's values are gathered from its padded owner matrix
+(:class:`~deepspeed_dgc.codec.layout.BucketLayout`) in one gather, at the masks' columns in that matrix. Every size follows from ``k_i``: one all-to-all of equal rows, nothing read back on the host.
 The masks themselves travel once per step, from each owner to every rank, as ``ceil(log2 c_i)``-bit positions
 (:func:`pack_masks`).
 """
 
+from dataclasses import dataclass
 from typing import List, Sequence, Tuple
 
 import torch
 
 from .dct import header_rows, pack_uint, unpack_uint
-from .fixed import FixedPlan, decode_values, encode_values, header_mismatch
+from .fixed import header_mismatch
+from .formats import code_bytes, decode_segments, encode_segments
 
 MAGIC = 0x4447434D  # "DGCM"
 HEADER_BYTES = 12
@@ -54,63 +57,80 @@ def unpack_masks(data: torch.Tensor, chunks: Sequence[int], counts: Sequence[int
     return out
 
 
-def value_plan(counts: Sequence[int], value_format: str, group_size: int) -> FixedPlan:
-    """The value codec: one fixed-layout tensor sent whole per tensor of the bucket (groups restart)."""
-    return FixedPlan.build(counts, [False] * len(counts), 1.0, True, value_format, group_size, torch.float32)
+@dataclass(frozen=True)
+class ValuePlan:
+    """The values of one bucket's payload: ``counts[i]`` values of tensor i, in ``value_format`` with one fp32 scale per
+    ``group_size`` values (groups restart at each tensor)."""
+    counts: Tuple[int, ...]
+    value_format: str
+    group_size: int
+
+    @property
+    def values(self) -> int:
+        return sum(self.counts)
+
+    @property
+    def n_groups(self) -> int:
+        return sum(-(-k // self.group_size) for k in self.counts)
+
+    @property
+    def value_bytes(self) -> int:
+        return code_bytes(self.values, self.value_format)
+
+    @property
+    def payload_bytes(self) -> int:
+        n = HEADER_BYTES + 4 * self.n_groups + self.value_bytes
+        return n + (-n % 4)
 
 
-def payload_bytes(plan: FixedPlan) -> int:
-    n = HEADER_BYTES + 4 * plan.n_groups + plan.value_bytes
-    return n + (-n % 4)
+def value_plan(counts: Sequence[int], value_format: str, group_size: int) -> ValuePlan:
+    """The value codec of a bucket whose tensor i sends ``counts[i]`` values."""
+    return ValuePlan(tuple(int(k) for k in counts), value_format, int(group_size))
 
 
-def encode(rows: Sequence[torch.Tensor], masks: Sequence[torch.Tensor], plan: FixedPlan,
-           fingerprint: int) -> Tuple[torch.Tensor, List[torch.Tensor]]:
-    """Every owner's payload of the values at its mask, and what was sent.
+def payload_bytes(plan: ValuePlan) -> int:
+    return plan.payload_bytes
+
+
+def encode(A: torch.Tensor, cols: torch.Tensor, plan: ValuePlan, fingerprint: int) -> torch.Tensor:
+    """Every owner's payload of the values at its masks; what was sent leaves ``A``.
 
     Args:
-        rows: per tensor, fp32 ``(W, c_i)``, the accumulator as an owner matrix (padding zero).
-        masks: per tensor, int64 ``(W, k_i)``, owner o's positions in row o.
-        plan: :func:`value_plan` of the ``k_i``; fingerprint: int31 written in every header.
+        A: fp32 ``(W, C)``, the error-feedback accumulator as a padded owner matrix; on return ``A - decoded`` at the
+            masks (what error feedback keeps), unchanged elsewhere.
+        cols: int64 ``(W, K)``, row o: owner o's mask positions as columns of ``A`` (tensor by tensor).
+        plan: :func:`value_plan` of the masks' sizes; fingerprint: int31 written in every header.
 
     Returns:
-        ``(payloads, sent)``: uint8 ``(W, payload_bytes)``; per tensor, fp32 ``(W, c_i)``, the decoded values at the
-        mask and 0 elsewhere (what error feedback subtracts).
+        uint8 ``(W, payload_bytes)``.
     """
-    W, device = rows[0].shape[0], rows[0].device
-    vals = torch.cat([r.gather(1, m) for r, m in zip(rows, masks)], dim=1)
-    value_bytes, decoded = encode_values(vals, plan)
-    payload = torch.cat([header_rows(MAGIC, fingerprint, W, device)] + value_bytes, dim=1)
-    payload = torch.nn.functional.pad(payload, (0, payload_bytes(plan) - payload.shape[1]))
-    sent, at = [], 0
-    for r, m in zip(rows, masks):
-        k = m.shape[1]
-        sent.append(torch.zeros_like(r).scatter_(1, m, decoded[:, at:at + k]))
-        at += k
-    return payload, sent
+    W, device = A.shape[0], A.device
+    vals = A.gather(1, cols)
+    scales, packed, decoded = encode_segments(vals, list(plan.counts), plan.value_format, plan.group_size)
+    payload = torch.cat([header_rows(MAGIC, fingerprint, W, device), scales.view(torch.uint8), packed], dim=1)
+    payload = torch.nn.functional.pad(payload, (0, plan.payload_bytes - payload.shape[1]))
+    A.scatter_add_(1, cols, decoded.neg_())
+    return payload
 
 
-def decode_sum(received: torch.Tensor, masks: Sequence[torch.Tensor], chunks: Sequence[int], plan: FixedPlan,
+def decode_sum(received: torch.Tensor, own_cols: torch.Tensor, columns: int, plan: ValuePlan,
                fingerprint: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """This owner's row of the sum over senders.
 
     Args:
         received: uint8 ``(W, payload_bytes)``, row s from rank s.
-        masks: per tensor, int64 ``(k_i,)``, this owner's positions; chunks: ``c_i``.
+        own_cols: int64 ``(K,)``, this owner's mask positions as columns of the owner matrix; columns: C.
 
     Returns:
-        ``(out, bad)``: fp32 ``(sum_i c_i,)`` (NaN everywhere when a payload does not match the plan); bool ``(W,)``.
+        ``(out, bad)``: fp32 ``(C,)`` (NaN everywhere when a payload does not match the plan); bool ``(W,)``.
     """
-    W = received.shape[0]
+    W, device = received.shape[0], received.device
     bad = header_mismatch(received, MAGIC, fingerprint)
-    vals, _ = decode_values(received, HEADER_BYTES, plan)
-    total = vals[0].clone()
-    for s in range(1, W):  # senders in rank order, the same on every rank
-        total += vals[s]
-    outs, col = [], 0
-    for m, c in zip(masks, chunks):
-        k = m.numel()
-        outs.append(torch.zeros(c, device=received.device).scatter_(0, m, total[col:col + k]))
-        col += k
-    out = torch.cat(outs)
+    G = plan.n_groups
+    scales = received[:, HEADER_BYTES:HEADER_BYTES + 4 * G].contiguous().view(torch.float32)
+    vals = decode_segments(scales, received[:, HEADER_BYTES + 4 * G:HEADER_BYTES + 4 * G + plan.value_bytes],
+                           list(plan.counts), plan.value_format, plan.group_size)
+    total = torch.zeros(1, vals.shape[1], device=device).index_add_(0, torch.zeros(W, dtype=torch.long, device=device),
+                                                                     vals)  # senders in rank order
+    out = torch.zeros(columns, device=device).scatter_(0, own_cols, total[0])
     return out.masked_fill(bad.any(), float("nan")), bad

@@ -8,7 +8,7 @@ the layout the deepspeed launcher and ``mpirun``'s default by-slot mapping give.
 import os
 import socket
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from deepspeed import comm as dist
@@ -83,6 +83,11 @@ class ReduceComms:
     @property
     def node(self) -> int:
         return self.rank // self.ranks_per_node
+
+    def split_by_node(self, sent: Sequence[int]) -> Tuple[int, int]:
+        """``(intra-node, inter-node)`` bytes of a flat exchange that sent ``sent[d]`` bytes to group rank ``d``."""
+        intra = sum(b for d, b in enumerate(sent) if self.dest_nodes[d] == self.dest_nodes[self.rank])
+        return intra, sum(sent) - intra
 
 
 def build_reduce_comms(cfg: DGCConfig, group, ranks_per_node: int) -> ReduceComms:

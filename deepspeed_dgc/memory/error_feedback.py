@@ -9,15 +9,34 @@ Residuals are kept unscaled (divided by the fp16 loss scale) so a loss-scale cha
 steps does not rescale them by mistake.
 """
 
-from typing import Dict, Hashable, Optional
+from dataclasses import dataclass
+from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..codec.formats import dequantize_weights
+from ..codec.formats import FP8_MAX, dequantize_weights
+from ..codec.layout import BucketLayout, Workspace
 
 # bytes per element of each storage dtype of committed residuals (fp8: one code plus an fp32 scale per 128)
 RESIDUAL_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp8": 1.0 + 4.0 / 128}
 FP8_RESIDUAL_GROUP = 128
+
+
+@dataclass
+class Block:
+    """One bucket's residuals (or momenta) as a padded owner matrix (:class:`~deepspeed_dgc.codec.layout.BucketLayout`)
+    in the storage form: ``parts`` is the fp32 or bf16 ``(R, C)`` matrix, or for fp8 its e4m3 codes (uint8 ``(R, C)``)
+    and an fp32 absmax scale per 128 columns of a row (``(R, C / 128)``; blocks are aligned to 128, so a group never
+    spans two tensors). ``numels``: elements of each key's residual (``n_i``, or ``R c_i`` on the hierarchical
+    topology), in the layout's tensor order."""
+    layout: BucketLayout
+    keys: Tuple[Hashable, ...]
+    numels: Tuple[int, ...]
+    parts: Tuple[torch.Tensor, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.parts)
 
 
 class ErrorFeedback:
@@ -66,6 +85,9 @@ class ErrorFeedback:
         # the most this memory held (committed + staged), updated at every stage; and the counts behind it
         self.peak_bytes = 0
         self._committed_nbytes = self._staged_nbytes = 0
+        # bucket-level state (the fixed layout and the fixed-size codecs): bucket keys -> Block
+        self.blocks: Dict[Tuple[Hashable, ...], Block] = {}
+        self.staged_blocks: Dict[Tuple[Hashable, ...], Block] = {}
 
     def _encode(self, r: torch.Tensor):
         if self.storage == "fp32":
@@ -84,6 +106,8 @@ class ErrorFeedback:
     @staticmethod
     def decode(stored) -> torch.Tensor:
         """A stored or exported residual (:meth:`export`) of any storage decoded to fp32, shape ``(numel,)``."""
+        if isinstance(stored, dict):
+            return _decode_piece(stored)
         if isinstance(stored, tuple):
             codes, scales = stored
             return dequantize_weights(codes, scales, codes.numel(), "fp8_e4m3", FP8_RESIDUAL_GROUP)
@@ -127,12 +151,16 @@ class ErrorFeedback:
 
     def _fetch(self, stored) -> torch.Tensor:
         """A committed residual decoded to fp32 on the device (copied from the host with ``offload``)."""
+        if isinstance(stored, dict):
+            return _decode_piece(stored)
         if self.offload and self.device is not None:
             stored = self._map(stored, lambda t: t.to(self.device, non_blocking=True))
         return self._decoded(stored)
 
     def _decoded(self, stored) -> torch.Tensor:
         """A residual in the storage form, where it lies, decoded to fp32."""
+        if isinstance(stored, dict):
+            return _decode_piece(stored)
         if not isinstance(stored, tuple):
             return stored.float()
         codes, scales = stored
@@ -142,15 +170,23 @@ class ErrorFeedback:
 
     @staticmethod
     def _nbytes(stored) -> int:
+        if isinstance(stored, dict):
+            return sum(t.numel() * t.element_size() for t in stored.values() if torch.is_tensor(t))
         return sum(t.numel() * t.element_size() for t in ErrorFeedback._parts(stored))
 
     def export(self) -> Dict[Hashable, object]:
-        """The committed residuals in their storage form, on the CPU (for a checkpoint): fp32 or bf16 tensors,
-        or ``(codes, scales)`` pairs for fp8; :meth:`restore` puts them back bit for bit."""
+        """The committed residuals in their storage form, on the CPU (for a checkpoint), by key: fp32 or bf16 tensors,
+        ``(codes, scales)`` pairs for fp8; a key kept in a bucket's block (:meth:`add_block`) as its flat residual
+        (fp32, bf16), or for fp8 as a dict of its block's columns (``{"codes", "scales", "chunk", "numel"}``).
+        :meth:`restore` puts them back bit for bit."""
         if self.offload and self.device is not None and self.device.type != "cpu":
             from deepspeed.accelerator import get_accelerator
             get_accelerator().synchronize()  # the last commit's copies into the host buffers are done
-        return {k: self._map(v, lambda t: t.cpu()) for k, v in self.committed.items()}
+        out = {k: self._map(v, lambda t: t.cpu()) if not isinstance(v, dict) else
+               {n: (t.cpu() if torch.is_tensor(t) else t) for n, t in v.items()} for k, v in self.committed.items()}
+        for block in self.blocks.values():
+            out.update(_block_pieces(block))
+        return out
 
     def restore(self, stored: Dict[Hashable, object], storage: str, device) -> None:
         """Replace all state by residuals exported by a memory of ``storage``: as they were when the storage is
@@ -159,18 +195,27 @@ class ErrorFeedback:
             self.load({k: self.decode(v).to(device) for k, v in stored.items()})
             return
         self.committed, self.staged, self.device = {}, {}, torch.device(device)
+        self.blocks, self.staged_blocks = {}, {}
         for k, v in stored.items():
+            if isinstance(v, dict):  # a block's columns: assembled into its block when the bucket comes (add_block)
+                self.committed[k] = {n: (t.to(device) if torch.is_tensor(t) else t) for n, t in v.items()}
+                continue
             moved = self._map(v, lambda t: t.to(device))
             self.committed[k] = self._to_host(k, moved) if self.offload else moved
         self._recount()
 
     def residuals(self) -> Dict[Hashable, torch.Tensor]:
         """Every committed residual decoded to fp32 (new tensors), by key."""
-        return {k: self._fetch(v) for k, v in self.committed.items()}
+        out = {k: self._fetch(v) for k, v in self.committed.items()}
+        for block in self.blocks.values():
+            matrix = self._block_matrix(block)
+            for i, (key, n) in enumerate(zip(block.keys, block.numels)):
+                out[key] = block.layout.flat_of(matrix, i, n)
+        return out
 
     def load(self, residuals: Dict[Hashable, torch.Tensor]) -> None:
         """Replace all state by these fp32 residuals (stored in ``storage``); nothing staged."""
-        self.committed, self.staged = {}, {}
+        self.committed, self.staged, self.blocks, self.staged_blocks = {}, {}, {}, {}
         for k, v in residuals.items():
             self.committed[k] = self._store(k, v.float())
         self._recount()
@@ -184,23 +229,169 @@ class ErrorFeedback:
         r = self.staged.get(key)
         if r is not None:
             return self._decoded(r) if self._is_stored_form(r) else r
-        stored = self.committed.get(key)
-        return None if stored is None else self._fetch(stored)
+        found = self._in_block(key, staged=True)
+        if found is not None:
+            return found
+        return self.committed_value(key)
 
     def committed_value(self, key: Hashable) -> Optional[torch.Tensor]:
         """The residual of ``key`` as of the last commit (ignoring this window's staged one), fp32, or None."""
         stored = self.committed.get(key)
-        return None if stored is None else self._fetch(stored)
+        if stored is not None:
+            return self._fetch(stored)
+        return self._in_block(key, staged=False)
 
     def stage(self, key: Hashable, residual: torch.Tensor) -> None:
         """Record ``residual`` (fp32, unscaled, shape ``(numel,)``) for commit after the step; with :attr:`final`
         (the window's last micro-step) in the storage form at once: the same bits the commit would store, without
-        an fp32 copy of every residual held until then."""
+        an fp32 copy of every residual held until then. A key kept in a bucket's block is written into it."""
+        block = self._block_with(key)
+        if block is not None:
+            matrix = self._block_matrix(self.staged_blocks.get(_bucket(block), block)).clone()
+            block.layout.place(matrix, block.keys.index(key), residual.float())
+            self.stage_block(block.keys, block.numels, block.layout, matrix)
+            return
         value = self._encode(residual) if self.final and self.storage != "fp32" else residual
         old = self.staged.get(key)
         self._staged_nbytes += self._nbytes(value) - (0 if old is None else self._nbytes(old))
         self.staged[key] = value
         self.peak_bytes = max(self.peak_bytes, self._committed_nbytes + self._staged_nbytes)
+
+    # ---- bucket blocks ----------------------------------------------------------------------------------------
+
+    def add_block(self, keys: Sequence[Hashable], numels: Sequence[int], layout: BucketLayout, A: torch.Tensor,
+                  ws: Optional[Workspace] = None, scale: Optional[float] = None) -> bool:
+        """``A += `` the bucket's latest residuals (staged in this window, else committed; times ``scale`` where
+        given, rounded once in fp32), in one pass over the bucket's block whatever its tensors.
+
+        Args:
+            keys: the bucket's keys (in ``layout``'s tensor order); numels: each key's residual length.
+            layout: the padded owner matrix of ``A`` ``(R, C)`` (fp32, padding 0); ws: memory for a decoded copy.
+
+        Returns:
+            Whether there was anything to add. Residuals kept per key (from the exact layout or an older checkpoint)
+            or in another layout are moved into this bucket's block first (decoded and stored again once, unless
+            they are this layout's columns in this storage).
+        """
+        bkey = tuple(keys)
+        block = self.staged_blocks.get(bkey) or self.blocks.get(bkey)
+        if block is None or block.layout.key != layout.key:
+            block = self._adopt(bkey, numels, layout, A.device)
+            if block is None:
+                return False
+        parts = [p.to(A.device, non_blocking=True) for p in block.parts] if self.offload else block.parts
+        if parts[0].dtype == torch.float32 and scale is None:
+            A.add_(parts[0])
+            return True
+        ws = ws or Workspace()
+        mark = ws.mark()
+        tmp = ws.take(A.shape, torch.float32, A.device)
+        if parts[0].dtype == torch.float32:
+            torch.mul(parts[0], scale, out=tmp)
+        else:
+            if len(parts) == 1:
+                tmp.copy_(parts[0])
+            else:
+                R, C = A.shape
+                tmp.copy_(parts[0].view(torch.float8_e4m3fn))
+                tmp.view(R, C // FP8_RESIDUAL_GROUP, FP8_RESIDUAL_GROUP).mul_(parts[1][..., None])
+            if scale is not None:
+                tmp.mul_(scale)
+        A.add_(tmp)
+        ws.release(mark)
+        return True
+
+    def stage_block(self, keys: Sequence[Hashable], numels: Sequence[int], layout: BucketLayout,
+                    A: torch.Tensor) -> bool:
+        """Stage ``A`` (fp32 ``(R, C)``, padding 0, unscaled) as the bucket's residuals for commit after the step.
+
+        Returns:
+            True when the store now holds ``A`` itself (fp32 storage, or any storage before the window's last
+            micro-step); False when ``A`` was encoded into the storage form, in place (its memory is then free).
+        """
+        bkey = tuple(keys)
+        if self.storage == "fp32" or not self.final:
+            parts, held = (A, ), True
+        elif self.storage == "bf16":
+            parts, held = (A.to(torch.bfloat16), ), False
+        else:
+            parts, held = _fp8_encode_(A), False
+        block = Block(layout, bkey, tuple(int(n) for n in numels), parts)
+        old = self.staged_blocks.get(bkey)
+        self._staged_nbytes += block.nbytes - (0 if old is None else old.nbytes)
+        self.staged_blocks[bkey] = block
+        self.peak_bytes = max(self.peak_bytes, self._committed_nbytes + self._staged_nbytes)
+        return held
+
+    def _block_matrix(self, block: Block) -> torch.Tensor:
+        """A block decoded to fp32 ``(R, C)`` (a new tensor, where it lies)."""
+        parts = block.parts
+        if len(parts) == 1:
+            return parts[0].float().clone() if parts[0].dtype == torch.float32 else parts[0].float()
+        R, C = parts[0].shape
+        out = parts[0].view(torch.float8_e4m3fn).float()
+        out.view(R, C // FP8_RESIDUAL_GROUP, FP8_RESIDUAL_GROUP).mul_(parts[1][..., None].to(out.device))
+        return out
+
+    def _block_with(self, key: Hashable) -> Optional[Block]:
+        for blocks in (self.staged_blocks, self.blocks):
+            for block in blocks.values():
+                if key in block.keys:
+                    return block
+        return None
+
+    def _in_block(self, key: Hashable, staged: bool) -> Optional[torch.Tensor]:
+        for blocks in ((self.staged_blocks, self.blocks) if staged else (self.blocks, )):
+            for block in blocks.values():
+                if key in block.keys:
+                    i = block.keys.index(key)
+                    return block.layout.flat_of(self._block_matrix(block), i, block.numels[i])
+        return None
+
+    def _adopt(self, bkey: Tuple[Hashable, ...], numels: Sequence[int], layout: BucketLayout,
+               device) -> Optional[Block]:
+        """The bucket's residuals gathered into a block of ``layout``: from its block in another layout, from keys
+        kept per key, or from restored block columns (exactly, when they are this layout's in this storage).
+        Staged where any was staged, else committed; None when the bucket has none."""
+        sources = {}
+        for blocks in (self.blocks, self.staged_blocks):
+            for other_key, block in list(blocks.items()):
+                if set(other_key) & set(bkey):
+                    matrix = self._block_matrix(block)
+                    for i, k in enumerate(block.keys):
+                        sources[k] = block.layout.flat_of(matrix, i, block.numels[i])
+                    del blocks[other_key]
+        pieces = {k: self.committed.pop(k) for k in bkey if isinstance(self.committed.get(k), dict)}
+        staged_keys = [k for k in bkey if k in self.staged]
+        for k in bkey:
+            if k in self.staged:
+                sources[k] = self.get(k)
+                self.staged.pop(k)
+            elif k in self.committed:
+                sources[k] = self._fetch(self.committed.pop(k))
+        if not sources and not pieces:
+            self._recount()
+            return None
+        exact = (self.storage == "fp8" and len(pieces) == len(bkey) and not sources
+                 and all(tuple(pieces[k]["codes"].shape) == (layout.rows, layout.widths[i]) for i, k in enumerate(bkey)))
+        if exact:  # this layout's columns in this storage: put together bit for bit
+            codes = torch.cat([pieces[k]["codes"] for k in _in_columns(bkey, layout)], dim=1)
+            scales = torch.cat([pieces[k]["scales"] for k in _in_columns(bkey, layout)], dim=1)
+            block = Block(layout, bkey, tuple(int(n) for n in numels), (codes.to(device), scales.to(device)))
+        else:
+            for k, piece in pieces.items():
+                sources[k] = _decode_piece(piece)
+            matrix = torch.zeros(layout.rows, layout.columns, device=device)
+            for i, k in enumerate(bkey):
+                if k in sources:
+                    layout.place(matrix, i, sources[k].to(device))
+            final, self.final = self.final, True
+            self.stage_block(bkey, numels, layout, matrix)
+            self.final = final
+            block = self.staged_blocks.pop(bkey)
+        (self.staged_blocks if staged_keys else self.blocks)[bkey] = block
+        self._recount()
+        return block
 
     def _recount(self) -> None:
         """The byte counts behind :attr:`peak_bytes`, after the committed or staged sets changed."""
@@ -211,49 +402,123 @@ class ErrorFeedback:
         for k, v in self.staged.items():
             self.committed[k] = self._store(k, v)
         self.staged = {}
+        for bkey, block in self.staged_blocks.items():
+            if self.storage != "fp32" and len(block.parts) == 1 and block.parts[0].dtype == torch.float32:
+                block = Block(block.layout, block.keys, block.numels,  # staged before the window's end: encode now
+                              (block.parts[0].to(torch.bfloat16), ) if self.storage == "bf16" else
+                              _fp8_encode_(block.parts[0]))
+            if self.offload:
+                block = self._block_to_host(bkey, block)
+            self.blocks[bkey] = block
+        self.staged_blocks = {}
         self._recount()
+
+    def _block_to_host(self, bkey, block: Block) -> Block:
+        """The block's parts copied into pinned host buffers (reused across commits when their shapes match)."""
+        from deepspeed.accelerator import get_accelerator
+        old = self.blocks.get(bkey)
+        parts = []
+        for i, part in enumerate(block.parts):
+            buf = old.parts[i] if old is not None and i < len(old.parts) else None
+            if buf is None or buf.shape != part.shape or buf.dtype != part.dtype or buf.device.type != "cpu":
+                buf = get_accelerator().pin_memory(torch.empty(part.shape, dtype=part.dtype, device="cpu"))
+            if part.is_cuda:
+                part.record_stream(torch.cuda.current_stream(part.device))
+            parts.append(buf.copy_(part, non_blocking=True))
+        self.device = block.parts[0].device
+        return Block(block.layout, block.keys, block.numels, tuple(parts))
 
     def rollback(self) -> None:
         """The step was skipped (overflow): forget this window's residual updates."""
-        self.staged = {}
+        self.staged, self.staged_blocks = {}, {}
         self._recount()
 
     def clear(self) -> None:
         """Forget every residual, committed and staged (a new phase of training, or state that cannot be loaded)."""
-        self.committed, self.staged = {}, {}
+        self.committed, self.staged, self.blocks, self.staged_blocks = {}, {}, {}, {}
         self._recount()
 
     def drop(self, keys) -> None:
         """Forget the residuals of these keys (parameters that no longer train)."""
+        keys = set(keys)
         for k in keys:
             self.committed.pop(k, None)
             self.staged.pop(k, None)
+        for blocks in (self.blocks, self.staged_blocks):
+            for bkey, block in blocks.items():
+                for i, k in enumerate(block.keys):
+                    if k in keys:
+                        cols = slice(block.layout.cols[i], block.layout.cols[i] + block.layout.widths[i])
+                        block.parts[0][:, cols] = 0  # fp8: a zero code decodes to 0 whatever the scale
         self._recount()
 
     def __len__(self) -> int:
         """Number of committed residuals."""
-        return len(self.committed)
-
+        return len(self.committed) + sum(len(b.keys) for b in self.blocks.values())
 
     def residual_norm(self) -> float:
         """L2 norm over all committed residuals (unscaled gradient units); one pass over them."""
-        if not self.committed:
-            return 0.0
         sq = None
-        for stored in self.committed.values():  # one decoded residual at a time, summed on the device
-            r = self._fetch(stored)
+        tensors = [self._fetch(v) for v in self.committed.values()]
+        tensors += [self._block_matrix(b).view(-1) for b in self.blocks.values()]
+        for r in tensors:  # one decoded residual at a time, summed on the device
             d = torch.dot(r, r).double()
             sq = d if sq is None else sq + d.to(sq.device)
-        return float(sq)**0.5  # one read-back
+        return 0.0 if sq is None else float(sq)**0.5  # one read-back
 
     def state_bytes(self) -> int:
         """Bytes held between steps by committed residuals (in host memory with ``offload``)."""
-        return sum(self._nbytes(v) for v in self.committed.values())
+        return sum(self._nbytes(v) for v in self.committed.values()) + sum(b.nbytes for b in self.blocks.values())
 
     def staged_bytes(self) -> int:
         """Bytes of this window's staged residuals (held beside the committed ones until the commit)."""
-        return sum(self._nbytes(v) for v in self.staged.values())
+        return sum(self._nbytes(v) for v in self.staged.values()) + sum(b.nbytes for b in self.staged_blocks.values())
 
     def host_state_bytes(self) -> int:
         """Bytes of committed residuals in host memory: all of them with ``offload``, else 0."""
         return self.state_bytes() if self.offload else 0
+
+
+def _bucket(block: Block) -> Tuple[Hashable, ...]:
+    return block.keys
+
+
+def _in_columns(keys: Sequence[Hashable], layout: BucketLayout) -> List[Hashable]:
+    """The keys of a layout's tensors in column order."""
+    return [keys[i] for i in layout.placement]
+
+
+def _fp8_encode_(A: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """fp8 e4m3 codes and absmax scales per 128 columns of each row of ``A`` ``(R, C)`` (``C`` a multiple of 128),
+    as :func:`~deepspeed_dgc.codec.formats.quantize_weights` codes them; ``A`` is overwritten."""
+    R, C = A.shape
+    groups = A.view(R, C // FP8_RESIDUAL_GROUP, FP8_RESIDUAL_GROUP)
+    scales = torch.maximum(groups.amax(dim=-1), groups.amin(dim=-1).neg_()).div_(FP8_MAX["fp8_e4m3"])
+    groups.div_(torch.where(scales > 0, scales, torch.ones_like(scales))[..., None])
+    codes = torch.empty(R, C, dtype=torch.uint8, device=A.device)
+    codes.view(torch.float8_e4m3fn).copy_(A)
+    return codes, scales
+
+
+def _block_pieces(block: Block) -> Dict[Hashable, object]:
+    """A committed block by key, on the CPU: flat fp32/bf16 residuals, or for fp8 each key's columns."""
+    L = block.layout
+    out = {}
+    for i, (key, n) in enumerate(zip(block.keys, block.numels)):
+        if len(block.parts) == 1:
+            out[key] = L.flat_of(block.parts[0], i, n).cpu()
+        else:
+            cols = slice(L.cols[i], L.cols[i] + L.widths[i])
+            groups = slice(L.cols[i] // FP8_RESIDUAL_GROUP, (L.cols[i] + L.widths[i]) // FP8_RESIDUAL_GROUP)
+            out[key] = {"codes": block.parts[0][:, cols].cpu().contiguous(),
+                        "scales": block.parts[1][:, groups].cpu().contiguous(), "chunk": L.chunks[i], "numel": n}
+    return out
+
+
+def _decode_piece(piece: dict) -> torch.Tensor:
+    """A key's fp8 block columns (:func:`_block_pieces`) as its flat fp32 residual."""
+    codes, scales = piece["codes"], piece["scales"]
+    R, w = codes.shape
+    rows = codes.view(torch.float8_e4m3fn).float().view(R, w // FP8_RESIDUAL_GROUP, FP8_RESIDUAL_GROUP)
+    rows = rows.mul_(scales[..., None]).view(R, w)
+    return rows[:, :piece["chunk"]].reshape(-1)[:piece["numel"]].clone()

@@ -26,7 +26,6 @@ done elsewhere: :mod:`.reduce_scatter`, :mod:`.allgather`, :mod:`.optimizer`, :m
 
 import functools
 import logging
-import types
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -46,20 +45,19 @@ from ..comm.topology import resolve_ranks_per_node
 from ..config import (DGCConfig, DGCConfigError, check_engine_compatible, misspelled_section, parse_dgc_config,
                       switched_off_by_default)
 from ..memory.momentum import CompressedMomentum, DecoupledMomentum, MomentumCorrection
-from ..telemetry import ReduceResult
 from . import checkpoint
 from . import optimizer as owners
 from .allgather import QuantizedAllGather, check_layout_seam
 from .policy import STOCK, flush_residuals, stock_result_bytes
-from .reduce_scatter import reduce_result, split_by_node
+from .reduce_scatter import reduce_result
 from .state import STATE_ATTR, DGCState
+from .swap import ORIGINALS, replace, restore
 
 logger = logging.getLogger("deepspeed_dgc")
 
 TESTED_DEEPSPEED = "0.19.8"
 SEAM = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
 CONTIGUOUS_SEAM = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_contiguous_grads"
-_ORIGINALS = "_dgc_originals"  # instance attribute: the methods an install replaced, for uninstall
 
 
 @dataclass(frozen=True)
@@ -233,33 +231,14 @@ def uninstall(engine) -> None:
         return
     opt = engine.optimizer
     for obj in (opt, engine, opt.optimizer):
-        for name in list(getattr(obj, _ORIGINALS, {})):
-            _restore(obj, name)
-        obj.__dict__.pop(_ORIGINALS, None)
+        for name in list(getattr(obj, ORIGINALS, {})):
+            restore(obj, name)
+        obj.__dict__.pop(ORIGINALS, None)
     stock = getattr(partition_parameters._dist_allgather_fn, "stock", None)
     if stock is not None:
         partition_parameters._dist_allgather_fn = stock
     for obj in (opt, engine):
         obj.__dict__.pop(STATE_ATTR, None)
-
-
-def _replace(obj, name: str, value) -> None:
-    """``obj.name = value``, remembering the instance's own attribute (None: it had none) for :func:`uninstall`."""
-    originals = obj.__dict__.setdefault(_ORIGINALS, {})
-    originals.setdefault(name, obj.__dict__.get(name))
-    setattr(obj, name, value)
-
-
-def _restore(obj, name: str) -> None:
-    """Undo :func:`_replace` of ``obj.name``: its own attribute as it was, or none (the class's again)."""
-    originals = obj.__dict__.get(_ORIGINALS, {})
-    if name not in originals:
-        return
-    value = originals.pop(name)
-    if value is None:
-        obj.__dict__.pop(name, None)
-    else:
-        setattr(obj, name, value)
 
 
 def _install_without_optimizer(engine, offload, cfg: DGCConfig) -> DGCState:
@@ -345,26 +324,20 @@ def _choose_kernels(state: DGCState, global_rank: int) -> None:
 
 def _patch_instance(engine, opt, state: DGCState) -> None:
     cfg = state.cfg
-    _replace(opt, SEAM, _avg_scatter_grads(opt, state))
-    _replace(opt, CONTIGUOUS_SEAM, _avg_scatter_contiguous_grads(opt, state))
-    _replace(opt, "step", _step(opt, state))
-    _replace(engine, "save_checkpoint", _save_checkpoint(engine, state))
-    _replace(engine, "load_checkpoint", _load_checkpoint(engine, state))
-    if isinstance(state.momentum, MomentumCorrection):
-        # a bound method, as torch's own (LR schedulers wrap optimizer.step.__func__): the senders applied the momentum
-        _replace(opt.optimizer, "step", types.MethodType(owners.dgc_sgd_step, opt.optimizer))
-        if opt.clip_grad and engine.global_rank == 0:
-            logger.warning("deepspeed_dgc: 'gradient_clipping' = %s is switched off under 'dgc.momentum_correction' "
-                           "(it would clip the summed velocity); DGC clips each rank's gradient instead: "
-                           "'dgc.local_clip_norm' (now %s)", opt.clip_grad, cfg.local_clip_norm)
-        _replace(opt, "clip_grad", 0.0)
-    if isinstance(state.momentum, DecoupledMomentum) and state.momentum.cfg.update == "sign":
-        decoupled = owners.decoupled_weight_decay(opt.optimizer)
-        _replace(opt.optimizer, "step", types.MethodType(lambda basic, closure=None: owners.sign_step(
-            basic, decoupled, closure), opt.optimizer))
+    replace(opt, SEAM, _avg_scatter_grads(opt, state))
+    replace(opt, CONTIGUOUS_SEAM, _avg_scatter_contiguous_grads(opt, state))
+    replace(opt, "step", _step(opt, state))
+    replace(engine, "save_checkpoint", _save_checkpoint(engine, state))
+    replace(engine, "load_checkpoint", _load_checkpoint(engine, state))
+    _method(state).install(engine, opt, state)  # the owners' side of the method (its optimizer step)
     _install_allgather(cfg, state)
     setattr(opt, STATE_ATTR, state)
     setattr(engine, STATE_ATTR, state)
+
+
+def _method(state: DGCState):
+    """The gradient method of this engine's device (:mod:`deepspeed_dgc.methods`)."""
+    return state.reducer.method_for(get_accelerator().device_name())
 
 
 def _window_ends(opt) -> bool:
@@ -386,7 +359,8 @@ def _avg_scatter_grads(opt, state: DGCState) -> Callable:
             return _stock_method(opt, SEAM)(params_to_reduce, communication_data_type)
         partitions, result = state.reducer.reduce_scatter([p.grad for p in params_to_reduce],
                                                           [state.key_of(p) for p in params_to_reduce], group,
-                                                          communication_data_type, loss_scale=float(opt.loss_scale))
+                                                          communication_data_type, loss_scale=float(opt.loss_scale),
+                                                          consume=True)
         state.stats.record(result)
         world = state.reducer.comms_for(group).world_size
         averaging_world_size = opt._gradient_averaging_world_size(params_to_reduce, world)
@@ -413,7 +387,7 @@ def _avg_scatter_contiguous_grads(opt, state: DGCState) -> Callable:
             return _stock_method(opt, CONTIGUOUS_SEAM)(buffer_to_reduce, communication_data_type)
         partitions, result = state.reducer.reduce_scatter([p.grad for p in params], [state.key_of(p) for p in params],
                                                           group, communication_data_type,
-                                                          loss_scale=float(opt.loss_scale))
+                                                          loss_scale=float(opt.loss_scale), consume=True)
         state.stats.record(result)
         world = state.reducer.comms_for(group).world_size
         # stock divides by the averaging world size over the sequence-parallel size (we divided by W), and with
@@ -438,7 +412,7 @@ def _avg_scatter_contiguous_grads(opt, state: DGCState) -> Callable:
 
 def _stock_method(opt, name: str) -> Callable:
     """Stock's own ``opt.name`` (the instance's attribute before :func:`_replace`, else the class's), bound."""
-    own = opt.__dict__.get(_ORIGINALS, {}).get(name)
+    own = opt.__dict__.get(ORIGINALS, {}).get(name)
     return own if own is not None else getattr(type(opt), name).__get__(opt)
 
 
@@ -463,7 +437,8 @@ def _by_stock(opt, state: DGCState, params, group, comm_dtype) -> bool:
 
 
 def _step(opt, state: DGCState) -> Callable:
-    """``opt.step`` followed by the end of the step for DGC: commit or roll back, the freeze of compressed momentum."""
+    """``opt.step`` followed by the end of the step for DGC: commit or roll back, then the method's own step end
+    (shared masks, the freeze of compressed momentum)."""
     step = opt.step
 
     @functools.wraps(step)
@@ -471,69 +446,11 @@ def _step(opt, state: DGCState) -> Callable:
         out = step(*args, **kwargs)
         applied = not opt.overflow
         state.commit_step(applied)
-        if applied:
-            share_masks(opt, state)
-        momentum = state.momentum
-        if isinstance(momentum, CompressedMomentum) and momentum.freeze_due():
-            state.start_momentum_phase()
-            freeze(opt, state)
-            if state.global_rank == 0:
-                logger.info("deepspeed_dgc: Adam's second moment frozen after step %d; compressing the momentum (%s) "
-                            "from now on", momentum.steps_done, momentum.cfg.quantization)
+        _method(state).after_step(opt, state, applied)
         state.close_step(applied, _persistent_gather_bytes(opt))
         return out
 
     return dgc_step
-
-
-def share_masks(opt, state: DGCState) -> None:
-    """``shared_mask``, after an applied step past the warm-up: every owner chooses its masks from its Adam state
-    (:func:`~deepspeed_dgc.zero3.optimizer.choose_masks`) and sends them to every rank, for the next step (collective
-    over the data-parallel group; the bytes count in this step's gradient traffic). On the hierarchical topology the
-    masks go over the inter-node communicator: the owners of the node-level rows a rank sends are exactly its members.
-    Nothing otherwise."""
-    cfg = state.cfg.shared_mask
-    if cfg is None or state.reducer.steps_applied < cfg.warmup_steps:
-        return
-    comms = state.reducer.comms_for(opt.dp_process_group)
-    if comms.hierarchical and comms.n_nodes == 1:
-        return  # nothing crosses a node: the node's sums are sent whole
-    comm = comms.inter if comms.hierarchical else comms.flat
-    keys, chunks, own = owners.choose_masks(opt, cfg.density, cfg.score, cfg.explore, state.reducer.steps_applied,
-                                            comms.world_size, state.key_of)
-    sent = state.reducer.set_masks(comm, keys, chunks, own)
-    intra, inter = (0, sent) if comms.hierarchical else split_by_node(comms, comm.last_sent_bytes)
-    state.stats.record(ReduceResult(wire_bytes=sent, dense_fp32_bytes=0.0, kept=0, numel=0, finite=True,
-                                    intra_node_wire_bytes=intra, inter_node_wire_bytes=inter))
-
-
-def freeze(opt, state: DGCState) -> None:
-    """Freeze Adam's second moment on the owners and switch their step to the frozen-variance update
-    (:func:`~deepspeed_dgc.zero3.optimizer.frozen_variance_step`); gradient clipping goes off (after the freeze the
-    "gradient" is the update). Collective over the data-parallel group with ``precondition``."""
-    momentum = state.momentum
-    by_key, owner_inv = owners.frozen_preconditioner(opt, momentum.cfg.precondition, opt.dp_process_group,
-                                                        state.key_of, state.cfg.timeout_s)
-    comms = state.reducer.comms_for(opt.dp_process_group)
-    if comms.hierarchical:  # the momenta are of the node-level rows this rank compresses: keep those rows only
-        by_key = {k: owners.node_rows(v, comms.world_size, comms.ranks_per_node, comms.local_rank)
-                  for k, v in by_key.items()}
-    momentum.set_frozen(by_key, owner_inv)
-    inv_by_flat = {id(opt.fp32_partitioned_groups_flat[i]): inv for i, inv in enumerate(owner_inv)}
-    decoupled = owners.decoupled_weight_decay(opt.optimizer)
-
-    def step(basic, closure=None):
-        return owners.frozen_variance_step(basic, inv_by_flat, decoupled, closure)
-
-    _replace(opt.optimizer, "step", types.MethodType(step, opt.optimizer))  # bound, as torch's
-    _replace(opt, "clip_grad", 0.0)
-
-
-def unfreeze(opt, state: DGCState) -> None:
-    """Undo :func:`freeze` (before a checkpoint is loaded): Adam's own step and the gradient clipping come back."""
-    _restore(opt.optimizer, "step")
-    _restore(opt, "clip_grad")
-    state.momentum.unfreeze()
 
 
 def _persistent_gather_bytes(opt) -> int:
@@ -581,15 +498,11 @@ def _load_checkpoint(engine, state: DGCState) -> Callable:
         load_path, client_state = load(load_dir, tag, *args, **kwargs)
         if load_path is None:
             return load_path, client_state
-        m = state.momentum
-        if isinstance(m, CompressedMomentum) and m.frozen:  # the loaded state decides afresh whether Adam is frozen
-            unfreeze(engine.optimizer, state)
+        _method(state).before_load(engine.optimizer, state)  # e.g. Adam unfrozen: the loaded state decides afresh
         msg = checkpoint.load_state(state, load_dir, _loaded_tag(engine, load_dir, tag), engine.dp_world_size,
                                     engine.device)
-        if isinstance(m, CompressedMomentum) and m.freeze_due():  # every rank loads: collective
-            freeze(engine.optimizer, state)
         state.reducer.masks = {}
-        share_masks(engine.optimizer, state)  # shared_mask: chosen again from the loaded Adam state (collective)
+        _method(state).after_load(engine.optimizer, state)  # every rank loads: collective where the method says
         routine = msg.startswith("restored") and not any(mark in msg for mark in checkpoint.NOT_ROUTINE)
         (logger.info if routine else logger.warning)(f"[deepspeed_dgc] rank {state.global_rank}: {msg}")
         return load_path, client_state
@@ -618,4 +531,4 @@ def _patch_plain_loading(engine) -> None:
                                "optimizer state loaded as usual")
         return load_path, client_state
 
-    _replace(engine, "load_checkpoint", load_checkpoint)
+    replace(engine, "load_checkpoint", load_checkpoint)

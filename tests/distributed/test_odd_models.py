@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dist_launch import check_ok, launch
-from workers.odd_model_worker import CASES, STEPS
+from workers.odd_model_worker import STEPS
 
 
 GROUPS = {  # cases run one after another in one launch per world size

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dist_launch import check_ok, launch
-from deepspeed_dgc.codec.fixed import capacity
+from deepspeed_dgc.codec.fixed import FixedPlan
 from deepspeed_dgc.codec.formats import dequantize_weights, quantize_weights
 from deepspeed_dgc.codec.selection import target_count
 from workers.reduce_worker import CASES, SIZES, STEPS
@@ -33,15 +33,27 @@ def _layout(ranks, case):
     return ranks[0][case]["layout"]
 
 
-def _fixed_bounds(n, world, density):
-    """(fewest, most) values a sender sends of an n-element sparsified tensor in the fixed layout: each owner row sends
-    what reaches DGC's threshold up to its capacity, so at least min(capacity, 0.8 k) over the rows (k exactly where
-    the whole tensor is the threshold's sample, n <= 1024) and at most every row's capacity (random data: no exact
-    zeros)."""
+def _slots(n, world, density, cfg):
+    """The fixed layout's value slots per owner slice of an n-element tensor asked to be sparsified (its capacity
+    rounded up to whole scale groups), or None where its sparse payload would not be smaller and it goes whole."""
+    quantize = cfg.get("quantization", "int4") != "none"
+    plan = FixedPlan.build([n], world, list(range(world)), [True], density, quantize, cfg.get("quantization", "int4")
+                           if quantize else "int4", cfg.get("group_size", 128), torch.float32)
+    return plan.slots[0] if plan.sparse[0] else None
+
+
+def _fixed_bounds(n, world, density, cfg=None):
+    """(fewest, most) values a sender sends of an n-element tensor asked to be sparsified in the fixed layout: each owner
+    row sends what reaches DGC's threshold up to its slots, so at least min(slots, 0.8 k) over the rows (k exactly where
+    the whole tensor is the threshold's sample, n <= 1024) and at most every row's slots (random data: no exact zeros);
+    all of it where the plan sends the tensor whole."""
+    slots = _slots(n, world, density, cfg or {})
+    if slots is None:
+        return n, n
     c = math.ceil(n / world)
-    cap, k = capacity(c, density, 2.0), target_count(n, density)
+    k = target_count(n, density)
     rows = [max(0, min(c, n - o * c)) for o in range(world)]
-    return min(cap, k if n <= 1024 else math.floor(0.8 * k)), sum(min(cap, r) for r in rows)
+    return min(slots, k if n <= 1024 else math.floor(0.8 * k)), sum(min(slots, r) for r in rows)
 
 
 def _gather(ranks, case, step, i, world):
@@ -127,7 +139,7 @@ def _kept_bounds(cfg, n, density, step, layout, world):
     if whole:
         return n, n
     if layout == "fixed":
-        return _fixed_bounds(n, world, density)
+        return _fixed_bounds(n, world, density, cfg)
     k = target_count(n, density)
     if step % cfg.get("threshold_reuse_steps", 1):  # a reused threshold: what reaches it, cut at 1.3 k
         return 0, math.ceil(1.3 * k)
@@ -239,20 +251,24 @@ def test_residuals_are_stored_in_their_dtype(run, case, storage):
     storage really rounds."""
     world, ranks = run
 
-    def representable(res):
+    def representable(res, i):
         if storage == "bf16":
             return torch.equal(res, res.to(torch.bfloat16).float())
-        codes, scales = quantize_weights(res, "fp8_e4m3", 128)
-        return torch.equal(res, dequantize_weights(codes, scales, res.numel(), "fp8_e4m3", 128))
+        # fp8: scale groups of 128 consecutive elements, which restart at each tensor (the exact layout's residuals,
+        # flat) or at each owner's slice (the fixed layout's, blocks of the owner matrix)
+        c = math.ceil(SIZES[i] / world) if _layout(ranks, case) == "fixed" else res.numel()
+        pieces = res.split(c)
+        return all(torch.equal(p, dequantize_weights(*quantize_weights(p, "fp8_e4m3", 128), p.numel(), "fp8_e4m3", 128))
+                   for p in pieces)
 
     twin = "sparse_int4"  # the same settings with fp32 residuals
     assert {k: v for k, v in CASES[case].items() if k != "residual_dtype"} == CASES[twin]
     for r in range(world):
         for t in range(STEPS):
             for i, res in ranks[r][case]["steps"][t]["residuals"].items():
-                assert res.dtype == torch.float32 and representable(res), (r, t, i)
+                assert res.dtype == torch.float32 and representable(res, i), (r, t, i)
         big = ranks[r][twin]["steps"][-1]["residuals"][len(SIZES) - 1]
-        assert bool((big != 0).any()) and not representable(big)
+        assert bool((big != 0).any()) and not representable(big, len(SIZES) - 1)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.endswith("_zlib")])
@@ -433,12 +449,13 @@ def _check_fixed_selection(world, ranks, density):
                 g = ranks[r]["sparse_int4"]["steps"][t]["inputs"][i].reshape(-1).double() / world
                 tol = 1e-6 * (g.abs() + _residual(ranks, "sparse_int4", r, t - 1, i).abs()) + 1e-12
                 sent = (res - acc).abs() > tol
-                lo, hi = _fixed_bounds(n, world, density)
+                lo, hi = _fixed_bounds(n, world, density, CASES["sparse_int4"])
                 assert int(sent.sum()) <= hi
                 c = math.ceil(n / world)
+                slots = _slots(n, world, density, CASES["sparse_int4"]) or c
                 for o in range(world):
                     mags, kept = acc[o * c:(o + 1) * c].abs(), sent[o * c:(o + 1) * c]
-                    assert int(kept.sum()) <= capacity(c, density, 2.0)
+                    assert int(kept.sum()) <= slots
                     if bool(kept.any()) and bool((~kept).any()):
                         assert float(mags[~kept].max()) <= float(mags[kept].min()) * (1 + 1e-6), (r, t, i, o)
 

@@ -100,3 +100,10 @@ def dct64(s: int) -> torch.Tensor:
     n = torch.arange(s, dtype=torch.float64)
     d = torch.cos(math.pi * (2 * n[None, :] + 1) * n[:, None] / (2 * s))
     return d * torch.where(n[:, None] == 0, math.sqrt(1.0 / s), math.sqrt(2.0 / s))
+
+
+def count_ops():
+    """A :class:`~deepspeed_dgc.syncs.HostSyncCounter` for code called from the package (its ``launches`` and
+    ``syncs`` after the ``with`` block)."""
+    from deepspeed_dgc.syncs import HostSyncCounter
+    return HostSyncCounter()

@@ -46,10 +46,15 @@ def _nvcc_flags(builder):
     return [a for a in args if a.startswith("-gencode")], [a for a in args if not a.startswith("-gencode")]
 
 
+def _cu_sources(builder):
+    return [s for s in builder.sources() if s.endswith(".cu")]
+
+
 def test_nvcc_flags_give_ieee_math_and_leave_the_arch_list_alone(cuda_builder, monkeypatch, tmp_path):
-    """The op builder's own nvcc_args(): DeepSpeed's --use_fast_math is gone, and the PTX of dgc_cuda.cu built with
+    """The op builder's own nvcc_args(): DeepSpeed's --use_fast_math is gone, and the PTX of every .cu source built with
     them, for every target architecture, holds no approximate instruction (div/rcp/sqrt .approx) and no flush-to-zero
-    (.ftz). TORCH_CUDA_ARCH_LIST is as it was before the flags were computed (unset, then set)."""
+    (.ftz); the newest architecture also ships as PTX (a later GPU compiles it at load). TORCH_CUDA_ARCH_LIST is as it
+    was before the flags were computed (unset, then set)."""
     for before in (None, "9.0"):
         if before is None:
             monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
@@ -58,39 +63,43 @@ def test_nvcc_flags_give_ieee_math_and_leave_the_arch_list_alone(cuda_builder, m
         gencode, flags = _nvcc_flags(cuda_builder)
         assert os.environ.get("TORCH_CUDA_ARCH_LIST") == before
     assert "--use_fast_math" not in flags and gencode
-    cu = os.path.join(ROOT, "csrc", "dgc", "dgc_cuda.cu")
-    for arch in sorted({g.split("arch=")[1].split(",")[0] for g in gencode}):
-        ptx = tmp_path / f"{arch}.ptx"
-        cmd = ["nvcc", "-ptx", cu, "-o", str(ptx), f"-arch={arch}", f"-I{os.path.dirname(cu)}", *_torch_includes(),
-               *[f for f in flags if not f.startswith("--threads")]]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        bad = sorted({line.split()[0] for line in ptx.read_text().splitlines() if ".approx" in line or ".ftz" in line})
-        assert not bad, f"{arch}: {bad}"
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    default, _ = _nvcc_flags(cuda_builder)
+    assert any("code=compute_90" in g for g in default), default  # the default list ends in 9.0+PTX
+    for cu in _cu_sources(cuda_builder):
+        for arch in sorted({g.split("arch=")[1].split(",")[0] for g in gencode}):
+            ptx = tmp_path / f"{arch}.ptx"
+            cmd = ["nvcc", "-ptx", cu, "-o", str(ptx), f"-arch={arch}", f"-I{os.path.dirname(cu)}", *_torch_includes(),
+                   *[f for f in flags if not f.startswith("--threads")]]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            assert proc.returncode == 0, proc.stderr[-4000:]
+            bad = sorted({line.split()[0] for line in ptx.read_text().splitlines() if ".approx" in line or ".ftz" in line})
+            assert not bad, f"{os.path.basename(cu)} {arch}: {bad}"
 
 
 def test_cuda_sources_compile_with_the_builders_flags(cuda_builder, jit_check, tmp_path):
-    """dgc_cuda.cu with nvcc and the builder's nvcc_args() (objects for every target architecture), and the binding
+    """Every .cu source with nvcc and the builder's nvcc_args() (objects for every target architecture), and the binding
     dgc_cuda_binding.cpp with the host compiler and the builder's cxx_args() against torch's headers and the CUDA
-    runtime's. The two compilers (single-threaded, most of a minute each) run at the same time, beside the JIT
+    runtime's. The compilers (single-threaded, most of a minute each) run at the same time, beside the JIT
     build of ``jit_check``."""
     gencode, flags = _nvcc_flags(cuda_builder)
     csrc = os.path.join(ROOT, "csrc", "dgc")
-    nvcc = ["nvcc", "-c", os.path.join(csrc, "dgc_cuda.cu"), "-o", str(tmp_path / "cu.o"), f"-I{csrc}",
-            *_torch_includes(), "-Xcompiler", "-fPIC", *gencode, *flags]
+    nvccs = [["nvcc", "-c", cu, "-o", str(tmp_path / (os.path.basename(cu) + ".o")), f"-I{csrc}", *_torch_includes(),
+              "-Xcompiler", "-fPIC", *gencode, *flags] for cu in _cu_sources(cuda_builder)]
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     cxx = [os.environ.get("CXX", "c++"), "-c", os.path.join(csrc, "dgc_cuda_binding.cpp"), "-o",
            str(tmp_path / "binding.o"), "-fPIC", f"-I{csrc}", *_torch_includes(),
            f"-I{sysconfig.get_paths()['include']}", f"-I{os.path.join(_cuda_home(), 'include')}",
            "-DTORCH_EXTENSION_NAME=dgc_cuda_op", "-DTORCH_API_INCLUDE_EXTENSION_H", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
            *cuda_builder.strip_empty_entries(cuda_builder.cxx_args())]
-    procs = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for cmd in (nvcc, cxx)]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for cmd in nvccs + [cxx]]
     try:
         errors = [p.communicate(timeout=900)[1] for p in procs]
     finally:
         for p in procs:
             p.kill()
-    for p, err, out in zip(procs, errors, ("cu.o", "binding.o")):
+    outs = [os.path.basename(cu) + ".o" for cu in _cu_sources(cuda_builder)] + ["binding.o"]
+    for p, err, out in zip(procs, errors, outs):
         assert p.returncode == 0, err[-4000:]
         assert (tmp_path / out).stat().st_size > 0
 

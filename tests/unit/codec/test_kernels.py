@@ -16,7 +16,8 @@ import zlib
 import pytest
 import torch
 
-from deepspeed_dgc.codec import formats, indices, wire
+from deepspeed_dgc.codec import fixed, formats, indices, wire
+from deepspeed_dgc.codec.layout import Workspace
 from deepspeed_dgc.codec.kernels import DGCKernelError, FusedCPUOps, fused_can_code, get_ops, load_fused_op
 from deepspeed_dgc.codec.reference import REFERENCE
 from deepspeed_dgc.codec.selection import topk_threshold
@@ -532,6 +533,7 @@ def no_compiler(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     import deepspeed_dgc.codec.kernels as kernels
     monkeypatch.setattr(kernels, "_warned", set())
+    monkeypatch.setattr(kernels, "_LOAD_FAILURES", {})
 
 
 def test_stale_prebuilt_op_is_rebuilt_with_a_warning(monkeypatch, caplog):
@@ -555,12 +557,19 @@ def test_fused_without_compiler_fails_clearly(no_compiler):
         get_ops("fused", "cpu", True)
 
 
-def test_auto_without_compiler_falls_back_with_one_warning(no_compiler, caplog):
+def test_auto_without_compiler_falls_back_with_one_warning(no_compiler, caplog, monkeypatch):
+    """The fused op that cannot load falls back to the reference with one warning, and is not tried again in the
+    process (every caller would otherwise retry the build)."""
+    import deepspeed_dgc.codec.kernels as kernels
+    attempts = []
+    real = kernels.load_fused_op
+    monkeypatch.setattr(kernels, "load_fused_op", lambda device_type: attempts.append(device_type) or real(device_type))
     with caplog.at_level("WARNING", logger="deepspeed_dgc"):
         assert get_ops("auto", "cpu", True) is REFERENCE
         assert get_ops("auto", "cpu", True) is REFERENCE
     warnings = [r.getMessage() for r in caplog.records if "using the PyTorch reference path" in r.getMessage()]
     assert len(warnings) == 1 and "no C++ compiler" in warnings[0]
+    assert attempts == ["cpu"]
 
 
 def test_dispatch_choices():
@@ -791,7 +800,7 @@ def test_long_position_lists_decode_in_parallel_as_the_reference(fused):
     pos = torch.cat([positions(0, real[0]), positions(chunks[0], chunks[0] + real[1])])
     counts = [int((pos < chunks[0]).sum()), int((pos >= chunks[0]).sum())]
     index = indices.encode_indices(pos, torch.tensor([pos.numel()]))
-    assert index.numel() >= 4 * 16384 and int((index >= 0x80).sum()) > 1000 and int((index == 0x81).sum()) > 10
+    assert index.numel() >= 4 * 16384 and int((index >= 0x80).sum()) > 1000 and int((index == 0x81).sum()) > 3
     n = pos.numel()
     groups = sum(-(-c // 128) for c in counts)
     values = torch.randint(0, 256, (-(-n // 2), ), dtype=torch.uint8, generator=g)
@@ -883,8 +892,10 @@ def test_int1_scales_of_huge_magnitudes_stay_finite_as_the_reference(fused, dens
     assert all(bool(torch.isfinite(r).all()) for r in ref.residuals)
     rows = [decode_row(fused, job, row, payload)[0] for row, payload in enumerate(out.payloads)]
     assert all(bool(torch.isfinite(d).all()) for d in rows) and rows[0].abs().max() > 1e36  # (row 0: the huge half)
-    job.capacity_factor = 2.0
-    assert all(bool(torch.isfinite(r).all()) for r in REFERENCE.compress_fixed(job).residuals)
+    plan = fixed.FixedPlan.build(job.numels, 2, [0, 1], job.sparse, density, True, "int1", 128, torch.float32)
+    A = plan.layout.gather([s / job.divisor for s in job.srcs], fixed.owner_matrix(2, plan.layout.columns, "cpu"))
+    fixed.encode(A, plan, 1, Workspace())
+    assert bool(torch.isfinite(A).all())  # the fixed layout's residuals
 
     values = torch.cat([torch.rand(256, generator=g) * 3e38, torch.randn(128, generator=g)])  # 2 huge groups, 1 not
     values[5] = 0.0

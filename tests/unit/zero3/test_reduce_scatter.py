@@ -8,14 +8,15 @@ import torch
 from deepspeed_dgc.codec.kernels import FusedCPUOps, load_fused_op
 from deepspeed_dgc.config import DGCConfig
 from deepspeed_dgc.memory.error_feedback import ErrorFeedback
+from deepspeed_dgc.methods.topk import TopKExact
 from deepspeed_dgc.zero3.reduce_scatter import Bucket, CompressedReduceScatter
 
 
 def _bucket(reducer, numels, keys, density):
     _, quantization, group_size = reducer.codec(density)
-    return Bucket(keys=keys, numels=numels, chunks=[-(-n // 2) for n in numels], srcs=[], divisor=2.0, loss_scale=1.0,
-                  density=density, quantization=quantization, group_size=group_size, sparse=[True] * len(numels),
-                  comm_dtype=torch.float32, fingerprint=1, momentum_sources=False)
+    return Bucket(keys=keys, numels=numels, chunks=[-(-n // 2) for n in numels], world=2, grads=[], srcs=[],
+                  divisor=2.0, loss_scale=1.0, comm_dtype=torch.float32, density=density, quantization=quantization,
+                  group_size=group_size, sparse=[True] * len(numels), fingerprint=1)
 
 
 def test_thresholds_are_reused_every_n_steps_and_skipped_steps_do_not_count():
@@ -26,6 +27,7 @@ def test_thresholds_are_reused_every_n_steps_and_skipped_steps_do_not_count():
     ops = FusedCPUOps(load_fused_op("cpu"))
     reducer = CompressedReduceScatter(DGCConfig(enabled=True, density=0.1, threshold_reuse_steps=3, min_numel=0),
                                       ErrorFeedback("fp32"), ops=ops)
+    method = TopKExact(reducer)
     g = torch.Generator().manual_seed(3)
     numels, keys = [5000, 3], ["a", "b"]
     pattern = []
@@ -35,11 +37,11 @@ def test_thresholds_are_reused_every_n_steps_and_skipped_steps_do_not_count():
             reducer.momentum = types.SimpleNamespace(sending=True, codec=lambda: None)
         bucket = _bucket(reducer, numels, keys, density)
         srcs = [torch.randn(n, generator=g) for n in numels]
-        job = reducer._job(bucket, srcs, [0, 0], bucket.chunks, [0, 1], numels, 2.0)
+        job = method._job(bucket, srcs, [0, 0], bucket.chunks, [0, 1], numels, 2.0)
         reused = job.reuse_thresholds[0] is not None
         assert (job.samples[0] is None) == reused  # a sample is drawn only to estimate
         out = ops.compress(job)
-        reducer._stage(bucket, job, out.residuals, out.thresholds)
+        method._stage(bucket, job, out.residuals, out.thresholds)
         reducer.end_step(applied)
         pattern.append((reused, reducer.thresholds["a"][1:]))
     assert pattern == [(False, [0.1, 1, False]), (True, [0.1, 2, False]), (True, [0.1, 2, False]),  # skipped

@@ -1,0 +1,181 @@
+"""One interface for the ways of reducing a bucket, and the table that picks one from the config.
+
+A method takes a whole bucket (:class:`Bucket`) and one exchange (:class:`Exchange`: a communicator, this rank's row,
+the owner of every row) and does steps 2-6 of the compressed reduce-scatter (:mod:`deepspeed_dgc.zero3.reduce_scatter`):
+what each owner row is sent, the exchange, this rank's row of the sum, and what it keeps for the next step (residuals,
+momenta). After the models of GRACE (Xu et al., ICDCS 2021: a compressor, a memory and a communicator behind one
+step) and PyTorch's DDP communication hooks (a state object and one function per bucket).
+
+A method whose payload sizes follow from the bucket's shape alone (:meth:`~GradientMethod.fixed_payloads`) says in which padded owner
+matrix it codes a bucket (:meth:`GradientMethod.layout`), so that the hierarchical topology
+(:class:`~deepspeed_dgc.methods.hierarchical.Hierarchical`, which wraps any method) hands it the node-level sums in
+that matrix. The owners' side (a replaced optimizer step, something done after each step) is the method's too:
+:meth:`~GradientMethod.install` and :meth:`~GradientMethod.after_step`.
+
+Adding a method: a module in this package defining a subclass of :class:`GradientMethod`, decorated with
+:func:`register`, and a line in :func:`method_name` mapping its config key to its name.
+"""
+
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar, Dict, Hashable, List, Optional, Sequence, Tuple, Type
+
+import torch
+
+from ..codec.layout import BucketLayout, Workspace
+
+
+@dataclass
+class Bucket:
+    """One call's bucket, fixed at entry.
+
+    Attributes:
+        keys: stable key of each tensor; numels: elements per tensor; chunks: ``ceil(n_i / W)``; world: W.
+        grads: the gradients as given (any float dtype, multiplied by the loss scale); srcs: the gradients in the
+            communication dtype (what stock sends), flat.
+        divisor: the sources are divided by it in the first fp32 pass (``W * loss_scale``).
+        loss_scale: restored on exit; comm_dtype: of raw values and of the dense intra-node hop.
+        density, quantization, group_size: the top-k codec of this bucket; sparse: per tensor, whether top-k is asked.
+        fingerprint: written in every header (config and bucket shape).
+        density_pending: ``density: "auto"`` on the hierarchical topology: estimated after the dense hop.
+        workspace: memory the bucket's stages may overwrite (the gradients once read, where the caller allows).
+    """
+    keys: List[Hashable]
+    numels: List[int]
+    chunks: List[int]
+    world: int
+    grads: List[torch.Tensor]
+    srcs: List[torch.Tensor]
+    divisor: float
+    loss_scale: float
+    comm_dtype: torch.dtype
+    density: float = 1.0
+    quantization: str = "none"
+    group_size: int = 0
+    sparse: List[bool] = field(default_factory=list)
+    fingerprint: int = 0
+    density_pending: bool = False
+    workspace: Workspace = field(default_factory=Workspace)
+
+    @property
+    def device(self) -> torch.device:
+        return self.srcs[0].device
+
+
+@dataclass
+class Exchange:
+    """Where a bucket's rows go: ``comm`` (None: one row, nothing crosses the network), this rank's ``row``, and the
+    owner index of every row (flat: ``0..W-1``; hierarchical: the owners ``k L + l`` of this local rank)."""
+    comm: Optional[object]
+    row: int
+    owners: Tuple[int, ...]
+
+    @property
+    def rows(self) -> int:
+        return len(self.owners)
+
+
+@dataclass
+class Reduced:
+    """What a method gives back: ``out``, this rank's row of the sum over senders (fp32, unscaled, in the method's
+    columns), ``views`` the real part of each tensor's slice in it (bucket order), whether this rank's input was
+    finite (the fixed-size methods say True and poison the rows instead), and the values sent (all rows)."""
+    out: torch.Tensor
+    views: List[torch.Tensor]
+    finite: bool
+    kept: int
+
+
+class GradientMethod:
+    """A way of reducing whole buckets (see the module docstring).
+
+    Args:
+        reducer: the :class:`~deepspeed_dgc.zero3.reduce_scatter.CompressedReduceScatter` it serves: its config,
+            memory, momentum state, schedule, generators and the checks of the exchange.
+    """
+
+    name: ClassVar[str] = ""
+    resolves_density: ClassVar[bool] = False  # a pending density: "auto" is estimated by the method itself
+
+    def __init__(self, reducer):
+        self.reducer = reducer
+        self.cfg = reducer.cfg
+
+    def fixed_payloads(self, bucket: Bucket) -> bool:
+        """Whether every payload of ``bucket`` has a size known from its shape (one ``all_to_all_single``, no size
+        exchange; the hierarchical hop then exchanges its dense rows the same way)."""
+        return True
+
+    def layout(self, bucket: Bucket, owners: Sequence[int]) -> Optional[BucketLayout]:
+        """The padded owner matrix this method codes ``bucket`` in, for rows of ``owners`` (None: it takes the
+        sources per tensor)."""
+        return None
+
+    def reduce_all(self, bucket: Bucket, comms) -> Reduced:
+        """The whole reduction of a bucket over a partition group's communicators
+        (:class:`~deepspeed_dgc.comm.topology.ReduceComms`): on the flat topology, one exchange over all ranks."""
+        return self.reduce(bucket, Exchange(comms.flat, comms.rank, tuple(range(comms.world_size))))
+
+    def reduce(self, bucket: Bucket, exchange: Exchange, A: Optional[torch.Tensor] = None) -> Reduced:
+        """Steps 2-6 of one bucket over one exchange.
+
+        Args:
+            bucket: the bucket; exchange: where its rows go.
+            A: the sources as an owner matrix of :meth:`layout` for ``exchange``'s owners (fp32, to be divided by
+                ``bucket.divisor``: the hierarchical topology's node-level sums), or None: ``bucket``'s per-tensor
+                sources.
+        """
+        raise NotImplementedError
+
+    def whole(self, bucket: Bucket, A: torch.Tensor, L: BucketLayout) -> Reduced:
+        """One row that crosses no network (the hierarchical topology on one node): its sum sent whole, ``A`` (fp32
+        ``(1, C)`` of ``L``, to be divided by ``bucket.divisor``). A method with state of its own (a momentum)
+        updates it here too."""
+        out = A[0].div_(bucket.divisor) if bucket.divisor != 1 else A[0]
+        return Reduced(out, L.row_slices(out, 0), True, sum(L.real[0]))
+
+    # ---- the owners' side and the step's end --------------------------------------------------------------------
+
+    def install(self, engine, opt, state) -> None:
+        """Replace what the owners do with the sum (the optimizer's step, clipping), if the method changes it."""
+
+    def after_step(self, opt, state, applied: bool) -> None:
+        """After every optimizer step: what the method does then (collective where it says)."""
+
+    def before_load(self, opt, state) -> None:
+        """Before a checkpoint is loaded into the engine: undo what :meth:`after_step` set up that the checkpoint
+        decides afresh."""
+
+    def after_load(self, opt, state) -> None:
+        """After a checkpoint was loaded (on every rank: collective where it says): set up again what the loaded
+        state decides."""
+
+
+METHODS: Dict[str, Type[GradientMethod]] = {}
+
+
+def register(name: str) -> Callable[[Type[GradientMethod]], Type[GradientMethod]]:
+    """Class decorator: make a method available under ``name`` (:func:`method_name` maps the config to names)."""
+
+    def add(cls: Type[GradientMethod]) -> Type[GradientMethod]:
+        cls.name = name
+        METHODS[name] = cls
+        return cls
+
+    return add
+
+
+def method_name(cfg, device_type: str) -> str:
+    """The registered name of the method the ``"dgc"`` config asks for on gradients of ``device_type``."""
+    for key in ("decoupled_momentum", "shared_mask", "compressed_momentum"):
+        if getattr(cfg, key) is not None:
+            return key
+    if cfg.momentum_correction:
+        return "momentum_correction"
+    return "topk_fixed" if cfg.layout_for(device_type) == "fixed" else "topk_exact"
+
+
+def build(reducer, device_type: str, wrap: Optional[Callable] = None) -> GradientMethod:
+    """The method for ``reducer``'s config on ``device_type`` (from :data:`METHODS`, which :mod:`deepspeed_dgc.methods`
+    fills), wrapped by ``wrap`` (the hierarchical topology) where given."""
+    method = METHODS[method_name(reducer.cfg, device_type)](reducer)
+    return wrap(reducer, method) if wrap is not None else method

@@ -1,0 +1,67 @@
+"""DeMo's decoupled momentum: each rank's own momentum, sent as a chunked DCT top-k (:mod:`~deepspeed_dgc.codec.dct`).
+
+Peng, Quesnelle and Kingma, "DeMo: Decoupled Momentum Optimization", arXiv 2411.19870, section 3, Algorithm 1. Every
+rank keeps ``delta = decay delta + g / W`` (one block per bucket, :class:`~deepspeed_dgc.memory.momentum.
+DecoupledMomentum`'s store), sends the top-k DCT coefficients of each chunk of it and keeps what it did not send (the
+subtraction is the error feedback); the owners step with the sum (sign or Adam, :func:`~deepspeed_dgc.zero3.optimizer.
+sign_step`). A bucket is one owner matrix: one transform, one selection, one all-to-all, nothing read back.
+"""
+
+import types
+from typing import Optional
+
+import torch
+
+from ..codec import dct, fixed, wire
+from ..codec.layout import layout_for
+from ..zero3 import optimizer as owners
+from ..zero3.swap import replace
+from .base import Bucket, Exchange, GradientMethod, Reduced, register
+
+
+@register("decoupled_momentum")
+class DecoupledMomentumMethod(GradientMethod):
+    """See the module docstring; ``reducer.momentum`` is its :class:`~deepspeed_dgc.memory.momentum.
+    DecoupledMomentum` state."""
+
+    def plan(self, bucket: Bucket) -> dct.ChunkPlan:
+        cfg = self.reducer.momentum.cfg
+        return dct.ChunkPlan(tuple(bucket.chunks), cfg.chunk, cfg.topk, cfg.transform, cfg.quantization, cfg.group_size)
+
+    def layout(self, bucket, owners_):
+        return layout_for(bucket.numels, bucket.world, owners_, self.reducer.momentum.cfg.chunk)
+
+    def reduce(self, bucket: Bucket, exchange: Exchange, A: Optional[torch.Tensor] = None) -> Reduced:
+        r, state = self.reducer, self.reducer.momentum
+        plan, L = self.plan(bucket), self.layout(bucket, exchange.owners)
+        R, device, ws = exchange.rows, bucket.device, bucket.workspace
+        if A is None:
+            A = fixed.owner_matrix(R, L.columns, device)
+            L.gather(bucket.grads, A)  # the gradients as given (not rounded to the communication dtype)
+            res_numels = list(bucket.numels)
+        else:
+            res_numels = [R * c for c in bucket.chunks]
+        if bucket.divisor != 1:
+            A.div_(bucket.divisor)
+        state.store.add_block(bucket.keys, res_numels, L, A, ws, scale=state.cfg.decay)  # delta = decay delta + g/W
+        fingerprint = wire.fingerprint([bucket.fingerprint, "decoupled", plan.chunk, plan.topk, plan.transform,
+                                        plan.value_format, plan.group_size])
+        payloads, kept = dct.encode(A, L, plan, fingerprint, ws)
+        if not state.store.stage_block(bucket.keys, res_numels, L, A):
+            ws.add(A.view(-1).view(torch.uint8))
+        if exchange.comm is None:  # one row: decoded here, nothing sent
+            received = payloads
+        else:
+            r.check_first_bucket(exchange.comm, fingerprint)
+            received = exchange.comm.all_to_all_fixed(payloads)
+        out, bad = dct.decode_sum(received, L, plan, fingerprint, ws)
+        if exchange.comm is not None:
+            r.note_bad_senders(exchange.comm, bad)
+        return Reduced(out, L.row_slices(out, exchange.row), True, kept)
+
+    def install(self, engine, opt, state) -> None:
+        """``update: "sign"``: the owners step with DeMo's sign update at the optimizer's learning rate."""
+        if self.reducer.momentum.cfg.update == "sign":
+            decoupled = owners.decoupled_weight_decay(opt.optimizer)
+            replace(opt.optimizer, "step", types.MethodType(lambda basic, closure=None: owners.sign_step(
+                basic, decoupled, closure), opt.optimizer))
