@@ -237,10 +237,15 @@ class DGCConfig(BaseModel):
         "`OMPI_COMM_WORLD_LOCAL_SIZE`, else counts host names. Ranks `k*L ... (k+1)*L - 1` form node k")
     # at least 1 s: the same bound covers start-up (rendezvous, the config agreement) and a bucket's exchange on a
     # slow link, which take longer than a few milliseconds even when every rank is healthy
-    timeout_s: float = Field(600.0, ge=1.0, le=7 * 24 * 3600.0, allow_inf_nan=False,
-                             description="seconds any collective of the extension may wait before it raises "
-                             "`DGCTimeoutError` (a peer died or hangs); at least 1 (start-up and a bucket's exchange "
-                             "on a slow link take that long on healthy ranks)")
+    timeout_s: Optional[float] = Field(
+        None, ge=1.0, le=7 * 24 * 3600.0, allow_inf_nan=False,
+        description="seconds any collective of the extension may wait (a peer died or hangs); `null`: the process "
+        "group's own timeout, as DeepSpeed's collectives (`deepspeed.init_distributed(timeout=...)`, "
+        "`DEEPSPEED_TIMEOUT` minutes), so a rank slow in a long checkpoint write is waited for as stock would. "
+        "gloo and MPI: the waiting rank raises `DGCTimeoutError` naming the collective; NCCL: the extension's own "
+        "process group has this timeout and NCCL's watchdog aborts the collective (the process ends with NCCL's "
+        "error; no host wait). At least 1 (start-up and a bucket's exchange on a slow link take that long on healthy "
+        "ranks)")
     policy: Literal["fixed", "auto"] = Field(
         "fixed", description="`\"auto\"`: per bucket, stock ZeRO-3's reduce-scatter or the compressed one, whichever "
         "measures faster on this job's link (every rank times both on random tensors of the bucket's sizes, on the "

@@ -314,10 +314,10 @@ def main() -> None:
     if args.summary_json:  # fail now, not after training, if the summary cannot be written there
         args.summary_json.parent.mkdir(parents=True, exist_ok=True)
 
-    # DeepSpeed's own collectives get the same bound as the extension's, so that a hung peer ends
-    # the job after dgc.timeout_s wherever the others wait (DeepSpeed's default is 30 minutes)
+    # a dgc.timeout_s that is set bounds DeepSpeed's own collectives too, so that a hung peer ends the job after it
+    # wherever the others wait; unset, the extension takes the process groups' own timeouts
     dgc = deepspeed_dgc.parse_dgc_config(ds_config)
-    if dgc is not None and dgc.enabled:
+    if dgc is not None and dgc.enabled and dgc.timeout_s is not None:
         deepspeed.init_distributed(timeout=datetime.timedelta(seconds=dgc.timeout_s))
     else:
         deepspeed.init_distributed()

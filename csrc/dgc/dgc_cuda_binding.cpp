@@ -21,12 +21,12 @@ extern "C" cudaError_t dgc_cuda_owner_gather(float* out, int64_t rows, int64_t c
                                              int tensors, const int64_t* row_base, int dtype, float divisor,
                                              cudaStream_t stream);
 extern "C" cudaError_t dgc_cuda_fixed_encode(float* A, int64_t rows, int64_t C, int64_t Cd, const float* slots,
-                                             int64_t Ks, const int64_t* flat, const int32_t* padding, uint8_t* payload,
+                                             int64_t Ks, const int32_t* flat, const int32_t* padding, uint8_t* payload,
                                              int64_t P, int64_t scales_at, int64_t values_at, int fmt, int group,
                                              int span, int64_t K, int64_t Kp, cudaStream_t stream);
 extern "C" cudaError_t dgc_cuda_fixed_decode(const uint8_t* received, int64_t senders, int64_t P, int64_t scales_at,
                                              int64_t values_at, int fmt, int group, int64_t Cd, int64_t Ks,
-                                             const int64_t* cols, const bool* valid, float* D, int64_t Cs, float* out,
+                                             const int32_t* cols, const bool* valid, float* D, int64_t Cs, float* out,
                                              cudaStream_t stream);
 extern "C" cudaError_t dgc_cuda_weights_encode_seg(const float* x, int64_t n, const int64_t* seg, int S,
                                                    int64_t group, int64_t n_groups, int wfmt, float* scales,
@@ -129,7 +129,7 @@ void owner_gather(at::Tensor out, at::Tensor table, at::Tensor row_base, at::Ten
         "owner_gather");
 }
 
-// A (R, C) fp32 owner matrix, the whole-sent columns [0, Cd); slots (R, Ks) fp32 and flat (R, Ks) int64 (-1: empty)
+// A (R, C) fp32 owner matrix, the whole-sent columns [0, Cd); slots (R, Ks) fp32 and flat (R, Ks) int32 (-1: empty)
 // or empty tensors; padding int32 per whole-sent group (INT2) or empty; payload (R, P) uint8.
 void fixed_encode(at::Tensor A, int64_t Cd, at::Tensor slots, at::Tensor flat, at::Tensor padding, at::Tensor payload,
                   int64_t scales_at, int64_t values_at, int64_t fmt, int64_t group, int64_t span, int64_t K, int64_t Kp,
@@ -142,8 +142,8 @@ void fixed_encode(at::Tensor A, int64_t Cd, at::Tensor slots, at::Tensor flat, a
   if (Ks) {
     check_cuda(slots, "slots");
     check_cuda(flat, "flat");
-    TORCH_CHECK(slots.scalar_type() == at::kFloat && flat.scalar_type() == at::kLong && flat.sizes() == slots.sizes() &&
-                    slots.size(0) == A.size(0), "fixed_encode: fp32 slots and int64 flat, (R, Ks) each");
+    TORCH_CHECK(slots.scalar_type() == at::kFloat && flat.scalar_type() == at::kInt && flat.sizes() == slots.sizes() &&
+                    slots.size(0) == A.size(0), "fixed_encode: fp32 slots and int32 flat, (R, Ks) each");
   }
   const int32_t* pad = nullptr;
   if (padding.numel()) {
@@ -153,13 +153,13 @@ void fixed_encode(at::Tensor A, int64_t Cd, at::Tensor slots, at::Tensor flat, a
   }
   TORCH_CHECK(Cd + Ks == K && Kp >= K && Cd <= A.size(1), "fixed_encode: sizes do not add up");
   check(dgc_cuda_fixed_encode(A.data_ptr<float>(), A.size(0), A.size(1), Cd, Ks ? slots.data_ptr<float>() : nullptr, Ks,
-                              Ks ? flat.data_ptr<int64_t>() : nullptr, pad, payload.data_ptr<uint8_t>(),
+                              Ks ? flat.data_ptr<int32_t>() : nullptr, pad, payload.data_ptr<uint8_t>(),
                               payload.size(1), scales_at, values_at, static_cast<int>(fmt), static_cast<int>(group),
                               static_cast<int>(span), K, Kp, reinterpret_cast<cudaStream_t>(stream)),
         "fixed_encode");
 }
 
-// received (W, P) uint8; cols (W, Ks) int64 columns in the sparse region and valid (W, Ks) bool, or empty; D (W, Cs)
+// received (W, P) uint8; cols (W, Ks) int32 columns in the sparse region and valid (W, Ks) bool, or empty; D (W, Cs)
 // fp32 scratch; out (Cd + Cs,) fp32.
 void fixed_decode(at::Tensor received, int64_t scales_at, int64_t values_at, int64_t fmt, int64_t group, int64_t Cd,
                   at::Tensor cols, at::Tensor valid, at::Tensor D, at::Tensor out, int64_t stream) {
@@ -171,13 +171,13 @@ void fixed_decode(at::Tensor received, int64_t scales_at, int64_t values_at, int
     check_cuda(cols, "cols");
     check_cuda(valid, "valid");
     check_cuda(D, "D");
-    TORCH_CHECK(cols.scalar_type() == at::kLong && valid.scalar_type() == at::kBool && valid.sizes() == cols.sizes() &&
+    TORCH_CHECK(cols.scalar_type() == at::kInt && valid.scalar_type() == at::kBool && valid.sizes() == cols.sizes() &&
                     D.scalar_type() == at::kFloat && D.size(0) == received.size(0), "fixed_decode: cols, valid, D");
   }
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.numel() >= Cd + Cs, "fixed_decode: fp32 out of Cd + Cs");
   check(dgc_cuda_fixed_decode(received.data_ptr<uint8_t>(), received.size(0), received.size(1), scales_at, values_at,
                               static_cast<int>(fmt), static_cast<int>(group), Cd, Ks,
-                              Ks ? cols.data_ptr<int64_t>() : nullptr, Ks ? valid.data_ptr<bool>() : nullptr,
+                              Ks ? cols.data_ptr<int32_t>() : nullptr, Ks ? valid.data_ptr<bool>() : nullptr,
                               Ks ? D.data_ptr<float>() : nullptr, Cs, out.data_ptr<float>(),
                               reinterpret_cast<cudaStream_t>(stream)),
         "fixed_decode");

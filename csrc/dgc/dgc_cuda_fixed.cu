@@ -133,7 +133,7 @@ struct EncodeArgs {
   int64_t C, Cd;
   const float* slots;       // (R, Ks) slot values, or null
   int64_t Ks;
-  const int64_t* flat;      // (R, Ks) the owner matrix element of each slot, -1 for an empty slot
+  const int32_t* flat;      // (R, Ks) the owner matrix element of each slot, -1 for an empty slot
   const int32_t* padding;   // per group of the whole-sent columns, its padding columns (INT2), or null
   uint8_t* payload;         // (R, P)
   int64_t P, scales_at, values_at;
@@ -254,7 +254,7 @@ __global__ void fixed_decode_dense_kernel(const uint8_t* __restrict__ received, 
 
 __global__ void fixed_decode_slots_kernel(const uint8_t* __restrict__ received, int64_t senders, int64_t P,
                                           int64_t scales_at, int64_t values_at, int fmt, int group, int64_t Cd,
-                                          int64_t Ks, const int64_t* __restrict__ cols, const bool* __restrict__ valid,
+                                          int64_t Ks, const int32_t* __restrict__ cols, const bool* __restrict__ valid,
                                           float* __restrict__ D, int64_t Cs) {
   const int64_t total = senders * Ks;
   for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
@@ -362,7 +362,7 @@ extern "C" cudaError_t dgc_cuda_owner_gather(float* out, int64_t rows, int64_t c
 }
 
 extern "C" cudaError_t dgc_cuda_fixed_encode(float* A, int64_t rows, int64_t C, int64_t Cd, const float* slots,
-                                             int64_t Ks, const int64_t* flat, const int32_t* padding, uint8_t* payload,
+                                             int64_t Ks, const int32_t* flat, const int32_t* padding, uint8_t* payload,
                                              int64_t P, int64_t scales_at, int64_t values_at, int fmt, int group,
                                              int span, int64_t K, int64_t Kp, cudaStream_t stream) {
   if (rows == 0 || Kp == 0) return cudaSuccess;
@@ -376,7 +376,7 @@ extern "C" cudaError_t dgc_cuda_fixed_encode(float* A, int64_t rows, int64_t C, 
 
 extern "C" cudaError_t dgc_cuda_fixed_decode(const uint8_t* received, int64_t senders, int64_t P, int64_t scales_at,
                                              int64_t values_at, int fmt, int group, int64_t Cd, int64_t Ks,
-                                             const int64_t* cols, const bool* valid, float* D, int64_t Cs, float* out,
+                                             const int32_t* cols, const bool* valid, float* D, int64_t Cs, float* out,
                                              cudaStream_t stream) {
   if (fmt < 0 || fmt >= dgc::kNumValueFormats) return cudaErrorInvalidValue;
   if (Cd) fixed_decode_dense_kernel<<<blocks_for(Cd), kThreads, 0, stream>>>(received, senders, P, scales_at,

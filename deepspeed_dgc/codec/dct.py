@@ -43,7 +43,7 @@ import torch
 
 from .fixed import header_mismatch
 from .formats import code_bytes, decode_segments, encode_segments
-from .layout import BucketLayout, Workspace
+from .layout import BucketLayout, Workspace, slabs
 
 MAGIC = 0x44474344  # "DGCD"
 HEADER_BYTES = 12
@@ -256,23 +256,6 @@ def _small_rows(L: BucketLayout, plan: ChunkPlan, rows: int, device) -> Dict[int
 _SMALL: Dict[Tuple, Dict[int, torch.Tensor]] = {}
 
 
-def _product(x: torch.Tensor, d: torch.Tensor, small: Dict[int, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
-    """``out = x @ d`` for chunk rows ``x`` ``(N, s)``, the rows of ``small`` computed as the products of their own
-    tensors (:func:`_small_rows`)."""
-    torch.mm(x, d, out=out)
-    for index in small.values():
-        out[index] = torch.bmm(x[index], d.expand(index.shape[0], *d.shape))
-    return out
-
-
-def _subtract_product(acc: torch.Tensor, x: torch.Tensor, d: torch.Tensor, small: Dict[int, torch.Tensor]) -> None:
-    """``acc -= x @ d`` in place (rows of ``small`` as in :func:`_product`)."""
-    kept = {n: acc[index] for n, index in small.items()}
-    acc.addmm_(x, d, alpha=-1)
-    for n, index in small.items():
-        acc[index] = kept[n] - torch.bmm(x[index], d.expand(index.shape[0], *d.shape))
-
-
 def padding_mask(L: BucketLayout, s: int, device) -> torch.Tensor:
     """Bool ``(R, C / s, s)``: the padding of the owner matrix (kept at 0), made from the layout's per-tensor real
     counts (O(T) cached values; the mask itself is a temporary)."""
@@ -290,6 +273,18 @@ def padding_mask(L: BucketLayout, s: int, device) -> torch.Tensor:
     return torch.arange(s, dtype=torch.int32, device=device)[None, None, :] >= limit[..., None]
 
 
+GEMM_MIN_ROWS = 64  # a slab of chunks is one product of at least this many rows (BLAS rounds 1-2 rows otherwise)
+
+
+def _signed_topk_(coef: torch.Tensor, k: int, values: torch.Tensor, idx: torch.Tensor, ws: Workspace) -> None:
+    """The k coefficients of largest magnitude of each row of ``coef`` ``(n, s)`` (signed) into ``values`` and
+    ``idx`` ``(n, k)``; ``coef`` is overwritten."""
+    negative = torch.signbit(coef, out=ws.take(coef.shape, torch.bool, coef.device))
+    v, i = topk_(coef.abs_(), k)
+    torch.where(negative.gather(1, i), v.neg(), v, out=values)
+    idx.copy_(i)
+
+
 def encode(X: torch.Tensor, L: BucketLayout, plan: ChunkPlan, fingerprint: int,
            ws: Workspace) -> Tuple[torch.Tensor, int]:
     """Every owner row's payload of the momenta ``X``, and what was sent leaves ``X``.
@@ -298,27 +293,42 @@ def encode(X: torch.Tensor, L: BucketLayout, plan: ChunkPlan, fingerprint: int,
         X: fp32 ``(R, C)``, the padded owner matrix of a rank's decoupled momenta (blocks aligned to the chunk, padding
             0); on return it holds what stays: ``X - IDCT(decoded)`` on the real elements, 0 in the padding.
         L: its layout; plan: the bucket's :class:`ChunkPlan` (``chunks[i] = c_i``); fingerprint: int31 in every header.
-        ws: memory for the temporaries.
+        ws: memory for the temporaries: the transform runs over slabs of chunks that fit it (the same bits whatever
+            the slabs: each chunk is its own row of the products).
 
     Returns:
         ``(payloads, kept)``: uint8 ``(R, payload_bytes)`` (row o for owner o) and the values sent (all rows).
     """
     R, device = X.shape[0], X.device
     s, k = plan.chunk, plan.topk
-    M = L.columns // s
-    chunks = X.view(R * M, s)
+    N = R * (L.columns // s)
+    chunks = X.view(N, s)
     dct = plan.transform == "dct"
     small = _small_rows(L, plan, R, device) if dct else {}
     mark = ws.mark()
-    coef = ws.take((R * M, s), torch.float32)
-    if dct:
-        _product(chunks, dct_matrix(s, device).T, small, coef)
-    else:
-        coef.copy_(chunks)
-    negative = torch.signbit(coef)
-    values, idx = topk_(coef.abs_(), k)  # (R M, k) magnitudes and their columns
-    values = torch.where(negative.gather(1, idx), values.neg(), values).view(R, M * k)
-    del negative
+    values, idx = ws.take((N, k), torch.float32), ws.take((N, k), torch.int64)
+
+    for r0, r1 in slabs(N, s * 5, ws, min_size=GEMM_MIN_ROWS):  # the transform and the top-k, a slab at a time
+        inner = ws.mark()
+        coef = ws.take((r1 - r0, s), torch.float32)
+        if dct:
+            torch.mm(chunks[r0:r1], dct_matrix(s, device).T, out=coef)
+        else:
+            coef.copy_(chunks[r0:r1])
+        _signed_topk_(coef, k, values[r0:r1], idx[r0:r1], ws)
+        ws.release(inner)
+    kept_small = {}
+    for n, index in small.items():  # tensors whose own product has one or two rows: theirs, batched
+        inner = ws.mark()
+        x = chunks[index]
+        kept_small[n] = x
+        coef = torch.bmm(x, dct_matrix(s, device).T.expand(index.shape[0], s, s)).view(-1, s)
+        vals, picked = ws.take((coef.shape[0], k), torch.float32), ws.take((coef.shape[0], k), torch.int64)
+        _signed_topk_(coef, k, vals, picked, ws)
+        values.index_copy_(0, index.view(-1), vals)
+        idx.index_copy_(0, index.view(-1), picked)
+        ws.release(inner)
+    values = values.view(R, -1)
     counts = list(plan.counts)
     if plan.quantize:
         scales, packed, decoded = encode_segments(values, counts, plan.value_format, plan.group_size)
@@ -326,15 +336,23 @@ def encode(X: torch.Tensor, L: BucketLayout, plan: ChunkPlan, fingerprint: int,
     else:
         decoded = values
         parts = [values.contiguous().view(torch.uint8)]
-    sent = coef.zero_().scatter_(1, idx, decoded.view(R * M, k))
-    if dct:
-        _subtract_product(chunks, sent, dct_matrix(s, device), small)
-    else:
-        chunks.sub_(sent)
-    ws.release(mark)
-    X.view(R, M, s).masked_fill_(padding_mask(L, s, device), 0.0)
-    payload = torch.cat([header_rows(MAGIC, fingerprint, R, device)] + parts + [pack_uint(idx.view(R, M * k),
+    decoded = decoded.view(N, k)
+    for r0, r1 in slabs(N, s * 4, ws, min_size=GEMM_MIN_ROWS):  # what was sent leaves X, a slab at a time
+        inner = ws.mark()
+        sent = ws.take((r1 - r0, s), torch.float32).zero_().scatter_(1, idx[r0:r1], decoded[r0:r1])
+        if dct:
+            chunks[r0:r1].addmm_(sent, dct_matrix(s, device), alpha=-1)
+        else:
+            chunks[r0:r1].sub_(sent)
+        ws.release(inner)
+    for n, index in small.items():
+        sent = torch.zeros(index.numel(), s, device=device).scatter_(1, idx[index.view(-1)], decoded[index.view(-1)])
+        chunks[index] = kept_small[n] - torch.bmm(sent.view(*index.shape, s), dct_matrix(s, device).expand(
+            index.shape[0], s, s))
+    X.view(R, -1, s).masked_fill_(padding_mask(L, s, device), 0.0)
+    payload = torch.cat([header_rows(MAGIC, fingerprint, R, device)] + parts + [pack_uint(idx.view(R, -1),
                                                                                         plan.position_bits)], dim=1)
+    ws.release(mark)
     payload = torch.nn.functional.pad(payload, (0, plan.payload_bytes - payload.shape[1]))
     return payload, R * plan.values
 
@@ -373,10 +391,15 @@ def decode_sum(received: torch.Tensor, L: BucketLayout, plan: ChunkPlan, fingerp
     at += 4 * plan.n_groups + plan.value_bytes
     pos = unpack_uint(received[:, at:at + plan.position_bytes], plan.position_bits, K)
     index = (torch.arange(K, device=device) // k * s)[None, :] + pos
-    coef = ws.take((M * s, ), torch.float32).zero_().scatter_add_(0, index.view(-1), vals.reshape(-1))
-    out = ws.take((L.columns, ), torch.float32)
-    if plan.transform == "dct":
-        _product(coef.view(M, s), dct_matrix(s, device), _small_rows(L, plan, 1, device), out.view(M, s))
-    else:
-        out.copy_(coef)
+    out = ws.take((M * s, ), torch.float32).zero_().scatter_add_(0, index.view(-1), vals.reshape(-1))
+    if plan.transform == "dct":  # back from the coefficients in place, a slab of chunks at a time
+        rows, d = out.view(M, s), dct_matrix(s, device)
+        patches = [(index, torch.bmm(rows[index], d.expand(index.shape[0], s, s)))
+                   for index in _small_rows(L, plan, 1, device).values()]
+        for r0, r1 in slabs(M, s * 4, ws, min_size=GEMM_MIN_ROWS):
+            mark = ws.mark()
+            rows[r0:r1] = torch.mm(rows[r0:r1], d, out=ws.take((r1 - r0, s), torch.float32))
+            ws.release(mark)
+        for index, product in patches:
+            rows[index] = product
     return out.masked_fill_(bad.any(), float("nan")), bad

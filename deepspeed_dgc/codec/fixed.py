@@ -55,7 +55,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .formats import FORMATS, code_bytes, pack_codes, unpack_codes
-from .layout import BucketLayout, Workspace, alignment, layout_for, round_up
+from .layout import BucketLayout, Workspace, alignment, layout_for, round_up, slabs
 from .selection import LOWER_FACTOR, LOWER_SLACK, MAX_LOWER_ROUNDS, MAX_RUN, MIN_SAMPLE, RUN_MIN_NUMEL, sample_size, \
     target_count
 
@@ -240,22 +240,36 @@ class FixedPlan:
 
 
 class _Meta:
-    """O(tensors) device vectors of a plan's sparsified tensors (column order), made once per device."""
+    """O(tensors) device vectors of a plan's sparsified tensors (column order), made once per plan and device; int32
+    where they combine with per-slot or per-element int32 tensors."""
 
     def __init__(self, plan: FixedPlan, device):
         L = plan.layout
         idx = plan.sparse_tensors
         split = plan.dense_columns
         t = lambda xs, dtype=torch.long: _to_device(torch.tensor(list(xs), dtype=dtype), device)  # noqa: E731
+        i32 = torch.int32
+        self.ids = t(range(len(idx)))
+        self.ids32 = t(range(len(idx)), i32)
         self.chunks = t(L.chunks[i] for i in idx)
+        self.chunks32 = t((L.chunks[i] for i in idx), i32)
         self.start = t(L.cols[i] - split for i in idx)  # first column in the sparse region
+        self.start32 = t((L.cols[i] - split for i in idx), i32)
         self.groups = t(L.widths[i] // L.align for i in idx)  # align-column groups per tensor
+        self.first_group = t((L.cols[i] - split) // L.align for i in idx)
         self.slots = t(plan.slots)
-        self.slot_base = t([0] + list(_cumsum(plan.slots))[:-1])
+        self.slots32 = t(plan.slots, i32)
+        self.slot_ends32 = t(_cumsum(plan.slots), i32)
+        self.slot_base32 = t([0] + list(_cumsum(plan.slots))[:-1], i32)
         self.n_chunks = t(plan.n_chunks)
-        self.chunk_base = t([0] + list(_cumsum(n + 1 for n in plan.n_chunks))[:-1])  # one gap bin after each tensor
+        self.empty32 = t((n << plan.bits for n in plan.n_chunks), i32)  # an empty slot's position: no chunk's
+        bases = [0] + list(_cumsum(n + 1 for n in plan.n_chunks))[:-1]  # one gap bin after each tensor's chunks
+        self.chunk_base32 = t(bases, i32)
+        self.chunk_bins = t(b + j for b, n in zip(bases, plan.n_chunks) for j in range(n))  # (NC,) the chunks' bins
+        self.gap_bins = t(b + n for b, n in zip(bases, plan.n_chunks))  # (T,)
+        self.bin_chunk32 = t([j for n in plan.n_chunks for j in list(range(n)) + [-1]], i32)  # bin -> chunk, gap -1
+        self.chunk_tensor = t(i for i, n in enumerate(plan.n_chunks) for _ in range(n))  # (NC,)
         reals = [sum(row[i] for row in L.real) for i in idx]
-        self.reals = t(reals)
         self.targets = t(target_count(m, plan.density) if m else 1 for m in reals)
         # sample plan: (kind, count) per tensor; kinds 0 whole, 1 independent positions, 2 runs of MAX_RUN
         kinds, draws, highs = [], [], []
@@ -269,6 +283,7 @@ class _Meta:
         self.kinds, self.draws = kinds, draws
         self.sample_sizes = [d * (MAX_RUN if kd == 2 else 1) for kd, d in zip(kinds, draws)]
         self.highs = t(highs, torch.float64)
+        self.nbytes = sum(v.numel() * v.element_size() for v in vars(self).values() if isinstance(v, torch.Tensor))
 
 
 def _cumsum(xs):
@@ -285,20 +300,40 @@ def _to_device(t: torch.Tensor, device) -> torch.Tensor:
 
 _META: Dict[Tuple[FixedPlan, str], _Meta] = {}
 MAX_PLANS = 64  # a density warm-up makes a plan per step: keep the latest ones
+MAX_CACHED_BYTES = 64 << 20  # and at most this much of their device vectors (O(tensors + chunks) each)
 
 
 def meta(plan: FixedPlan, device) -> _Meta:
+    """The plan's device vectors (cached: at most :data:`MAX_PLANS` plans and :data:`MAX_CACHED_BYTES`)."""
     key = (plan, str(device))
     if key not in _META:
-        while len(_META) >= MAX_PLANS:
+        made = _Meta(plan, device)
+        while _META and (len(_META) >= MAX_PLANS or sum(v.nbytes for v in _META.values()) + made.nbytes >
+                         MAX_CACHED_BYTES):
             _META.pop(next(iter(_META)))
-        _META[key] = _Meta(plan, device)
+        _META[key] = made
     return _META[key]
 
 
 def _expand(values: torch.Tensor, repeats: torch.Tensor, total: int) -> torch.Tensor:
     """``values[i]`` repeated ``repeats[i]`` times (``total`` their sum, known on the host: no read-back)."""
     return torch.repeat_interleave(values, repeats, output_size=total)
+
+
+def slot_tensor(plan: FixedPlan, ws: Workspace, device) -> torch.Tensor:
+    """int32 ``(K_s,)``: the sparsified tensor (column order) of each slot, in ``ws``."""
+    m, K = meta(plan, device), plan.sparse_slots
+    out = ws.take((K, ), torch.int32, device)
+    mark = ws.mark()
+    ids = torch.arange(K, dtype=torch.int32, device=device, out=ws.take((K, ), torch.int32, device))
+    torch.searchsorted(m.slot_ends32, ids, right=True, out_int32=True, out=out)
+    ws.release(mark)
+    return out
+
+
+def _per_slot(vec: torch.Tensor, slot_t: torch.Tensor, ws: Workspace) -> torch.Tensor:
+    """``vec[slot_t]`` (a per-tensor vector per slot) in ``ws``."""
+    return torch.index_select(vec, 0, slot_t, out=ws.take(slot_t.shape, vec.dtype, vec.device))
 
 
 # ---- selection ----------------------------------------------------------------------------------------------------
@@ -398,270 +433,325 @@ def _smallest_positive(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Selection:
-    """What the sparsified tensors send, per row (the ``K_s`` slots of the plan, tensor by tensor in column order).
+    """What the sparsified tensors send, per row (the ``K_s`` slots of the plan, tensor by tensor in column order),
+    in the workspace it was made in.
 
     Attributes:
         valid: bool ``(R, K_s)``, the filled slots;
         values: fp32 ``(R, K_s)``, 0 in empty slots; positions: int32 ``(R, K_s)``, the column inside the tensor's
         slice (past its last chunk in empty slots); flat: int32 or int64 ``(R, K_s)``, the element of the owner matrix
-        each slot came from (the tensor's first column of the row for empty slots, which send 0).
+        each slot came from (the tensor's first column of the row for empty slots, which send 0);
+        slot_tensor: int32 ``(K_s,)``, each slot's tensor (column order).
     """
     values: torch.Tensor
     positions: torch.Tensor
     flat: torch.Tensor
     valid: torch.Tensor
+    slot_tensor: torch.Tensor
+
+
+def _accumulate(total: Optional[torch.Tensor], part: torch.Tensor) -> torch.Tensor:
+    return part if total is None else total.add_(part)
+
+
+def _high_halves(S3: torch.Tensor) -> torch.Tensor:
+    """int16 view ``(R, G, a)`` of the high 16 bits of fp32 ``S3`` (sign, exponent, 7 mantissa bits: bf16's)."""
+    return S3.view(torch.int16)[..., 1::2]  # little-endian, as every device torch runs on
 
 
 def select(A: torch.Tensor, plan: FixedPlan, ws: Workspace, generator: Optional[torch.Generator]) -> Selection:
     """DGC's threshold per sparsified tensor and the capacity cut per owner slice, in a fixed number of batched ops
-    (see the module docstring). ``A``: the owner matrix ``(R, C)``, contiguous; read only."""
+    (see the module docstring), in passes over slabs of the sparse region sized to the workspace's free memory.
+
+    ``A``: the owner matrix ``(R, C)`` fp32, contiguous; read only. Returns the slots in ``ws`` (valid until the
+    caller releases it).
+    """
     R, device = A.shape[0], A.device
     L, m = plan.layout, meta(plan, device)
-    T = len(plan.sparse_tensors)
-    a, split = L.align, plan.dense_columns
-    S = A[:, split:]  # (R, Cs)
-    Cs = S.shape[1]
-    G = Cs // a
-    group_tensor = _expand(torch.arange(T, device=device), m.groups, G)  # (G,)
+    T, a, split = len(plan.sparse_tensors), L.align, plan.dense_columns
+    G = (L.columns - split) // a
+    S3 = A[:, split:].view(R, G, a)
+    group_tensor = _expand(m.ids, m.groups, G)  # (G,)
+    slice_group = (torch.arange(0, R * T, T, dtype=torch.int32, device=device)[:, None] +
+                   group_tensor.to(torch.int32))  # (R, G): the slice (row, tensor) of each group
 
-    # DGC's threshold: first estimates, the lowering rounds' candidates, every candidate counted in one pass
+    # DGC's threshold: first estimates on the sample, the lowering rounds' candidates, every candidate counted at once
     positions, tensor = draw_sample(plan, generator, device)
     cand = _smallest_positive(lowering_candidates(first_estimates(A, plan, positions, tensor)))  # (T, 11) descending
     del positions, tensor
-    mark = ws.mark()
-    mag = torch.abs(S, out=ws.take((R, Cs), torch.float32)).view(R, G, a)
-    level = torch.zeros(R, G, a, dtype=torch.uint8, device=device)
-    reached = ws.take((R, G, a), torch.bool)
-    cand_g = cand[group_tensor]  # (G, 11)
-    for j in range(LEVELS):
-        level.add_(torch.ge(mag, cand_g[None, :, j:j + 1], out=reached))
-    ws.release(mark)
-    # histogram of (row, tensor, level): count_ge[r, i, j] = elements of slice (r, i) with |a| >= cand[i, j]
-    slice_of_group = (torch.arange(R, device=device)[:, None] * T + group_tensor[None, :])  # (R, G)
-    bins = ws.take((R, G, a), torch.int32)
-    bins.copy_(level)
-    bins.add_((slice_of_group * (LEVELS + 1)).to(torch.int32)[..., None])
-    hist = torch.bincount(bins.view(-1), minlength=R * T * (LEVELS + 1)).view(R, T, LEVELS + 1)
-    ws.release(mark)
-    del level, bins
-    above = hist.flip(-1).cumsum(-1).flip(-1)  # above[l] = elements reaching level l or more
-    count_ge = above[..., LEVELS - torch.arange(LEVELS, device=device)]  # (R, T, 11): level >= 11 - j
-    total = count_ge.sum(dim=0)  # (T, 11)
-    enough = total >= LOWER_SLACK * m.targets[:, None]
+    hist_l, hist_0 = _levels_and_top_bytes(S3, cand.flip(1)[group_tensor], slice_group, R * T, ws)
+    above = hist_l.view(R, T, LEVELS + 1).flip(-1).cumsum(-1).flip(-1)  # above[l]: elements of level l or more
+    count_ge = above[..., _host(range(LEVELS, 0, -1), device)]  # (R, T, 11): |a| >= cand[j] is level >= 11 - j
+    enough = count_ge.sum(dim=0) >= LOWER_SLACK * m.targets[:, None]
     enough[:, -1] = True  # the last round is taken when none keeps 0.8 k
     first = enough.int().argmax(dim=1)  # (T,)
     threshold = cand.gather(1, first[:, None])  # (T, 1)
     kept = count_ge.gather(2, first[None, :, None].expand(R, T, 1))[..., 0]  # (R, T) at the threshold
 
-    # the capacity cut: the slots-th largest of each over-full slice (radix select over the magnitudes' bytes)
+    # the capacity cut: the slots-th largest magnitude of each over-full slice, in bf16 precision (its high 16 bits),
+    # by a radix select of two byte passes over every element (the slots-th largest of an over-full slice reaches the
+    # threshold, so it is the slots-th largest of those that do)
     over = kept > m.slots[None, :]
-    bound, quota = _radix_select(A, S, plan, ws, group_tensor, slice_of_group, m.slots)
-    bound = torch.where(over, bound, threshold.view(torch.int32).T.expand(R, T))
-    quota = torch.where(over, quota, torch.full_like(quota, 255 + a))
-    sel = _select_mask(S, plan, ws, group_tensor, bound, quota)
-    return _compact(A, sel, plan, ws)
+    top, rank = _radix_digit(hist_0.view(R, T, 128), m.slots[None, :].expand(R, T))
+    hist_1 = _second_bytes(S3, top[:, group_tensor].to(torch.int16), slice_group, R * T, ws)
+    low, rank = _radix_digit(hist_1.view(R, T, 256), rank)
+    bound = torch.where(over, (top << 8) | low, -1).to(torch.int16)  # not over: every element reaching the threshold
+    quota = torch.where(over, rank, 0)  # of the elements at the bound, how many (the first by column)
+    sel = _select(S3, threshold[group_tensor], bound[:, group_tensor], quota, group_tensor, m.first_group, ws)
+    return _compact(A, sel, torch.minimum(kept, m.slots[None, :]), plan, ws)
 
 
-def _radix_select(A, S, plan, ws, group_tensor, slice_of_group, need):
-    """Per slice (row, sparsified tensor), the bits of its ``need``-th largest magnitude and how many elements equal to
-    it are among its ``need`` largest: four passes, one byte of the magnitudes' bits each, from the top (the sign bit
-    cleared), each a histogram of the elements that match the bytes found so far."""
-    R, device = A.shape[0], A.device
-    T = need.numel()
-    a = plan.layout.align
-    Cs = S.shape[1]
-    G = Cs // a
-    byte_view = S.view(torch.uint8).view(R, Cs, 4)  # little-endian: byte 3 holds the sign and the high exponent
-    prefix = torch.zeros(R, T, dtype=torch.int64, device=device)
-    rank = need[None, :].expand(R, T).clone()
-    for p in range(4):
-        byte = 3 - p
-        mark = ws.mark()
-        digit = ws.take((R, Cs), torch.int32)
-        digit.copy_(byte_view[..., byte])
-        if p == 0:
-            digit.bitwise_and_(0x7F)
-        else:  # only elements whose higher bytes equal the prefix take part
-            shift = 8 * (4 - p)
-            lo = (prefix << shift)[:, group_tensor]  # (R, G) bit patterns, |a| in [lo, hi]
-            hi = torch.clamp(((prefix + 1) << shift) - 1, max=0x7F800000)[:, group_tensor]
-            lo_f = lo.to(torch.int32).view(torch.float32)[..., None]
-            hi_f = hi.to(torch.int32).view(torch.float32)[..., None]
-            inside = _abs_between(S.view(R, G, a), lo_f, hi_f, ws)
-            digit.view(R, G, a).masked_fill_(inside.logical_not_(), 256)
-            del inside
-        bins = digit.view(R, G, a).add_((slice_of_group * 257).to(torch.int32)[..., None])
-        hist = torch.bincount(bins.view(-1), minlength=R * T * 257).view(R, T, 257)[..., :256]
+def _levels_and_top_bytes(S3, asc, slice_group, slices: int, ws: Workspace) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per slice, histograms of (1) each element's level, how many of its tensor's candidate thresholds ``asc``
+    (``(G, 11)`` per group, ascending) its magnitude reaches, and (2) the top byte of its magnitude's bits (the sign
+    cleared: 0-127). int64 ``(slices * 12,)`` and ``(slices * 128,)``."""
+    R, G, a = S3.shape
+    nl = LEVELS + 1
+    level_base, top_base = slice_group * nl, slice_group * 128
+    hist_l = hist_0 = None
+    for g0, g1 in slabs(G, R * (8 * a + 4 * LEVELS), ws):
+        mark, n = ws.mark(), g1 - g0
+        mag = torch.abs(S3[:, g0:g1], out=ws.take((R, n, a), torch.float32))
+        seq = ws.take((R, n, LEVELS), torch.float32)
+        seq.copy_(asc[None, g0:g1])
+        level = torch.searchsorted(seq, mag, right=True, out_int32=True, out=ws.take((R, n, a), torch.int32))
+        level.add_(level_base[:, g0:g1, None])
+        hist_l = _accumulate(hist_l, torch.bincount(level.view(-1), minlength=slices * nl))
+        top = mag.view(torch.int32).bitwise_right_shift_(24).add_(top_base[:, g0:g1, None])
+        hist_0 = _accumulate(hist_0, torch.bincount(top.view(-1), minlength=slices * 128))
         ws.release(mark)
-        above = hist.flip(-1).cumsum(-1).flip(-1)  # above[d]: matching elements with this byte >= d
-        d = ((above >= rank[..., None]).sum(-1) - 1).clamp_(min=0)  # the byte of the rank-th largest
-        higher = above.gather(2, (d + 1).clamp(max=255)[..., None])[..., 0]
-        higher = torch.where(d < 255, higher, torch.zeros_like(higher))
-        rank = rank - higher
-        prefix = (prefix << 8) | d
-    return prefix.to(torch.int32), rank
+    return hist_l, hist_0
 
 
-def _abs_between(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, ws: Workspace) -> torch.Tensor:
-    """Bool ``lo <= |x| <= hi`` (``lo >= 0``), a new tensor; its temporaries from ``ws``."""
-    mark = ws.mark()
-    out = torch.ge(x, lo)
-    tmp = ws.take(x.shape, torch.bool)
-    other = ws.take(x.shape, torch.bool)
-    out.logical_and_(torch.le(x, hi, out=tmp))
-    torch.le(x, lo.neg(), out=other).logical_and_(torch.ge(x, hi.neg(), out=tmp))
-    out.logical_or_(other)
-    ws.release(mark)
-    return out
+def _second_bytes(S3, top, slice_group, slices: int, ws: Workspace) -> torch.Tensor:
+    """Per slice, the histogram of the second byte of the magnitudes' bits (bits 23-16) among the elements whose top
+    byte is the slice's ``top`` (int16 ``(R, G)`` per group): int64 ``(slices * 256,)``."""
+    R, G, a = S3.shape
+    base, dump = slice_group * 256, slices * 256
+    high = _high_halves(S3)
+    hist = None
+    for g0, g1 in slabs(G, R * a * 9, ws):
+        mark, n = ws.mark(), g1 - g0
+        key = torch.bitwise_and(high[:, g0:g1], 0x7FFF, out=ws.take((R, n, a), torch.int16))
+        miss = torch.ne(torch.bitwise_right_shift(key, 8, out=ws.take((R, n, a), torch.int16)), top[:, g0:g1, None],
+                        out=ws.take((R, n, a), torch.bool))
+        bins = ws.take((R, n, a), torch.int32)
+        bins.copy_(key.bitwise_and_(0xFF)).add_(base[:, g0:g1, None]).masked_fill_(miss, dump)
+        hist = _accumulate(hist, torch.bincount(bins.view(-1), minlength=dump + 1))
+        ws.release(mark)
+    return hist[:dump]
 
 
-def _select_mask(S, plan, ws, group_tensor, bound, quota) -> torch.Tensor:
-    """Bool ``(R, Cs)``: the elements each slice sends: ``|a| > bound``, and of those equal to it the first ``quota``
-    by column. ``bound``: int32 bits ``(R, T)``; ``quota``: ``(R, T)``."""
-    R, Cs = S.shape
-    a = plan.layout.align
-    G = Cs // a
-    x = S.view(R, G, a)
-    b = bound[:, group_tensor].view(torch.float32)[..., None]  # (R, G, 1)
-    mark = ws.mark()
-    tmp = ws.take(x.shape, torch.bool)
-    sel = torch.gt(x, b)
-    sel.logical_or_(torch.lt(x, b.neg(), out=tmp))
-    eq = ws.take(x.shape, torch.bool)
-    torch.eq(x, b, out=eq).logical_or_(torch.eq(x, b.neg(), out=tmp))
-    small = a <= 255  # a group's tie ranks fit a byte
-    rank_dtype = torch.uint8 if small else torch.int16
-    rank = torch.cumsum(eq, dim=-1, dtype=rank_dtype, out=ws.take(x.shape, rank_dtype))  # 1-based among ties
-    in_group = rank[..., -1].long()  # ties per group
-    before = torch.cumsum(in_group, dim=1) - in_group  # exclusive, over the row
-    first_group = _first_group(plan, x.device)  # (T,) the first group of each tensor
-    before = before - before[:, first_group][:, group_tensor]  # exclusive within the slice
+def _radix_digit(hist: torch.Tensor, rank: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One radix-select step per slice: from the histogram ``(S..., B)`` of a digit and the rank sought ``(S...)``
+    (1-based, from the top), the digit of the ranked element and its rank among the elements with that digit."""
+    B = hist.shape[-1]
+    above = hist.flip(-1).cumsum(-1).flip(-1)  # above[d]: elements whose digit is d or more
+    digit = ((above >= rank[..., None]).sum(-1) - 1).clamp_(min=0)
+    higher = above.gather(-1, (digit + 1).clamp(max=B - 1)[..., None])[..., 0]
+    return digit, rank - torch.where(digit < B - 1, higher, 0)
+
+
+def _select(S3, threshold, bound, quota, group_tensor, first_group, ws: Workspace) -> torch.Tensor:
+    """Bool ``(R, G, a)`` in ``ws``: what each slice sends: its elements reaching ``threshold`` (fp32 ``(G, 1)``)
+    whose 16-bit magnitude is above ``bound`` (int16 ``(R, G)``), and of those at it the first ``quota`` (``(R, T)``)
+    by column."""
+    R, G, a = S3.shape
+    high = _high_halves(S3)
+    sel = ws.take((R, G, a), torch.bool)
+    outer = ws.mark()
+    ties_at = ws.take((R, G, a), torch.bool)
+    ties = torch.empty(R, G, dtype=torch.int32, device=S3.device)
+    for g0, g1 in slabs(G, R * a * 4, ws):
+        mark, n = ws.mark(), g1 - g0
+        x, b = S3[:, g0:g1], bound[:, g0:g1, None]
+        key = torch.bitwise_and(high[:, g0:g1], 0x7FFF, out=ws.take((R, n, a), torch.int16))
+        reach = torch.ge(x, threshold[g0:g1], out=ws.take((R, n, a), torch.bool))
+        reach.logical_or_(torch.le(x, threshold[g0:g1].neg(), out=ws.take((R, n, a), torch.bool)))
+        torch.gt(key, b, out=sel[:, g0:g1]).logical_and_(reach)
+        torch.eq(key, b, out=ties_at[:, g0:g1]).logical_and_(reach)
+        torch.sum(ties_at[:, g0:g1], dim=-1, dtype=torch.int32, out=ties[:, g0:g1])
+        ws.release(mark)
+    # how many of a group's ties it may send: the slice's quota less the ties of its earlier groups
+    before = torch.cumsum(ties, dim=1, dtype=torch.int32).sub_(ties)
+    before.sub_(before[:, first_group][:, group_tensor])
+    rank_dtype = torch.uint8 if a <= 255 else torch.int16
     limit = (quota[:, group_tensor] - before).clamp_(0, a).to(rank_dtype)[..., None]
-    eq.logical_and_(torch.le(rank, limit, out=tmp))
-    sel.logical_or_(eq)
-    ws.release(mark)
-    return sel.view(R, Cs)
+    for g0, g1 in slabs(G, R * a * 2, ws):
+        mark, n = ws.mark(), g1 - g0
+        at = ties_at[:, g0:g1]
+        rank = torch.cumsum(at, dim=-1, dtype=rank_dtype, out=ws.take((R, n, a), rank_dtype))  # 1-based among ties
+        at.logical_and_(torch.le(rank, limit[:, g0:g1], out=ws.take((R, n, a), torch.bool)))
+        sel[:, g0:g1].logical_or_(at)
+        ws.release(mark)
+    ws.release(outer)
+    return sel
 
 
-def _first_group(plan: FixedPlan, device) -> torch.Tensor:
-    L = plan.layout
-    firsts = [(L.cols[i] - plan.dense_columns) // L.align for i in plan.sparse_tensors]
-    return _host(firsts, device)
-
-
-def _compact(A, sel, plan, ws) -> Selection:
-    """The selected elements of every slice into its slots, in ascending columns: a prefix count of the selection
-    per row and one batched search for the column of each slot's target count."""
+def _compact(A, sel, filled, plan, ws) -> Selection:
+    """The selected elements of every slice into its slots, in ascending columns (``filled`` ``(R, T)`` of them): per
+    slab a prefix count of the selection and one batched search for the column of each slot's target count. The
+    slots' values and flags go into ``sel``'s memory once it is read."""
     R, device = A.shape[0], A.device
     L, m = plan.layout, meta(plan, device)
-    T, K = len(plan.sparse_tensors), plan.sparse_slots
-    Cs = sel.shape[1]
+    K, a, C = plan.sparse_slots, L.align, L.columns
+    G = sel.shape[1]
+    # each slot's target count (past the row's selection for the slots a slice leaves empty), replaced by -1 - its
+    # column once found: a negative target is never found again
+    col = ws.take((R, K), torch.int32)
+    mark_found = ws.mark()
+    found, here = ws.take((R, K), torch.int32), ws.take((R, K), torch.bool)
     mark = ws.mark()
-    count = torch.cumsum(sel, dim=1, dtype=torch.int32, out=ws.take((R, Cs), torch.int32))
-    del sel
-    ends = (m.start + m.groups * L.align - 1)  # last column of each block
-    upto = count[:, ends]  # (R, T) selected up to the block's end
-    before = torch.cat([torch.zeros_like(upto[:, :1]), upto[:, :-1]], dim=1)
-    filled = upto - before
-    slot_tensor = _expand(torch.arange(T, device=device), m.slots, K)  # (K,)
-    slot_local = torch.arange(K, device=device) - m.slot_base[slot_tensor]
-    targets = (before[:, slot_tensor] + (slot_local + 1)[None, :]).to(torch.int32)
-    col = torch.searchsorted(count, targets, out_int32=True)  # (R, K): the column of each slot's element
+    st = slot_tensor(plan, ws, device)
+    local = torch.arange(1, K + 1, dtype=torch.int32, device=device, out=found.view(-1)[:K])
+    local.sub_(torch.index_select(m.slot_base32, 0, st, out=col.view(-1)[:K]))  # 1 + the index in its tensor's slots
+    ends = torch.cumsum(filled, dim=1).to(torch.int32)  # (R, T) selected in the row up to each slice's end
+    torch.index_select(ends - filled.to(torch.int32), 1, st, out=col).add_(local)
+    col.masked_fill_(torch.gt(col, torch.index_select(ends, 1, st, out=found), out=here), 2**31 - 1)
     ws.release(mark)
-    del targets, count
-    valid = slot_local[None, :] < filled[:, slot_tensor]
-    empty = (m.n_chunks[slot_tensor] << plan.bits).to(torch.int32)  # past the last chunk: counted in no chunk
-    positions = torch.where(valid, col - m.start[slot_tensor].to(torch.int32), empty)
-    C = L.columns
-    big = R * C + 1 >= 2**31
-    rows = torch.arange(R, device=device, dtype=torch.int64 if big else torch.int32)[:, None]
-    flat = rows * C + plan.dense_columns + torch.where(valid, col, m.start[slot_tensor].to(col.dtype))
-    values = A.view(-1).index_select(0, flat.view(-1)).view(R, K)
-    values.mul_(valid)
-    return Selection(values, positions, flat, valid)
+    carry = torch.zeros(R, 1, dtype=torch.int32, device=device)
+    for g0, g1 in slabs(G, R * a * 4, ws):
+        inner, width = ws.mark(), (g1 - g0) * a
+        count = torch.cumsum(sel[:, g0:g1].reshape(R, width), dim=1, dtype=torch.int32,
+                             out=ws.take((R, width), torch.int32)).add_(carry)
+        torch.searchsorted(count, col, out_int32=True, out=found)
+        torch.gt(col, carry, out=here).logical_and_(col <= count[:, -1:])
+        torch.where(here, found.add_(g0 * a + 1).neg_(), col, out=col)
+        carry.copy_(count[:, -1:])
+        ws.release(inner)
+    del found, here
+    spent = Workspace([sel.view(-1).view(torch.uint8)])  # the selection is read: its memory takes what follows
+    ws.release(mark_found)
+    positions = ws.take((R, K), torch.int32)
+    valid = torch.lt(col, 0, out=ws.take((R, K), torch.bool, device))  # found (all up to filled, NaN aside)
+    col.add_(1).neg_()
+    st = slot_tensor(plan, ws, device)
+    mark = ws.mark()
+    start = _per_slot(m.start32, st, ws)
+    torch.where(valid, torch.sub(col, start, out=positions), _per_slot(m.empty32, st, ws), out=positions)
+    flat = torch.where(valid, col, start, out=col)
+    ws.release(mark)
+    if R * C + 1 >= 2**31:
+        flat = flat.long()
+    flat.add_(torch.arange(0, R * C, C, device=device, dtype=flat.dtype)[:, None] + plan.dense_columns)
+    values = torch.index_select(A.view(-1), 0, flat.view(-1), out=spent.take((R * K, ), torch.float32, device))
+    values = values.view(R, K).mul_(valid)
+    return Selection(values, positions, flat, valid, st)
 
 
 # ---- positions ----------------------------------------------------------------------------------------------------
 
 
-def pack_positions(positions: torch.Tensor, bits: int) -> torch.Tensor:
-    """b-bit positions ``(R, Ks)`` as little-endian bytes ``(R, ceil(Ks * bits / 8))`` (12 bits: 3 bytes per pair)."""
+def pack_positions(positions: torch.Tensor, bits: int, out: Optional[torch.Tensor] = None,
+                   ws: Optional[Workspace] = None) -> torch.Tensor:
+    """b-bit positions ``(R, n)`` (int32 or int64) as little-endian bytes ``(R, ceil(n * bits / 8))`` (12 bits: 3 bytes
+    per pair), written into ``out`` (uint8, or None for a new tensor); temporaries from ``ws``."""
     R, n = positions.shape
-    p = positions.to(torch.int32)
+    out = torch.empty(R, -(-n * bits // 8), dtype=torch.uint8, device=positions.device) if out is None else out
+    ws = ws or Workspace()
     if bits == 8:
-        return p.to(torch.uint8)
+        return out.copy_(positions)
+    mark = ws.mark()
+    tmp = ws.take((R, max(n, 1)), positions.dtype, positions.device)
     if bits == 16:
-        return torch.stack([p & 0xFF, p >> 8], dim=2).view(R, 2 * n).to(torch.uint8)
-    pairs = torch.nn.functional.pad(p, (0, n % 2)).view(R, -1, 2)
-    a, b = pairs[..., 0], pairs[..., 1]
-    out = torch.stack([a & 0xFF, (a >> 8) | ((b & 0xF) << 4), b >> 4], dim=2).view(R, -1)
-    return out[:, :-(-n * 12 // 8)].to(torch.uint8)
+        pairs = out.view(R, n, 2)
+        pairs[..., 0].copy_(torch.bitwise_and(positions, 0xFF, out=tmp[:, :n]))
+        pairs[..., 1].copy_(torch.bitwise_right_shift(positions, 8, out=tmp[:, :n]))
+    else:
+        full = n // 2
+        a, b = positions[:, 0:2 * full:2], positions[:, 1:2 * full:2]
+        tri = out[:, :3 * full].view(R, full, 3)
+        t = tmp[:, :full]
+        tri[..., 0].copy_(torch.bitwise_and(a, 0xFF, out=t))
+        tri[..., 2].copy_(torch.bitwise_right_shift(b, 4, out=t))
+        u = ws.take((R, full), positions.dtype, positions.device)
+        torch.bitwise_and(b, 0xF, out=t).bitwise_left_shift_(4).bitwise_or_(torch.bitwise_right_shift(a, 8, out=u))
+        tri[..., 1].copy_(t)
+        if n % 2:
+            last = positions[:, n - 1:]
+            out[:, 3 * full:3 * full + 1].copy_(torch.bitwise_and(last, 0xFF, out=tmp[:, :1]))
+            out[:, 3 * full + 1:3 * full + 2].copy_(torch.bitwise_right_shift(last, 8, out=tmp[:, :1]))
+    ws.release(mark)
+    return out
 
 
-def unpack_positions(data: torch.Tensor, count: int, bits: int) -> torch.Tensor:
-    """Inverse of :func:`pack_positions`: int64 ``(W, count)``."""
+def unpack_positions(data: torch.Tensor, count: int, bits: int, out: Optional[torch.Tensor] = None,
+                     ws: Optional[Workspace] = None) -> torch.Tensor:
+    """Inverse of :func:`pack_positions`: int32 ``(W, count)`` into ``out`` (or a new tensor)."""
     W = data.shape[0]
-    d = data.long()
+    out = torch.empty(W, count, dtype=torch.int32, device=data.device) if out is None else out
+    ws = ws or Workspace()
     if bits == 8:
-        return d[:, :count]
+        return out.copy_(data[:, :count])
+    mark = ws.mark()
+    tmp = ws.take((W, max(count, 1)), torch.int32, data.device)
     if bits == 16:
-        pairs = d.view(W, -1, 2)
-        return (pairs[..., 0] | (pairs[..., 1] << 8))[:, :count]
-    d = torch.nn.functional.pad(d, (0, -d.shape[1] % 3)).view(W, -1, 3)
-    a = d[..., 0] | ((d[..., 1] & 0xF) << 8)
-    b = (d[..., 1] >> 4) | (d[..., 2] << 4)
-    return torch.stack([a, b], dim=2).view(W, -1)[:, :count]
+        pairs = data[:, :2 * count].view(W, count, 2)
+        out.copy_(pairs[..., 1]).bitwise_left_shift_(8).bitwise_or_(tmp[:, :count].copy_(pairs[..., 0]))
+    else:
+        full = count // 2
+        tri = data[:, :3 * full].view(W, full, 3)
+        both = out[:, :2 * full].view(W, full, 2)
+        t = tmp[:, :full]
+        both[..., 0].copy_(tri[..., 1]).bitwise_and_(0xF).bitwise_left_shift_(8).bitwise_or_(t.copy_(tri[..., 0]))
+        both[..., 1].copy_(tri[..., 2]).bitwise_left_shift_(4).bitwise_or_(t.copy_(tri[..., 1]).bitwise_right_shift_(4))
+        if count % 2:
+            last, t1 = out[:, count - 1:], tmp[:, :1]
+            last.copy_(data[:, 3 * full + 1:3 * full + 2]).bitwise_and_(0xF).bitwise_left_shift_(8)
+            last.bitwise_or_(t1.copy_(data[:, 3 * full:3 * full + 1]))
+    ws.release(mark)
+    return out
 
 
-def _chunk_counts(positions: torch.Tensor, plan: FixedPlan) -> torch.Tensor:
+def _chunk_counts(sel: Selection, plan: FixedPlan, ws: Workspace) -> torch.Tensor:
     """int32 ``(R, NC)``: the filled slots of every chunk of every sparsified tensor (column order)."""
-    R, device = positions.shape[0], positions.device
+    R, K, device = sel.positions.shape[0], plan.sparse_slots, sel.positions.device
     m = meta(plan, device)
-    T, K = len(plan.sparse_tensors), plan.sparse_slots
-    slot_tensor = _expand(torch.arange(T, device=device), m.slots, K)
-    gap_bins = sum(plan.n_chunks) + T
-    chunk = (positions.long() >> plan.bits) + m.chunk_base[slot_tensor]  # empty slots (c_i) land in the gap bin
-    bins = chunk + (torch.arange(R, device=device) * gap_bins)[:, None]
-    counts = torch.bincount(bins.view(-1), minlength=R * gap_bins).view(R, gap_bins)
-    real = _host([b + j for b, n in zip([0] + list(_cumsum(n + 1 for n in plan.n_chunks))[:-1], plan.n_chunks)
-                  for j in range(n)], device)
-    return counts[:, real].to(torch.int32)
+    width = sum(plan.n_chunks) + len(plan.sparse_tensors)  # each tensor's chunks, then its gap bin (empty slots)
+    mark = ws.mark()
+    bins = torch.bitwise_right_shift(sel.positions, plan.bits, out=ws.take((R, K), torch.int32))
+    bins.add_(_per_slot(m.chunk_base32, sel.slot_tensor, ws))
+    bins.add_(torch.arange(0, R * width, width, dtype=torch.int32, device=device)[:, None])
+    counts = torch.bincount(bins.view(-1), minlength=R * width).view(R, width)
+    ws.release(mark)
+    return counts[:, m.chunk_bins].to(torch.int32)
 
 
-def _decode_positions(data: torch.Tensor, plan: FixedPlan) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Inverse of the position sections for W payloads, checked on the device.
+def _decode_positions(data: torch.Tensor, plan: FixedPlan, st: torch.Tensor,
+                      ws: Workspace) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of the position sections for W payloads, checked on the device (``st``: :func:`slot_tensor`).
 
     Returns:
-        ``(positions, valid, bad)``: int64 ``(W, K_s)`` columns inside each slice (0 in empty slots), bool
-        ``(W, K_s)`` for the filled slots, bool ``(W,)`` for payloads whose counts or positions do not fit the plan.
+        ``(positions, valid, bad)`` in ``ws``: int32 ``(W, K_s)`` columns inside each slice (0 in empty slots), bool
+        ``(W, K_s)`` for the filled slots, bool ``(W,)`` for payloads whose counts or positions do not fit the plan
+        (read as sending nothing).
     """
     W, device = data.shape[0], data.device
     m = meta(plan, device)
     T, K, NC = len(plan.sparse_tensors), plan.sparse_slots, sum(plan.n_chunks)
-    raw = data[:, :plan.count_bytes].long().view(W, NC, 2)
-    counts = raw[..., 0] | (raw[..., 1] << 8)  # (W, NC)
-    offsets = unpack_positions(data[:, plan.count_bytes:], K, plan.offset_bits)
-    chunk_tensor = _expand(torch.arange(T, device=device), m.n_chunks, NC)
-    filled = torch.zeros(W, T, dtype=torch.long, device=device).index_add_(1, chunk_tensor, counts)
-    bad = (filled > m.slots[None, :]).any(dim=1) | (counts > (1 << plan.bits)).any(dim=1)
+    raw = data[:, :plan.count_bytes].view(W, NC, 2)
+    counts = raw[..., 1].to(torch.int32).bitwise_left_shift_(8).bitwise_or_(raw[..., 0].to(torch.int32))  # (W, NC)
+    filled = torch.zeros(W, T, dtype=torch.int32, device=device).index_add_(1, m.chunk_tensor, counts)
+    bad = (filled > m.slots32).any(dim=1) | (counts > (1 << plan.bits)).any(dim=1)
+    counts.masked_fill_(bad[:, None], 0)
+    filled.masked_fill_(bad[:, None], 0)
     # chunk counts with each tensor's unfilled slots in a gap bin after its chunks: their running sum is the slot index
-    gap = (m.slots[None, :] - filled).clamp_(min=0)
-    bins = torch.zeros(W, NC + T, dtype=torch.long, device=device)
-    where = m.chunk_base[chunk_tensor] + (torch.arange(NC, device=device) - _expand(
-        torch.cumsum(m.n_chunks, 0) - m.n_chunks, m.n_chunks, NC))
-    bins[:, where] = counts
-    bins[:, m.chunk_base + m.n_chunks] = gap
-    ends = torch.cumsum(bins, dim=1)
-    slot = torch.arange(K, device=device).expand(W, K).contiguous()
-    b = torch.searchsorted(ends, slot, right=True).clamp_(max=NC + T - 1)  # (W, K) bin of each slot
-    slot_tensor = _expand(torch.arange(T, device=device), m.slots, K)
-    chunk = b - m.chunk_base[slot_tensor]
-    valid = (chunk >= 0) & (chunk < m.n_chunks[slot_tensor])
-    pos = chunk * (1 << plan.bits) + offsets
-    inside = pos < m.chunks[slot_tensor]
-    bad |= (valid & ~inside).any(dim=1)
-    valid &= inside
-    return torch.where(valid, pos, 0), valid, bad
+    bins = torch.zeros(W, NC + T, dtype=torch.int32, device=device)
+    bins[:, m.chunk_bins] = counts
+    bins[:, m.gap_bins] = m.slots32 - filled
+    ends = torch.cumsum(bins, dim=1, dtype=torch.int32)  # each row ends at K
+    slots = ws.take((W, K), torch.int32)
+    slots.copy_(torch.arange(K, dtype=torch.int32, device=device, out=ws.take((K, ), torch.int32))[None, :])
+    found = torch.searchsorted(ends, slots, right=True, out_int32=True, out=ws.take((W, K), torch.int32))
+    chunk = torch.index_select(m.bin_chunk32, 0, found.view(-1), out=slots.view(-1)).view(W, K)  # -1: a gap bin
+    valid = torch.ge(chunk, 0, out=ws.take((W, K), torch.bool))
+    offsets = unpack_positions(data[:, plan.count_bytes:], K, plan.offset_bits, out=found, ws=ws)
+    positions = chunk.clamp_(min=0).bitwise_left_shift_(plan.bits).add_(offsets)
+    outside = torch.ge(positions, _per_slot(m.chunks32, st, ws), out=ws.take((W, K), torch.bool))
+    outside.logical_and_(valid)
+    bad |= outside.any(dim=1)
+    valid.logical_and_(outside.logical_not_())
+    return positions.mul_(valid), valid, bad
 
 
 # ---- encode and decode --------------------------------------------------------------------------------------------
@@ -684,6 +774,22 @@ def owner_matrix(rows: int, columns: int, device) -> torch.Tensor:
     return torch.empty(rows, columns, dtype=torch.float32, device=device)
 
 
+def _unit(plan: FixedPlan) -> int:
+    """Columns a slab of the value section starts on: whole scale groups and whole bytes of packed codes."""
+    if not plan.quantize:
+        return 1
+    per = FORMATS[plan.value_format].per_byte
+    return plan.group_size * per // math.gcd(plan.group_size, per)
+
+
+def _dense_slabs(plan: FixedPlan, rows: int, column_bytes: int, ws: Workspace) -> List[Tuple[int, int]]:
+    """Column ranges of the whole-sent columns up to the last whole :func:`_unit`, in slabs whose temporaries
+    (``column_bytes`` a column of all rows) fit the workspace."""
+    unit = _unit(plan)
+    whole = plan.dense_columns // unit
+    return [(u0 * unit, u1 * unit) for u0, u1 in slabs(whole, rows * unit * column_bytes, ws) if u1 > u0]
+
+
 def encode(A: torch.Tensor, plan: FixedPlan, fingerprint: int, ws: Workspace, raw_scale: float = 1.0,
            sample_generator: Optional[torch.Generator] = None,
            rounding_generator: Optional[torch.Generator] = None, ops=None) -> torch.Tensor:
@@ -692,17 +798,18 @@ def encode(A: torch.Tensor, plan: FixedPlan, fingerprint: int, ws: Workspace, ra
     Args:
         A: fp32 ``(R, C)``, contiguous (padding zero), overwritten in place with the residual.
         plan: the bucket's plan; fingerprint: int31 of config and bucket (written in every header).
-        ws: the temporaries' memory; raw_scale: raw values travel multiplied by it.
+        ws: the temporaries' memory (the payloads too); raw_scale: raw values travel multiplied by it.
         sample_generator: draws the threshold samples; rounding_generator: stochastic rounding (INT4/INT2).
         ops: the fused ops where they code this (the CUDA op: scales, codes, packing and residual in one kernel),
             else the table of formats in torch ops (the same bits for INT4, INT2 and FP8).
 
     Returns:
-        uint8 ``(R, payload_bytes)``.
+        uint8 ``(R, payload_bytes)`` in ``ws`` (valid until the caller releases it).
     """
     R, device = A.shape[0], A.device
     L = plan.layout
-    payload = torch.zeros(R, plan.payload_bytes, dtype=torch.uint8, device=device)
+    payload = ws.take((R, plan.payload_bytes), torch.uint8, device).zero_()
+    mark = ws.mark()
     s_at, v_at, c_at, p_at = plan.sections
     g = plan.group if plan.quantize else L.align
     grouped = A.view(R, L.columns // g, g)
@@ -712,88 +819,130 @@ def encode(A: torch.Tensor, plan: FixedPlan, fingerprint: int, ws: Workspace, ra
     header.copy_(_header(fingerprint, device))
     header[:, 2] = not_finite.to(torch.int32) * FLAG_NOT_FINITE
     sel = select(A, plan, ws, sample_generator) if plan.sparse_slots else None
-    Cd, K = plan.dense_columns, plan.values
-    if plan.quantize and rounding_generator is None and hasattr(ops, "fixed_encode") and A.is_cuda:
+    if plan.quantize and rounding_generator is None and hasattr(ops, "fixed_encode") and A.is_cuda and \
+            (sel is None or sel.flat.dtype == torch.int32):
         ops.fixed_encode(A, plan, sel, payload)
-    elif plan.quantize:
-        fmt = FORMATS[plan.value_format]
-        gs, Gd = plan.group_size, plan.dense_columns // plan.group_size
-        scales = payload[:, s_at:v_at].view(torch.float32)
-        mark = ws.mark()
-        codes = ws.take((R, plan.packed_values), torch.uint8)
-        codes[:, K:].zero_()
-        if Cd:
-            dense = A[:, :Cd].view(R, Gd, gs)
-            tmp = ws.take(dense.shape, torch.float32)
-            scales[:, :Gd] = fmt.scales(dense, gmax[:, :Gd], gmin[:, :Gd], tmp)
-            fmt.encode_(dense, scales[:, :Gd], codes[:, :Cd].view(R, Gd, gs), tmp, rounding_generator)
-        if sel is not None:
-            slots = sel.values.view(R, -1, gs)
-            decoded = torch.empty_like(slots)
-            scales[:, Gd:] = fmt.scales(slots, slots.amax(dim=-1), slots.amin(dim=-1), decoded)
-            fmt.encode_(slots, scales[:, Gd:], codes[:, Cd:K].view(R, -1, gs), decoded, rounding_generator)
-        pack_codes(codes, plan.value_format, payload[:, v_at:c_at])
-        ws.release(mark)
     else:
-        values = payload[:, v_at:c_at].view(plan.value_dtype)
-        if Cd:
-            _raw_(A[:, :Cd], values[:, :Cd], raw_scale, ws)
-        if sel is not None:
-            decoded = _raw_(sel.values, values[:, Cd:K], raw_scale, Workspace())
-    if sel is not None and not (plan.quantize and rounding_generator is None and hasattr(ops, "fixed_encode")
-                                and A.is_cuda):  # what the slots sent leaves A (an empty slot sent 0)
-        A.view(-1).index_put_((sel.flat.view(-1), ), decoded.view(-1).neg_(), accumulate=True)
+        inner = ws.mark()
+        code = _code_values if plan.quantize else _raw_values
+        decoded = code(A, sel, plan, payload, gmax, gmin, ws, raw_scale, rounding_generator)
+        if sel is not None:  # what the slots sent leaves A (an empty slot sent 0)
+            A.view(-1).index_put_((sel.flat.view(-1), ), decoded.view(-1).neg_(), accumulate=True)
+        ws.release(inner)
     if sel is not None:
-        counts = _chunk_counts(sel.positions, plan)
+        counts = _chunk_counts(sel, plan, ws)
         both = payload[:, c_at:p_at].view(R, -1, 2)
         both[..., 0] = counts & 0xFF
         both[..., 1] = counts >> 8
-        offsets = sel.positions.long() & ((1 << plan.bits) - 1)
-        payload[:, p_at:p_at + plan.position_bytes] = pack_positions(offsets, plan.offset_bits)
+        offsets = sel.positions.bitwise_and_((1 << plan.bits) - 1)
+        pack_positions(offsets, plan.offset_bits, payload[:, p_at:p_at + plan.position_bytes], ws)
+    ws.release(mark)
     return payload
 
 
-def _raw_(values: torch.Tensor, out: torch.Tensor, raw_scale: float, ws: Workspace) -> torch.Tensor:
-    """Raw values as they travel (times ``raw_scale``, in ``out``'s dtype); their rounding error is left in ``values``.
-    Returns what the receivers decode (a view of ``ws``, valid until its next release)."""
-    mark = ws.mark()
-    tmp = ws.take(values.shape, torch.float32)
-    out.copy_(torch.mul(values, raw_scale, out=tmp) if raw_scale != 1 else values)
-    tmp.copy_(out)
-    values.sub_(tmp.div_(raw_scale) if raw_scale != 1 else tmp)
-    ws.release(mark)
-    return tmp
+def _code_values(A, sel, plan, payload, gmax, gmin, ws, raw_scale, generator) -> Optional[torch.Tensor]:
+    """The quantized value section and scales of every row (whole-sent columns in slabs, then the last ones with the
+    slots); the whole-sent columns' residual left in ``A``. Returns the slots' decoded values (``ws``) or None."""
+    R, K, Cd = A.shape[0], plan.values, plan.dense_columns
+    fmt, gs = FORMATS[plan.value_format], plan.group_size
+    per = fmt.per_byte
+    s_at, v_at, c_at, _ = plan.sections
+    scales, packed = payload[:, s_at:v_at].view(torch.float32), payload[:, v_at:c_at]
+
+    def code(c0, c1, codes, tmp):
+        groups = A[:, c0:c1].view(R, -1, gs)
+        part = scales[:, c0 // gs:c1 // gs]
+        part.copy_(fmt.scales(groups, gmax[:, c0 // gs:c1 // gs], gmin[:, c0 // gs:c1 // gs], tmp.view(groups.shape)))
+        fmt.encode_(groups, part, codes.view(groups.shape), tmp.view(groups.shape), generator)
+
+    for c0, c1 in _dense_slabs(plan, R, 5, ws):
+        mark = ws.mark()
+        codes = ws.take((R, c1 - c0), torch.uint8)
+        code(c0, c1, codes, ws.take((R, c1 - c0), torch.float32))
+        pack_codes(codes, fmt.name, packed[:, c0 // per:c1 // per])
+        ws.release(mark)
+    tail = Cd - Cd % _unit(plan)
+    if K == tail:
+        return None
+    codes = ws.take((R, plan.packed_values - tail), torch.uint8)
+    codes[:, K - tail:].zero_()
+    if Cd > tail:
+        code(tail, Cd, codes[:, :Cd - tail], ws.take((R, Cd - tail), torch.float32))
+    decoded = None
+    if sel is not None:
+        slots = sel.values.view(R, -1, gs)
+        decoded = ws.take(slots.shape, torch.float32)
+        scales[:, Cd // gs:] = fmt.scales(slots, slots.amax(dim=-1), slots.amin(dim=-1), decoded)
+        fmt.encode_(slots, scales[:, Cd // gs:], codes[:, Cd - tail:K - tail].view(slots.shape), decoded, generator)
+    pack_codes(codes, fmt.name, packed[:, tail // per:])
+    return decoded
+
+
+def _raw_values(A, sel, plan, payload, gmax, gmin, ws, raw_scale, generator) -> Optional[torch.Tensor]:
+    """Raw values as they travel (the communication dtype, times ``raw_scale``); their rounding error is left in
+    ``A`` for the whole-sent columns. Returns the slots' decoded values (``ws``) or None."""
+    R, Cd, K = A.shape[0], plan.dense_columns, plan.values
+    _, v_at, c_at, _ = plan.sections
+    values = payload[:, v_at:c_at].view(plan.value_dtype)
+    for c0, c1 in _dense_slabs(plan, R, 4, ws):
+        mark = ws.mark()
+        _round_trip_(A[:, c0:c1], values[:, c0:c1], raw_scale, ws.take((R, c1 - c0), torch.float32))
+        ws.release(mark)
+    if sel is None:
+        return None
+    decoded = ws.take((R, K - Cd), torch.float32)
+    _round_trip_(sel.values, values[:, Cd:K], raw_scale, decoded)
+    return decoded
+
+
+def _round_trip_(values: torch.Tensor, out: torch.Tensor, raw_scale: float, decoded: torch.Tensor) -> None:
+    """``out`` = ``values`` times ``raw_scale`` in ``out``'s dtype; ``decoded`` what the receivers decode of it;
+    ``values`` minus that left in ``values``."""
+    out.copy_(torch.mul(values, raw_scale, out=decoded) if raw_scale != 1 else values)
+    decoded.copy_(out)
+    values.sub_(decoded.div_(raw_scale) if raw_scale != 1 else decoded)
 
 
 def header_mismatch(received: torch.Tensor, magic: int, fingerprint: int) -> torch.Tensor:
     """Bool ``(W,)``: the payloads whose ``int32`` header does not start with ``magic, fingerprint`` (on the device)."""
-    header = received[:, :HEADER_BYTES].contiguous().view(torch.int32)
+    header = received[:, :HEADER_BYTES].view(torch.int32)
     return (header[:, 0] != magic) | (header[:, 1] != fingerprint)
 
 
-def decode_values(received: torch.Tensor, plan: FixedPlan, ws: Workspace, raw_scale: float = 1.0) -> torch.Tensor:
-    """fp32 ``(W, K)`` values of W payloads' value sections (whole-sent columns, then slots)."""
-    W = received.shape[0]
+def _decode_columns(received: torch.Tensor, plan: FixedPlan, c0: int, c1: int, ws: Workspace,
+                    raw_scale: float = 1.0) -> torch.Tensor:
+    """fp32 ``(W, c1 - c0)`` in ``ws``: columns ``[c0, c1)`` of the value section of W payloads (whole-sent columns,
+    then slots; ``c0`` on a :func:`_unit`)."""
+    W, n = received.shape[0], c1 - c0
     s_at, v_at, c_at, _ = plan.sections
-    K = plan.values
+    out = ws.take((W, n), torch.float32)
     if not plan.quantize:
-        raw = received[:, v_at:c_at].view(plan.value_dtype)
-        out = ws.take((W, K), torch.float32)
-        out.copy_(raw)
+        out.copy_(received[:, v_at:c_at].view(plan.value_dtype)[:, c0:c1])
         return out.div_(raw_scale) if raw_scale != 1 else out
-    gs = plan.group_size
-    out = ws.take((W, K), torch.float32)
-    mark = ws.mark()
-    codes = unpack_codes(received[:, v_at:c_at], plan.value_format, ws.take((W, plan.packed_values), torch.uint8))
-    scales = received[:, s_at:v_at].contiguous().view(torch.float32)
-    FORMATS[plan.value_format].decode(codes[:, :K].view(W, -1, gs), scales, out.view(W, -1, gs))
-    ws.release(mark)
+    fmt, gs = FORMATS[plan.value_format], plan.group_size
+    b0, b1 = c0 // fmt.per_byte, -(-c1 // fmt.per_byte)
+    codes = unpack_codes(received[:, v_at + b0:v_at + b1], fmt.name, ws.take((W, (b1 - b0) * fmt.per_byte),
+                                                                             torch.uint8))
+    scales = received[:, s_at:v_at].view(torch.float32)[:, c0 // gs:c1 // gs]
+    fmt.decode(codes[:, :n].view(W, -1, gs), scales, out.view(W, -1, gs))
     return out
+
+
+def _sum_senders(values: torch.Tensor, out: torch.Tensor) -> None:
+    """``out`` = the sum of the rows of ``values`` ``(W, n)`` in fp32, one sender after another (rank order: the same
+    bits on every device). On the CPU one ``index_add_`` (sequential); on a GPU, where ``index_add_`` adds with
+    atomics in no fixed order, one add per sender (the fused CUDA op decodes in one kernel instead)."""
+    if values.is_cuda:
+        out.copy_(values[0])
+        for row in values[1:]:
+            out.add_(row)
+        return
+    out.view(1, -1).zero_().index_add_(0, torch.zeros(values.shape[0], dtype=torch.long, device=values.device), values)
 
 
 def decode_sum(received: torch.Tensor, plan: FixedPlan, fingerprint: int, row: int, ws: Workspace,
                raw_scale: float = 1.0, ops=None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Decode every sender's payload for this owner's row and sum them, senders in rank order, densely in fp32.
+    """Decode every sender's payload for this owner's row and sum them, senders in rank order, in fp32.
 
     Args:
         received: uint8 ``(W, payload_bytes)``, row s from sender s.
@@ -801,33 +950,39 @@ def decode_sum(received: torch.Tensor, plan: FixedPlan, fingerprint: int, row: i
         ws: memory for the temporaries and the result; ops: the fused ops where they decode this (the CUDA op).
 
     Returns:
-        ``(out, bad)``: fp32 ``(C,)`` in the layout's columns (all NaN when a sender's input was not finite or a
-        payload is bad), and bool ``(W,)``, the senders whose payload does not match this rank's plan (a device
-        tensor: nothing is read on the host).
+        ``(out, bad)``: fp32 ``(C,)`` in the layout's columns, in ``ws`` (all NaN when a sender's input was not
+        finite or a payload is bad), and bool ``(W,)``, the senders whose payload does not match this rank's plan (a
+        device tensor: nothing is read on the host).
     """
     W, device = received.shape[0], received.device
     L = plan.layout
     header = received[:, :HEADER_BYTES].view(torch.int32)
     bad = header_mismatch(received, MAGIC, fingerprint)
-    out = ws.take((L.columns, ), torch.float32)
+    out = ws.take((L.columns, ), torch.float32, device)
+    mark = ws.mark()
     Cd, K = plan.dense_columns, plan.values
     cols = valid = None
     if plan.sparse_slots:  # each sender's slots: their columns in the sparse region, and which are filled
-        _, _, c_at, _ = plan.sections
-        positions, valid, bad_pos = _decode_positions(received[:, c_at:], plan)
+        st = slot_tensor(plan, ws, device)
+        positions, valid, bad_pos = _decode_positions(received[:, plan.sections[2]:], plan, st, ws)
         bad |= bad_pos
-        m = meta(plan, device)
-        slot_tensor = _expand(torch.arange(len(plan.sparse_tensors), device=device), m.slots, plan.sparse_slots)
-        cols = positions + m.start[slot_tensor][None, :]
+        cols = positions.add_(_per_slot(meta(plan, device).start32, st, ws))
     if plan.quantize and hasattr(ops, "fixed_decode") and received.is_cuda:
         D = ws.take((W, L.columns - Cd), torch.float32) if cols is not None else None
         ops.fixed_decode(received, plan, cols, valid, D, out)
     else:
-        values = decode_values(received, plan, ws, raw_scale)
-        dense = out[:Cd].view(1, Cd).zero_()
-        dense.index_add_(0, torch.zeros(W, dtype=torch.long, device=device), values[:, :Cd])  # one sender after another
+        for c0, c1 in _dense_slabs(plan, W, 6, ws):
+            m = ws.mark()
+            _sum_senders(_decode_columns(received, plan, c0, c1, ws, raw_scale), out[c0:c1])
+            ws.release(m)
+        tail = Cd - Cd % _unit(plan)
         out[Cd:].zero_()
-        if cols is not None:
-            out[Cd:].index_add_(0, cols.view(-1), values[:, Cd:K].mul_(valid).reshape(-1))
+        if K > tail:
+            values = _decode_columns(received, plan, tail, K, ws, raw_scale)
+            if Cd > tail:
+                _sum_senders(values[:, :Cd - tail], out[tail:Cd])
+            if cols is not None:
+                out[Cd:].index_put_((cols, ), values[:, Cd - tail:].mul_(valid), accumulate=True)
+    ws.release(mark)
     poison = bad.any() | ((header[:, 2] & FLAG_NOT_FINITE) != 0).any()
     return out.masked_fill_(poison, float("nan")), bad

@@ -562,7 +562,9 @@ def _safe(scales: torch.Tensor) -> torch.Tensor:
 
 
 def _absmax(gmax: torch.Tensor, gmin: torch.Tensor) -> torch.Tensor:
-    return torch.maximum(gmax, gmin.neg())
+    """Each group's largest magnitude from its maximum and minimum (+0, never -0, for an all-zero group: the same
+    bits whatever the shape of the batch, and the CUDA op's)."""
+    return torch.maximum(gmax, gmin.neg()).add_(0.0)
 
 
 class _Int4(ValueFormat):

@@ -12,7 +12,6 @@ from typing import List, Optional
 
 import torch
 
-from .fixed import FixedPlan
 from .selection import target_count
 from .wire import RowLayout
 
@@ -57,7 +56,6 @@ class CompressJob:
             None; None for the whole list: estimate all (and report none).
         raw_scale: raw values travel multiplied by it (the loss scale: a narrow communication dtype keeps the
             range stock's loss scaling gives it); quantized values ignore it (their scales are fp32).
-        capacity_factor: fixed layout: value slots per sparsified owner slice, in units of ``density * c``.
     """
     srcs: List[torch.Tensor]
     offsets: List[int]
@@ -82,7 +80,6 @@ class CompressJob:
     threshold: Optional[float] = None
     reuse_thresholds: Optional[List[Optional[float]]] = None
     raw_scale: float = 1.0
-    capacity_factor: float = 2.0
 
     @property
     def rows(self) -> int:
@@ -103,11 +100,6 @@ class CompressJob:
     def targets(self) -> List[int]:
         """Top-k target count per tensor (over its real elements in all rows)."""
         return [target_count(m, self.density) for m in self.real_totals()]
-
-    def fixed_plan(self) -> FixedPlan:
-        """The sizes of this job's payloads in the fixed layout (the same for every row)."""
-        return FixedPlan.build(self.chunks, self.sparse, self.density, self.quantize, self.value_format,
-                               self.group_size, self.value_dtype, self.capacity_factor)
 
     def row_layout(self, row: int) -> RowLayout:
         """What the owner of row ``row`` needs to check and decode the payloads of this bucket."""
@@ -143,18 +135,3 @@ class CompressOutput:
     finite: bool
     kept: int
     thresholds: List[Optional[float]]
-
-
-@dataclass
-class FixedOutput:
-    """Result of compressing one bucket in the fixed layout (:mod:`~deepspeed_dgc.codec.fixed`).
-
-    Attributes:
-        payloads: uint8 ``(R, payload_bytes)``, row r for the owner of row r.
-        residuals: new residual per tensor (fp32, unscaled), or None (not wanted). Staged whatever the input was:
-            a step whose input was not finite is skipped (every owner's row is NaN), and the window rolled back.
-        kept: values sent, all rows (the payloads' fixed count, zero-valued fills included).
-    """
-    payloads: torch.Tensor
-    residuals: Optional[List[torch.Tensor]]
-    kept: int

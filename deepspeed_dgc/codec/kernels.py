@@ -165,10 +165,10 @@ class FusedCUDAOps(ReferenceOps):
         per = {"int4": 2, "int2": 4, "int1": 5}.get(plan.value_format, 1)
         span = plan.group_size * per // gcd(plan.group_size, per)
         empty_f = torch.empty(0, dtype=torch.float32, device=A.device)
-        if sel is not None:
-            slots, flat = sel.values, torch.where(sel.valid, sel.flat.long(), -1)
+        if sel is not None:  # an empty slot's element: -1 (sel.flat is not used after this)
+            slots, flat = sel.values, sel.flat.masked_fill_(sel.valid.logical_not(), -1)
         else:
-            slots, flat = empty_f, torch.empty(0, dtype=torch.long, device=A.device)
+            slots, flat = empty_f, torch.empty(0, dtype=torch.int32, device=A.device)
         self.op.fixed_encode(A, plan.dense_columns, slots, flat, torch.empty(0, dtype=torch.int32, device=A.device),
                              payload, s_at, v_at, VALUE_FORMAT_CODES[plan.value_format], plan.group_size, span,
                              plan.values, plan.packed_values, _stream())
@@ -180,7 +180,7 @@ class FusedCUDAOps(ReferenceOps):
         s_at, v_at, _, _ = plan.sections
         empty = torch.empty(0, device=out.device)
         self.op.fixed_decode(received, s_at, v_at, VALUE_FORMAT_CODES[plan.value_format], plan.group_size,
-                             plan.dense_columns, columns if columns is not None else empty.long(),
+                             plan.dense_columns, columns if columns is not None else empty.int(),
                              valid if valid is not None else empty.bool(), D if D is not None else empty, out,
                              _stream())
 

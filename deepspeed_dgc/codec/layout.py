@@ -216,6 +216,11 @@ class Workspace:
     def capacity(self) -> int:
         return sum(r.numel() for r in self.regions)
 
+    @property
+    def free(self) -> int:
+        """Bytes of the largest free tail of a region (what one more :meth:`take` can get without new memory)."""
+        return max((r.numel() - round_up(u, self.ALIGN) for r, u in zip(self.regions, self._used)), default=0)
+
     def take(self, shape: Sequence[int], dtype: torch.dtype, device=None) -> torch.Tensor:
         """An uninitialised tensor of ``shape`` and ``dtype``: a view of a region where one has room, else new."""
         numel = math.prod(shape)
@@ -241,6 +246,27 @@ class Workspace:
         if region.numel():
             self.regions.append(region)
             self._used.append(0)
+
+
+MAX_SLABS = 8
+
+
+def slabs(units: int, unit_bytes: int, ws: Workspace, at_most: int = MAX_SLABS,
+          min_size: int = 1) -> List[Tuple[int, int]]:
+    """``[start, end)`` ranges of equal size covering ``units`` units, as few as let one range's temporaries
+    (``unit_bytes`` a unit) fit the workspace's free memory; at most ``at_most`` (beyond that they take new memory),
+    none shorter than ``min_size`` (a short last range joins the one before). A bucket's passes over its elements run
+    one range after another, so their temporaries stay within the dead memory; how many ranges depends on the ratio
+    of the two, not on the bucket's tensors."""
+    if units <= 0:
+        return [(0, 0)]
+    need, free = units * unit_bytes, ws.free
+    count = 1 if need <= free else min(at_most, units, -(-need // max(free, 1)))
+    step = max(-(-units // count), min_size)
+    ranges = [(u, min(units, u + step)) for u in range(0, units, step)]
+    if len(ranges) > 1 and ranges[-1][1] - ranges[-1][0] < min_size:
+        ranges[-2:] = [(ranges[-2][0], units)]
+    return ranges
 
 
 def storage_region(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:

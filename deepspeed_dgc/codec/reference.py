@@ -11,10 +11,10 @@ from typing import List, Tuple
 
 import torch
 
-from . import fixed, wire
+from . import wire
 from .formats import dequantize_values, dequantize_weights, quantize_values, quantize_weights
 from .indices import decode_positions, encode_bitmap, encode_indices, segment_counts
-from .job import CompressJob, CompressOutput, FixedOutput
+from .job import CompressJob, CompressOutput
 from .selection import reused_threshold, topk_threshold
 
 
@@ -50,24 +50,6 @@ class ReferenceOps:
         acc_m = self.accumulate(job)
         real_m = torch.cat([job.real_mask(i, acc_m.device) for i in range(len(job.srcs))], dim=1)
         return self._select_encode(job, acc_m, real_m, bool(torch.isfinite(acc_m).all()))
-
-    def compress_fixed(self, job: CompressJob) -> FixedOutput:
-        """Select (chunked top-k), quantize and encode every row of ``job`` in the fixed layout
-        (:mod:`~deepspeed_dgc.codec.fixed`), reading nothing back on the host."""
-        plan = job.fixed_plan()
-        acc_m = self.accumulate(job)
-        values, positions = fixed.select(acc_m, plan, job.targets(), job.samples, job.real_totals())
-        payloads, decoded = fixed.encode_rows(values, positions, plan, job.fingerprint, ~torch.isfinite(acc_m).all(),
-                                              job.raw_scale, job.rounding_generator)
-        residuals = None
-        if job.want_residual:
-            sent_m = fixed.sent_matrix(decoded, positions, plan, acc_m.shape[1])
-            residuals = fixed.residual_rows(acc_m, sent_m, job.chunks, job.residual_numels)
-        return FixedOutput(payloads, residuals, job.rows * plan.values)
-
-    def decode_sum_fixed(self, received: torch.Tensor, job: CompressJob) -> Tuple[torch.Tensor, torch.Tensor]:
-        """This rank's row from every sender's fixed-layout payload: :func:`~deepspeed_dgc.codec.fixed.decode_sum_rows`."""
-        return fixed.decode_sum_rows(received, job.fixed_plan(), job.fingerprint, sum(job.chunks), job.raw_scale)
 
     def _select_encode(self, job: CompressJob, acc_m: torch.Tensor, real_m: torch.Tensor, finite: bool) -> CompressOutput:
         mask_m = real_m.clone() if finite else torch.zeros_like(real_m)

@@ -110,12 +110,13 @@ class Communicator:
         self._count(send_sizes)
         return list(torch.split(received, recv_sizes))
 
-    def all_to_all_fixed(self, payloads: torch.Tensor) -> torch.Tensor:
+    def all_to_all_fixed(self, payloads: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Send row d of ``payloads`` to rank d; every rank sends every other the same number of bytes, known to all
         (the fixed layout), so there is no size exchange and nothing is read on the host.
 
         Args:
             payloads: uint8 ``(world_size, P)`` on the communication device.
+            out: where to receive (uint8, ``payloads``' shape, contiguous), or None for a new tensor.
 
         Returns:
             uint8 ``(world_size, P)``: row s is what rank s sent here.
@@ -127,8 +128,11 @@ class Communicator:
         if payloads.dtype != torch.uint8 or payloads.dim() != 2 or payloads.shape[0] != self.world_size:
             raise ValueError(f"all_to_all_fixed: expected uint8 ({self.world_size}, P) payloads, got {payloads.dtype} of "
                              f"shape {tuple(payloads.shape)}")
+        if out is not None and (out.shape != payloads.shape or out.dtype != torch.uint8 or not out.is_contiguous()):
+            raise ValueError(f"all_to_all_fixed: out must be contiguous uint8 {tuple(payloads.shape)}, got {out.dtype} "
+                             f"{tuple(out.shape)}")
         size = payloads.shape[1]
-        received = self._exchange_equal(payloads.contiguous())
+        received = self._exchange_equal(payloads.contiguous(), out)
         self.last_sent_bytes = [0 if d == self.rank else size for d in range(self.world_size)]
         self.wire_bytes += sum(self.last_sent_bytes)
         return received
@@ -153,25 +157,27 @@ class TorchCommunicator(Communicator):
     def __init__(self, group=None, timeout_s: float = 600.0):
         super().__init__(dist.get_world_size(group=group), dist.get_rank(group=group), timeout_s)
         self.group = bounded_group(group, timeout_s)
-        self.stream_wait = torch.distributed.get_backend(self.group) == "nccl"
+        self.stream_wait = backend_of(self.group, "cuda") == "nccl"  # CUDA tensors go through NCCL
 
-    def _wait(self, work, what: str) -> None:
-        wait_torch_work(work, what, self.rank, self.timeout_s, self.stream_wait)
+    def _wait(self, work, what: str, tensor: torch.Tensor) -> None:
+        wait_torch_work(work, what, self.rank, self.timeout_s, self.stream_wait and tensor.is_cuda)
 
     def _exchange_sizes(self, send_sizes: List[int], device) -> List[int]:
         send = torch.tensor(send_sizes, dtype=torch.int64, device=device)
         recv = torch.empty_like(send)
-        self._wait(dist.all_to_all_single(recv, send, group=self.group, async_op=True), "the payload size exchange")
+        self._wait(dist.all_to_all_single(recv, send, group=self.group, async_op=True), "the payload size exchange",
+                   send)
         return recv.tolist()
 
-    def _exchange_equal(self, send: torch.Tensor) -> torch.Tensor:
-        recv = torch.empty_like(send)
-        self._wait(dist.all_to_all_single(recv, send, group=self.group, async_op=True), "the compressed all-to-all")
+    def _exchange_equal(self, send: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        recv = torch.empty_like(send) if out is None else out
+        self._wait(dist.all_to_all_single(recv, send, group=self.group, async_op=True), "the compressed all-to-all",
+                   send)
         return recv
 
     def _max_all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         t = t.clone()
-        self._wait(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True), "a flag all-reduce")
+        self._wait(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True), "a flag all-reduce", t)
         return t
 
     def _exchange(self, send: torch.Tensor, send_sizes: List[int], recv_sizes: List[int]) -> torch.Tensor:
@@ -182,8 +188,42 @@ class TorchCommunicator(Communicator):
                                       input_split_sizes=send_sizes,
                                       group=self.group,
                                       async_op=True)
-        self._wait(work, "the compressed all-to-all")
+        self._wait(work, "the compressed all-to-all", send)
         return recv
+
+
+def backend_of(group, device_type: str) -> str:
+    """The backend ``group`` runs for tensors of ``device_type`` (``"cuda"``, ``"cpu"``): ``"nccl"`` for CUDA tensors
+    of a group built with ``backend="nccl"``, or with ``backend=None`` on a GPU machine (which reports
+    ``"cpu:gloo,cuda:nccl"``); ``"gloo"``, ``"mpi"``, ... otherwise."""
+    return parse_backend(str(torch.distributed.get_backend(group)), device_type)
+
+
+def parse_backend(name: str, device_type: str) -> str:
+    """The backend for ``device_type`` in a backend name as ``torch.distributed.get_backend`` reports it: one name
+    for every device (``"nccl"``), or a device map (``"cpu:gloo,cuda:nccl"``; a device it does not name: "")."""
+    if ":" not in name:
+        return name.lower()
+    for part in name.split(","):
+        device, _, backend = part.strip().partition(":")
+        if device.strip().lower() == device_type:
+            return backend.strip().lower()
+    return ""
+
+
+def group_timeout_s(group=None, device_type: Optional[str] = None) -> float:
+    """The collective timeout of a process group (None: the world) in seconds: what ``init_process_group`` /
+    ``new_group`` were given (DeepSpeed's ``init_distributed``: ``DEEPSPEED_TIMEOUT`` minutes), read from its
+    backend for ``device_type`` (default: the accelerator's); torch's default for the backend where it cannot be
+    read (10 min NCCL, 30 min others)."""
+    from deepspeed.accelerator import get_accelerator
+    device_type = device_type or get_accelerator().device_name()
+    pg = group if group is not None else torch.distributed.distributed_c10d._get_default_group()
+    try:
+        return float(pg._get_backend(torch.device(device_type)).options._timeout.total_seconds())
+    except Exception:  # noqa: BLE001 -- private API: fall back to torch's documented defaults
+        backend = backend_of(pg, device_type)
+        return float(torch.distributed.distributed_c10d._get_default_timeout(backend).total_seconds())
 
 
 _BOUNDED: Dict[Tuple[Tuple[int, ...], float], object] = {}
@@ -194,6 +234,8 @@ def bounded_group(group, timeout_s: float):
     (made once per ranks and timeout; only its ranks take part in making it). NCCL's watchdog enforces that timeout
     without a host wait; gloo's collectives raise at it."""
     ranks = tuple(group if isinstance(group, (list, tuple)) else group_global_ranks(group))
+    if timeout_s is None:  # dgc.timeout_s null: the world group's own
+        timeout_s = group_timeout_s()
     key = (ranks, float(timeout_s))
     if key not in _BOUNDED:
         _BOUNDED[key] = torch.distributed.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout_s),
@@ -312,9 +354,10 @@ class MPICommunicator(Communicator):
             return t
         return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
 
-    def _exchange_equal(self, send: torch.Tensor) -> torch.Tensor:
+    def _exchange_equal(self, send: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         size = send.shape[1]
-        return self._exchange(send.view(-1), [size] * self.world_size, [size] * self.world_size).view(send.shape)
+        got = self._exchange(send.view(-1), [size] * self.world_size, [size] * self.world_size).view(send.shape)
+        return got if out is None else out.copy_(got)
 
     def _max_all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         import numpy as np
@@ -358,6 +401,8 @@ def make_communicator(backend: str, group, timeout_s: float) -> Communicator:
 
     Every rank of ``group`` must call this, in the same order for the same groups.
     """
+    if timeout_s is None:  # dgc.timeout_s null: the world group's own
+        timeout_s = group_timeout_s()
     if backend == "torch":
         return TorchCommunicator(group, timeout_s)
     if backend == "mpi":

@@ -13,7 +13,8 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from deepspeed import comm as dist
 
-from .communicators import MPICommunicator, Communicator, bounded_group, group_global_ranks, make_communicator
+from .communicators import (MPICommunicator, Communicator, bounded_group, group_global_ranks, group_timeout_s,
+                             make_communicator)
 from ..config import DGCConfig, DGCConfigError
 
 # launcher variables holding the number of ranks on this node, in the order they are trusted
@@ -105,8 +106,9 @@ def build_reduce_comms(cfg: DGCConfig, group, ranks_per_node: int) -> ReduceComm
     global_ranks = group_global_ranks(group)
     L = ranks_per_node
     dest_nodes = [node_of(g, L) for g in global_ranks]
+    timeout_s = cfg.timeout_s if cfg.timeout_s is not None else group_timeout_s()
     if cfg.topology == "flat":
-        return ReduceComms(world_size, rank, L, dest_nodes, flat=make_communicator(cfg.comm_backend, group, cfg.timeout_s))
+        return ReduceComms(world_size, rank, L, dest_nodes, flat=make_communicator(cfg.comm_backend, group, timeout_s))
     full_world = dist.get_world_size()
     if global_ranks != list(range(full_world)):
         raise DGCConfigError(f"'dgc.topology' = \"hierarchical\" needs data parallelism over the whole world; the gradient "
@@ -122,11 +124,11 @@ def build_reduce_comms(cfg: DGCConfig, group, ranks_per_node: int) -> ReduceComm
     peer_ranks = [[k * L + j for k in range(N)] for j in range(L)]
     if cfg.comm_backend == "torch":
         # new_group is collective over the whole world: every rank creates every group, in order
-        node_groups = [bounded_group(ranks, cfg.timeout_s) for ranks in node_ranks]
-        peer_groups = [bounded_group(ranks, cfg.timeout_s) for ranks in peer_ranks]
-        intra = make_communicator("torch", node_groups[node], cfg.timeout_s)
-        inter = make_communicator("torch", peer_groups[local], cfg.timeout_s)
+        node_groups = [bounded_group(ranks, timeout_s) for ranks in node_ranks]
+        peer_groups = [bounded_group(ranks, timeout_s) for ranks in peer_ranks]
+        intra = make_communicator("torch", node_groups[node], timeout_s)
+        inter = make_communicator("torch", peer_groups[local], timeout_s)
     else:
-        intra = MPICommunicator(node_ranks[node], local, cfg.timeout_s)
-        inter = MPICommunicator(peer_ranks[local], node, cfg.timeout_s)
+        intra = MPICommunicator(node_ranks[node], local, timeout_s)
+        inter = MPICommunicator(peer_ranks[local], node, timeout_s)
     return ReduceComms(world_size, rank, L, dest_nodes, intra=intra, inter=inter)

@@ -15,7 +15,7 @@ from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 import torch
 
 from ..codec.formats import FP8_MAX, dequantize_weights
-from ..codec.layout import BucketLayout, Workspace
+from ..codec.layout import BucketLayout, Workspace, slabs
 
 # bytes per element of each storage dtype of committed residuals (fp8: one code plus an fp32 scale per 128)
 RESIDUAL_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp8": 1.0 + 4.0 / 128}
@@ -284,21 +284,24 @@ class ErrorFeedback:
             A.add_(parts[0])
             return True
         ws = ws or Workspace()
-        mark = ws.mark()
-        tmp = ws.take(A.shape, torch.float32, A.device)
-        if parts[0].dtype == torch.float32:
-            torch.mul(parts[0], scale, out=tmp)
-        else:
-            if len(parts) == 1:
-                tmp.copy_(parts[0])
+        R, C = A.shape
+        unit = FP8_RESIDUAL_GROUP if len(parts) == 2 else 1  # fp8 blocks decode in whole scale groups
+        for u0, u1 in slabs(C // unit, R * unit * 4, ws):  # decoded a slab at a time into the dead memory
+            c0, c1 = u0 * unit, u1 * unit
+            mark = ws.mark()
+            tmp = ws.take((R, c1 - c0), torch.float32, A.device)
+            if parts[0].dtype == torch.float32:
+                torch.mul(parts[0][:, c0:c1], scale, out=tmp)
             else:
-                R, C = A.shape
-                tmp.copy_(parts[0].view(torch.float8_e4m3fn))
-                tmp.view(R, C // FP8_RESIDUAL_GROUP, FP8_RESIDUAL_GROUP).mul_(parts[1][..., None])
-            if scale is not None:
-                tmp.mul_(scale)
-        A.add_(tmp)
-        ws.release(mark)
+                if len(parts) == 1:
+                    tmp.copy_(parts[0][:, c0:c1])
+                else:
+                    tmp.copy_(parts[0][:, c0:c1].view(torch.float8_e4m3fn))
+                    tmp.view(R, -1, FP8_RESIDUAL_GROUP).mul_(parts[1][:, u0:u1, None])
+                if scale is not None:
+                    tmp.mul_(scale)
+            A[:, c0:c1].add_(tmp)
+            ws.release(mark)
         return True
 
     def stage_block(self, keys: Sequence[Hashable], numels: Sequence[int], layout: BucketLayout,

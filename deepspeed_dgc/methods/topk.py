@@ -82,8 +82,7 @@ class TopKExact(GradientMethod):
                           group_size=group_size, quantize=quantization != "none", value_dtype=bucket.comm_dtype,
                           fingerprint=bucket.fingerprint, want_residual=ef,
                           value_format=quantization if quantization != "none" else "int4",
-                          index_coding=cfg.index_coding_for(density), threshold=threshold, raw_scale=bucket.loss_scale,
-                          capacity_factor=cfg.capacity_factor)
+                          index_coding=cfg.index_coding_for(density), threshold=threshold, raw_scale=bucket.loss_scale)
         if cfg.threshold_reuse_steps > 1 and threshold is None:
             job.reuse_thresholds = [r.reusable(k, density) for k in bucket.keys]
         estimate = [s and (job.reuse_thresholds is None or job.reuse_thresholds[i] is None)
@@ -165,7 +164,7 @@ class TopKFixed(GradientMethod):
             received = payloads
         else:
             r.check_first_bucket(exchange.comm, bucket.fingerprint)
-            received = exchange.comm.all_to_all_fixed(payloads)
+            received = exchange.comm.all_to_all_fixed(payloads, out=ws.take(payloads.shape, torch.uint8, device))
         out, bad = fixed.decode_sum(received, plan, bucket.fingerprint, exchange.row, ws, bucket.loss_scale, ops)
         if exchange.comm is not None:
             r.note_bad_senders(exchange.comm, bad)

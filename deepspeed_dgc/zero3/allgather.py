@@ -31,7 +31,7 @@ from deepspeed.utils import logger
 
 from ..codec.formats import weight_code_bytes, weight_num_groups
 from ..codec.reference import REFERENCE
-from ..comm.communicators import group_global_ranks, wait_torch_work
+from ..comm.communicators import backend_of, group_global_ranks, wait_torch_work
 from ..comm.topology import node_of
 
 FP32_BYTES = 4
@@ -107,23 +107,32 @@ class _DequantizeOnWait:
     """Handle returned to DeepSpeed: ``wait()`` finishes the gather and decodes every shard into ``output``."""
 
     def __init__(self, work, recv: torch.Tensor, output: torch.Tensor, numel: int, fmt: str, group_size: int,
-                 timeout_s: float, segments: Optional[List[int]], ops=REFERENCE):
-        self.work, self.recv, self.output, self.ops = work, recv, output, ops
+                 timeout_s: float, segments: Optional[List[int]], ops=REFERENCE, nccl: bool = False):
+        self.work, self.recv, self.output, self.ops, self.nccl = work, recv, output, ops, nccl
         self.numel, self.fmt, self.group_size, self.timeout_s, self.segments = numel, fmt, group_size, timeout_s, segments
 
     def wait(self) -> None:
         if self.work is None:
             return
-        wait_torch_work(self.work, "the quantized parameter all-gather", dist.get_rank(), self.timeout_s)
+        # NCCL: the stream waits (the host goes on launching, ZeRO-3's prefetch keeps overlapping) and NCCL's watchdog
+        # bounds the gather by the group's timeout; gloo: the host waits, bounded by timeout_s
+        wait_torch_work(self.work, "the quantized parameter all-gather", dist.get_rank(), self.timeout_s,
+                        self.recv.is_cuda and self.nccl)
         n, p = self.numel, payload_bytes(self.numel, self.fmt, self.group_size, self.segments)
         n_scale = FP32_BYTES * weight_num_groups(n, self.group_size, self.segments)
         code_len = weight_code_bytes(n, self.fmt)
         world = self.recv.numel() // p
-        for r in range(world):
-            piece = self.recv[r * p:(r + 1) * p]
-            scales = piece[:n_scale].view(torch.float32)
-            self.ops.dequantize_weights_into(self.output[r * n:(r + 1) * n], piece[n_scale:n_scale + code_len], scales,
-                                             self.fmt, self.group_size, self.segments)
+        pieces = self.recv.view(world, p)
+        if self.fmt != "int4" or n % 2 == 0:  # every shard's codes end on a byte: all shards decode as one
+            scales = pieces[:, :n_scale].contiguous().view(torch.float32).view(-1)
+            codes = pieces[:, n_scale:n_scale + code_len].contiguous().view(-1)
+            self.ops.dequantize_weights_into(self.output[:world * n], codes, scales, self.fmt, self.group_size,
+                                             list(self.segments or [n]) * world)
+        else:
+            for r in range(world):
+                scales = pieces[r, :n_scale].view(torch.float32)
+                self.ops.dequantize_weights_into(self.output[r * n:(r + 1) * n], pieces[r, n_scale:n_scale + code_len],
+                                                 scales, self.fmt, self.group_size, self.segments)
         self.work = self.recv = None
 
 
@@ -227,4 +236,5 @@ class QuantizedAllGather:
         payload[scales.numel() * FP32_BYTES:scales.numel() * FP32_BYTES + codes.numel()] = codes
         recv = torch.empty(world * p, dtype=torch.uint8, device=input_tensor.device)
         work = dist.all_gather_into_tensor(recv, payload, group=group, async_op=True)
-        return _DequantizeOnWait(work, recv, output_tensor, n, self.fmt, self.group_size, self.timeout_s, segments, ops)
+        return _DequantizeOnWait(work, recv, output_tensor, n, self.fmt, self.group_size, self.timeout_s, segments, ops,
+                                 backend_of(group, "cuda") == "nccl")

@@ -22,7 +22,7 @@ from typing import Callable, Dict, Hashable, List, Tuple
 import torch
 from deepspeed import comm as dist
 
-from ..comm.communicators import bounded_group, wait_torch_work
+from ..comm.communicators import backend_of, bounded_group, wait_torch_work
 from ..config import DGCConfigError
 
 # optimizers whose state holds Adam's "exp_avg_sq" and whose param groups hold lr, betas, eps, weight_decay
@@ -146,7 +146,7 @@ def _gather(params, parts, group, key_of, timeout_s: float) -> Dict[Hashable, to
     bounded = bounded_group(group, timeout_s)
     work = torch.distributed.all_gather(gathered, local, group=bounded, async_op=True)
     wait_torch_work(work, "the all-gather of the frozen preconditioner", dist.get_rank(group=group), timeout_s,
-                    torch.distributed.get_backend(bounded) == "nccl")
+                    local.is_cuda and backend_of(bounded, "cuda") == "nccl")
     out, col = {}, 0
     for p, part in zip(params, parts):
         c = part.numel()
@@ -259,10 +259,12 @@ def sign_step(optimizer, decoupled: bool, closure=None):
     Peng et al., arXiv 2411.19870, Algorithm 1 (bloc97/DeMo ``DeMo.step``: sign-SGD on the decoded sum, decoupled
     weight decay). ``p.grad`` holds ``u``, the sum over ranks of their decoded chunked DCT top-k (any scale: only
     its sign is used, so DeepSpeed's gradient clipping does not change the step). With L2 weight decay (Adam
-    without ``decoupled_weight_decay``) ``wd p`` is added to ``u`` before the sign. Adam's state is not touched.
+    without ``decoupled_weight_decay``) ``wd p`` is added to ``u`` before the sign. Adam's state is not touched;
+    ``p.grad`` is overwritten with the direction.
     Returns the closure's loss, or None.
     """
-    return _owners_step(optimizer, closure, decoupled, lambda p, u, l2: torch.sign(u.add(p, alpha=l2) if l2 else u))
+    # in place: the gradient is dead after the step (ZeRO-3 frees it)
+    return _owners_step(optimizer, closure, decoupled, lambda p, u, l2: (u.add_(p, alpha=l2) if l2 else u).sign_())
 
 
 def check_sgd_optimizer(optimizer, gradient_accumulation_steps: int, fp16: bool = False, offload: bool = False) -> float:

@@ -40,7 +40,7 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
 from ..codec.kernels import DGCKernelError
 from ..comm.agreement import check_agreement, ranks_failing
-from ..comm.communicators import DGCBackendError, check_mpi_world
+from ..comm.communicators import DGCBackendError, check_mpi_world, group_timeout_s
 from ..comm.topology import resolve_ranks_per_node
 from ..config import (DGCConfig, DGCConfigError, check_engine_compatible, misspelled_section, parse_dgc_config,
                       switched_off_by_default)
@@ -143,7 +143,7 @@ def _wrap_configure_zero_optimizer(orig):
             # every ZeRO-3 rank takes part, DGC on or off: a rank whose "dgc" section differs (even
             # one that has it disabled or absent) fails here, on every rank, naming the key
             effective = cfg or DGCConfig()
-            check_agreement(effective, None, effective.timeout_s)
+            check_agreement(effective, None, with_timeout(effective).timeout_s)
         if cfg is None or not cfg.enabled:
             opt = orig(self, optimizer)
             if self.zero_optimization_stage() == 3:
@@ -201,6 +201,7 @@ def install(engine, opt, cfg: DGCConfig) -> DGCState:
         DGCKernelError: ``kernels`` ``"fused"`` and the fused op cannot load on some rank (on every rank).
         DGCSeamError: ``opt`` is not a ZeRO-3 optimizer with the expected method.
     """
+    cfg = with_timeout(cfg, getattr(opt, "dp_process_group", None))
     if isinstance(opt, DeepSpeedZeRoOffload):  # no optimizer: inference, evaluation, a model built in zero.Init
         return _install_without_optimizer(engine, opt, cfg)
     _check_optimizer_instance(opt)
@@ -213,6 +214,8 @@ def install(engine, opt, cfg: DGCConfig) -> DGCState:
                            samples_seen=lambda: getattr(engine, "global_samples", 0))
     _choose_kernels(state, engine.global_rank)
     comms = state.reducer.comms_for(opt.dp_process_group)  # collective: every rank builds its groups now
+    if state.policy is not None:  # and the stock exchange "auto" measures against
+        state.policy._stock_comm(state.reducer, opt.dp_process_group)
     if comms.hierarchical and comms.n_nodes == 1 and engine.global_rank == 0:
         logger.warning("deepspeed_dgc: 'dgc.topology' is \"hierarchical\" but all %d ranks are on one node "
                        "(%d ranks per node): gradients are reduced densely inside the node and nothing is "
@@ -239,6 +242,14 @@ def uninstall(engine) -> None:
         partition_parameters._dist_allgather_fn = stock
     for obj in (opt, engine):
         obj.__dict__.pop(STATE_ATTR, None)
+
+
+def with_timeout(cfg: DGCConfig, group=None) -> DGCConfig:
+    """``cfg`` with ``timeout_s`` resolved: as given, or (``null``) the own timeout of ``group`` (None: the world),
+    the process group the extension's collectives stand in for."""
+    if cfg.timeout_s is not None:
+        return cfg
+    return cfg.model_copy(update={"timeout_s": group_timeout_s(group)})
 
 
 def _install_without_optimizer(engine, offload, cfg: DGCConfig) -> DGCState:

@@ -151,9 +151,10 @@ class LinkPolicy:
     def _stock_comm(self, reducer, group):
         """A torch communicator over the whole group, as stock's reduce-scatter uses (made once per group,
         collective; bounded by ``timeout_s``)."""
-        if group not in self._stock_comms:
-            self._stock_comms[group] = make_communicator("torch", group, reducer.cfg.timeout_s)
-        return self._stock_comms[group]
+        key = tuple(group_global_ranks(group))
+        if key not in self._stock_comms:
+            self._stock_comms[key] = make_communicator("torch", group, reducer.cfg.timeout_s)
+        return self._stock_comms[key]
 
     def _measure(self, reducer, numels: Sequence[int], group, comm_dtype: torch.dtype, device) -> Decision:
         from .reduce_scatter import CompressedReduceScatter  # noqa: the reducer's own module imports this one

@@ -26,6 +26,7 @@ from ..codec.job import CompressJob
 from ..codec.kernels import get_ops
 from ..codec.layout import Workspace, storage_region
 from ..codec.selection import sample_indices
+from ..comm.communicators import group_global_ranks
 from ..comm.topology import ReduceComms, build_reduce_comms, resolve_ranks_per_node
 from ..config import DGCConfig
 from ..memory.error_feedback import ErrorFeedback
@@ -251,12 +252,15 @@ class CompressedReduceScatter:
         return self.ops
 
     def comms_for(self, group) -> ReduceComms:
-        """The communicators of ``group``, created once per group (collective over the world the first time)."""
-        if group not in self._comms:
+        """The communicators of ``group``, created once per set of ranks (collective over the world the first time:
+        :func:`~deepspeed_dgc.zero3.patches.install` builds the data-parallel group's at initialize, so a bucket over
+        the same ranks, whichever group object ZeRO-3 passes, finds them made)."""
+        key = tuple(group_global_ranks(group))
+        if key not in self._comms:
             if self.ranks_per_node is None:
                 self.ranks_per_node = resolve_ranks_per_node(self.cfg)[0]
-            self._comms[group] = build_reduce_comms(self.cfg, group, self.ranks_per_node)
-        return self._comms[group]
+            self._comms[key] = build_reduce_comms(self.cfg, group, self.ranks_per_node)
+        return self._comms[key]
 
     def codec(self, density: float) -> Tuple[float, str, int]:
         """``(density, quantization, group_size)`` of an exchange at ``density``: the top-level keys' format, or the

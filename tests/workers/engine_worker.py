@@ -26,7 +26,7 @@ Options:
   --count-syncs              count deepspeed_dgc's host-synchronising tensor calls per step (deepspeed_dgc.syncs)
   --policy-script S          policy "auto": the k-th round of measurements agrees on S[k] ("s" stock, "c" compressed,
                              cycled) for every bucket, the ranks' own times disagreeing (the real exchanges still run)
-  --fault die|hang           rank 1 is killed, or hangs, inside its reduce-scatter of step --fault-step (3);
+  --fault die|hang|stop      rank 1 is killed, hangs, or stops (SIGSTOP) inside its reduce-scatter of step --fault-step (3);
                              rank 0 saves the error it got and when to DIR/rank0_error.pt and re-raises it
   --jobs JSON                a list of argument lists (the options above, without --out): each runs in turn in
                              this process, its records to DIR/rank<r>_<i>.pt (one launch for several cases)
@@ -150,7 +150,7 @@ def poison_padding(engine, rank):
 
 
 def inject_fault(engine, kind, at_step, timeout_s, out_dir):
-    """Rank 1 dies (SIGKILL) or hangs inside its reduce-scatter of optimizer step ``at_step``."""
+    """Rank 1 dies (SIGKILL), hangs, or is stopped (SIGSTOP) inside its reduce-scatter of optimizer step ``at_step``."""
     reducer = engine._dgc_state.reducer
     reduce_scatter = reducer.reduce_scatter
 
@@ -160,6 +160,10 @@ def inject_fault(engine, kind, at_step, timeout_s, out_dir):
                 f.write(repr(time.time()))
             if kind == "die":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if kind == "stop":  # frozen with its sockets open (rank 0 kills it once it has its error)
+                with open(f"{out_dir}/stopped_pid", "w") as f:
+                    f.write(str(os.getpid()))
+                os.kill(os.getpid(), signal.SIGSTOP)
             # hang until rank 0 has recorded the error it found by itself (at most timeout_s + 20 s), then leave
             deadline = time.time() + timeout_s + 20
             while time.time() < deadline and not os.path.exists(f"{out_dir}/rank0_error.pt"):
@@ -255,6 +259,8 @@ def run(args, rank):
     except Exception as err:
         if args.fault:
             torch.save(dict(error=f"{type(err).__name__}: {err}", at=time.time()), f"{args.out}/rank{rank}_error.pt")
+            if os.path.exists(f"{args.out}/stopped_pid"):  # the stopped peer never ends by itself
+                os.kill(int(open(f"{args.out}/stopped_pid").read()), signal.SIGKILL)
         raise
     if syncs is not None:
         syncs.__exit__(None, None, None)
@@ -265,6 +271,7 @@ def run(args, rank):
     if state is not None and state.momentum is not None:
         record["frozen"] = bool(getattr(state.momentum, "frozen", False))
     record["residual_storage"] = None if state is None else state.memory.storage
+    record["timeout_s"] = None if state is None else state.cfg.timeout_s
     return record
 
 
@@ -308,7 +315,7 @@ def main(argv=None):
     ap.add_argument("--poison-padding", action="store_true")
     ap.add_argument("--count-syncs", action="store_true")
     ap.add_argument("--policy-script", default=None)
-    ap.add_argument("--fault", choices=["die", "hang"], default=None)
+    ap.add_argument("--fault", choices=["die", "hang", "stop"], default=None)
     ap.add_argument("--fault-step", type=int, default=3)
     ap.add_argument("--jobs", default=None)
     args = ap.parse_args(argv)

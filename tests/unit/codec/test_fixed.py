@@ -83,7 +83,7 @@ def _oracle_threshold(mag, k, sample):
 def test_each_slice_sends_its_largest_above_dgcs_threshold_up_to_capacity(rows, density, factor):
     """From the same sample, each owner's slice sends exactly the oracle's set: the elements at or above DGC's
     threshold (first estimate on the sample, lowered by 0.8 while it keeps fewer than 0.8 k), non-zero, the largest up
-    to the slice's slots, ties by the lower column. Heavy tails, ties on 40% of one bucket, zeros on 90% of another."""
+    to the slice's slots by magnitude in bf16 precision (the high 16 bits), ties by the lower column. Heavy tails, ties on 40% of one bucket, zeros on 90% of another."""
     g = torch.Generator().manual_seed(_seed())
     for sizes, kw in (([5000, 300, 70001, 20000, 40], {}), ([3000, 2500], {"ties": True}), ([4000], {"zeros": 0.9})):
         plan = _plan(sizes, rows, density, quantize=False, factor=factor)
@@ -103,7 +103,8 @@ def test_each_slice_sends_its_largest_above_dgcs_threshold_up_to_capacity(rows, 
                 a = acc[r, L.cols[i]:L.cols[i] + real]
                 sent = A[r, L.cols[i]:L.cols[i] + real] != a  # raw fp32: a sent value leaves nothing behind
                 eligible = (a != 0) & (a.abs() >= threshold)
-                order = torch.sort(torch.where(eligible, -a.abs(), float("inf")), stable=True).indices  # ties: column
+                key = (a.abs().view(torch.int32) >> 16).long()  # bf16 precision, then the lower column
+                order = torch.sort(torch.where(eligible, -key, 1 << 20), stable=True).indices
                 want = torch.zeros(real, dtype=torch.bool)
                 want[order[:min(plan.slots[t], int(eligible.sum()))]] = True
                 assert torch.equal(sent, want), (sizes, r, i, int(sent.sum()), int(want.sum()), plan.slots[t])
