@@ -10,7 +10,7 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 STEPS ?= 300
 SEED ?= 1234
 
-.PHONY: install test demo bench bench-target bench-nodes bench-memory bench-kernels profile report clean
+.PHONY: install test demo bench bench-target bench-nodes bench-memory bench-kernels profile report gpu-check clean
 
 install: $(VENV)/.installed
 
@@ -73,6 +73,13 @@ bench-kernels: install
 
 report: install
 	$(PY) -m deepspeed_dgc report
+
+# on a machine with a GPU (a Python with CUDA torch and DeepSpeed: GPU_PYTHON): tests/gpu, the main job of every
+# method with the extension under torch.cuda.set_sync_debug_mode("error"), max_memory_allocated against stock,
+# launches per bucket, the CUDA op's GB/s; one table, under 8 minutes (benchmarks/gpu_check.py)
+GPU_PYTHON ?= python3
+gpu-check:
+	$(GPU_PYTHON) benchmarks/gpu_check.py
 
 clean:
 	rm -rf runs build *.egg-info .pytest_cache deepspeed_dgc/_prebuilt/*.so

@@ -450,17 +450,27 @@ DEVICE_PATH = {
                                                  decoupled_momentum={"chunk": 16, "topk": 2, "quantization": "int2"}),
     "shared_mask_int4_hierarchical_weights_int4": dict(enabled=True, topology="hierarchical", ranks_per_node=1,
                                                        shared_mask={"density": 0.1}, weights={"quantization": "int4"}),
+    # every method flat too, and every value format
+    "momentum_correction_int1": dict(SPARSE, quantization="int1", momentum_correction=True),
+    "sparse_fp8_e5m2_bf16_residual": dict(SPARSE, quantization="fp8_e5m2", residual_dtype="bf16"),
+    "dense_fp8_e4m3": dict(enabled=True, density=1.0, quantization="fp8_e4m3"),
+    "sparse_raw_values": dict(SPARSE, quantization="none"),
+    "decoupled_momentum_fp8": dict(enabled=True, decoupled_momentum={"chunk": 16, "topk": 2,
+                                                                     "quantization": "fp8_e4m3"}),
+    "shared_mask_int1": dict(enabled=True, shared_mask={"density": 0.1, "quantization": "int1"}),
 }
+SGD = {"optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}, "zero_allow_untested_optimizer": True}
 
 
 def _device_path_config(case):
     own_codec = "decoupled_momentum" in DEVICE_PATH[case] or "shared_mask" in DEVICE_PATH[case]
-    return dict(DEVICE_PATH[case], kernels="reference", stats_interval=2, **({} if own_codec else {"layout": "fixed"}))
+    dgc = dict(DEVICE_PATH[case], kernels="reference", stats_interval=2, **({} if own_codec else {"layout": "fixed"}))
+    return dict({"dgc": dgc}, **(SGD if dgc.get("momentum_correction") else {}))
 
 
 @pytest.fixture(scope="module")
 def device_path_runs():
-    return run_engines({case: dict(steps=6, count_syncs=True, config={"dgc": _device_path_config(case)})
+    return run_engines({case: dict(steps=6, count_syncs=True, config=_device_path_config(case))
                         for case in DEVICE_PATH})
 
 
