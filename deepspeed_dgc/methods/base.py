@@ -13,7 +13,8 @@ that matrix. The owners' side (a replaced optimizer step, something done after e
 :meth:`~GradientMethod.install` and :meth:`~GradientMethod.after_step`.
 
 Adding a method: a module in this package defining a subclass of :class:`GradientMethod`, decorated with
-:func:`register`, and a line in :func:`method_name` mapping its config key to its name.
+:func:`register` (its name and when the config asks for it), imported by the package's ``__init__``; its key in
+:mod:`deepspeed_dgc.config`. The reducer and the patches stay as they are.
 """
 
 from dataclasses import dataclass, field
@@ -151,27 +152,33 @@ class GradientMethod:
 
 
 METHODS: Dict[str, Type[GradientMethod]] = {}
+_WHEN: Dict[str, Tuple[Callable, int]] = {}
 
 
-def register(name: str) -> Callable[[Type[GradientMethod]], Type[GradientMethod]]:
-    """Class decorator: make a method available under ``name`` (:func:`method_name` maps the config to names)."""
+def register(name: str, when: Callable[[object, str], bool],
+             order: int = 0) -> Callable[[Type[GradientMethod]], Type[GradientMethod]]:
+    """Class decorator: make a method available under ``name``, chosen for a ``"dgc"`` config and device type where
+    ``when(cfg, device_type)`` holds (of several, the highest ``order``: a momentum method before plain top-k)."""
 
     def add(cls: Type[GradientMethod]) -> Type[GradientMethod]:
         cls.name = name
         METHODS[name] = cls
+        _WHEN[name] = (when, order)
         return cls
 
     return add
 
 
 def method_name(cfg, device_type: str) -> str:
-    """The registered name of the method the ``"dgc"`` config asks for on gradients of ``device_type``."""
-    for key in ("decoupled_momentum", "shared_mask", "compressed_momentum"):
-        if getattr(cfg, key) is not None:
-            return key
-    if cfg.momentum_correction:
-        return "momentum_correction"
-    return "topk_fixed" if cfg.layout_for(device_type) == "fixed" else "topk_exact"
+    """The registered name of the method the ``"dgc"`` config asks for on gradients of ``device_type``.
+
+    Raises:
+        ValueError: no registered method takes this config.
+    """
+    wanted = [(order, name) for name, (when, order) in _WHEN.items() if when(cfg, device_type)]
+    if not wanted:
+        raise ValueError(f"no gradient method takes this 'dgc' config on {device_type!r}")
+    return max(wanted)[1]
 
 
 def build(reducer, device_type: str, wrap: Optional[Callable] = None) -> GradientMethod:

@@ -16,7 +16,7 @@ from .base import register
 from .momentum_sources import MomentumSourced
 
 
-@register("compressed_momentum")
+@register("compressed_momentum", lambda cfg, device: cfg.compressed_momentum is not None, order=10)
 class CompressedMomentumMethod(MomentumSourced):
     """See the module docstring."""
 

@@ -19,7 +19,7 @@ from ..zero3.swap import replace
 from .base import Bucket, Exchange, GradientMethod, Reduced, register
 
 
-@register("decoupled_momentum")
+@register("decoupled_momentum", lambda cfg, device: cfg.decoupled_momentum is not None, order=10)
 class DecoupledMomentumMethod(GradientMethod):
     """See the module docstring; ``reducer.momentum`` is its :class:`~deepspeed_dgc.memory.momentum.
     DecoupledMomentum` state."""

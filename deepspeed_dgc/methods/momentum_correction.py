@@ -13,7 +13,7 @@ from .base import register
 from .momentum_sources import MomentumSourced
 
 
-@register("momentum_correction")
+@register("momentum_correction", lambda cfg, device: cfg.momentum_correction, order=5)
 class MomentumCorrectionMethod(MomentumSourced):
     """See the module docstring."""
 

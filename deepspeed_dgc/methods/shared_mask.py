@@ -20,7 +20,7 @@ from .base import Bucket, Exchange, GradientMethod, Reduced, register
 from .topk import TopKExact, TopKFixed
 
 
-@register("shared_mask")
+@register("shared_mask", lambda cfg, device: cfg.shared_mask is not None, order=10)
 class SharedMaskMethod(GradientMethod):
     """See the module docstring."""
 

@@ -24,7 +24,7 @@ def _want_residual(cfg, bucket: Bucket, threshold) -> bool:
     return cfg.error_feedback and not (bucket.density >= 1.0 and bucket.quantization == "none" and threshold is None)
 
 
-@register("topk_exact")
+@register("topk_exact", lambda cfg, device: cfg.layout_for(device) == "exact")
 class TopKExact(GradientMethod):
     """Payloads of exactly the kept values (varint or bitmap positions, entropy coding where asked), one uneven
     all-to-all after a size exchange; the fused CPU op codes them where it loads (the CPU's default). Thresholds may
@@ -109,7 +109,7 @@ class TopKExact(GradientMethod):
             self.reducer.memory.stage(key, residual)
 
 
-@register("topk_fixed")
+@register("topk_fixed", lambda cfg, device: cfg.layout_for(device) == "fixed")
 class TopKFixed(GradientMethod):
     """Payloads whose sizes follow from the bucket's shape (:mod:`~deepspeed_dgc.codec.fixed`): one owner matrix per
     bucket, a fixed number of batched ops whatever its tensors, one ``all_to_all_single``, nothing read back on the

@@ -1,0 +1,49 @@
+"""The method table: each config picks one registered method, and a method added in a file of its own with a
+registration is what the reducer dispatches to, with no edit to the reducer or the patches."""
+
+import pytest
+import torch
+
+from deepspeed_dgc import methods
+from deepspeed_dgc.config import DGCConfig
+from deepspeed_dgc.memory.error_feedback import ErrorFeedback
+from deepspeed_dgc.methods import base
+from deepspeed_dgc.zero3.reduce_scatter import CompressedReduceScatter
+
+
+@pytest.mark.parametrize("cfg, device, name", [
+    (dict(), "cpu", "topk_exact"),
+    (dict(layout="fixed"), "cpu", "topk_fixed"),
+    (dict(), "cuda", "topk_fixed"),
+    (dict(decoupled_momentum={"chunk": 16, "topk": 2}), "cpu", "decoupled_momentum"),
+    (dict(shared_mask={"density": 0.1}), "cuda", "shared_mask"),
+    (dict(compressed_momentum={"freeze_step": 2}), "cpu", "compressed_momentum"),
+    (dict(momentum_correction=True, density=0.1), "cuda", "momentum_correction"),
+])
+def test_each_config_picks_its_method(cfg, device, name):
+    config = DGCConfig(enabled=True, **cfg)
+    assert methods.method_name(config, device) == name
+    method = methods.build(CompressedReduceScatter(config, ErrorFeedback("fp32")), device)
+    assert type(method) is methods.METHODS[name]
+    hier = methods.build(CompressedReduceScatter(DGCConfig(enabled=True, topology="hierarchical", **cfg),
+                                                 ErrorFeedback("fp32")), device)
+    assert isinstance(hier, methods.Hierarchical) and type(hier.inner) is methods.METHODS[name]
+
+
+def test_a_new_method_is_a_class_and_a_registration():
+    """A method registered from outside the package, chosen by its own condition, is what the reducer uses."""
+
+    @methods.register("test_only_dense_sum", lambda cfg, device: cfg.stats_interval == 4321, order=100)
+    class DenseSum(methods.GradientMethod):
+        def reduce(self, bucket, exchange, A=None):
+            out = torch.cat([s.float().reshape(-1) for s in bucket.srcs]) / bucket.divisor
+            return methods.Reduced(out, list(out.split(bucket.numels)), True, out.numel())
+
+    try:
+        reducer = CompressedReduceScatter(DGCConfig(enabled=True, stats_interval=4321), ErrorFeedback("fp32"))
+        assert type(reducer.method_for("cpu")) is DenseSum
+        plain = CompressedReduceScatter(DGCConfig(enabled=True), ErrorFeedback("fp32"))
+        assert type(plain.method_for("cpu")).name == "topk_exact"
+    finally:
+        methods.METHODS.pop("test_only_dense_sum")
+        base._WHEN.pop("test_only_dense_sum")
