@@ -719,7 +719,8 @@ def unpack_codes(packed: torch.Tensor, fmt: str, out: torch.Tensor) -> torch.Ten
 
 def _segment_groups(counts: Sequence[int], group_size: int, device):
     """For values of consecutive segments (``counts``) whose groups restart at each segment: where each value goes in
-    a layout padded to whole groups (int64 ``(K,)``), and how many padding values each group has (int64 ``(G,)``)."""
+    a layout padded to whole groups (int64 ``(K,)``), how many padding values each group has (int64 ``(G,)``), and
+    ``G``. Made per call from O(segments) cached device vectors (nothing per value is kept between calls)."""
     key = (tuple(counts), group_size, str(device))
     if key not in _SEGMENT_GROUPS:
         if len(_SEGMENT_GROUPS) > 256:
@@ -728,17 +729,19 @@ def _segment_groups(counts: Sequence[int], group_size: int, device):
         K, G = sum(counts), sum(padded) // group_size
         shift = torch.tensor([p0 - k0 for p0, k0 in zip(_prefix(padded), _prefix(counts))], dtype=torch.long)
         lens = torch.tensor(list(counts), dtype=torch.long)
-        last = torch.tensor([p // group_size - 1 for p in _prefix(padded, inclusive=True)], dtype=torch.long)
-        pads = torch.tensor([p - k for p, k in zip(padded, counts)], dtype=torch.long)
-        dest = torch.arange(K) + torch.repeat_interleave(shift, lens, output_size=K)
-        padding = torch.zeros(G, dtype=torch.long).index_put_((last[pads > 0], ), pads[pads > 0]) if G else \
-            torch.zeros(0, dtype=torch.long)
+        pads = [(p // group_size - 1, pp - k) for p, pp, k in zip(_prefix(padded, inclusive=True), padded, counts)
+                if pp > k]
+        last = torch.tensor([g for g, _ in pads], dtype=torch.long)
+        amount = torch.tensor([n for _, n in pads], dtype=torch.long)
         device = torch.device(device)
-        _SEGMENT_GROUPS[key] = (_to_device(dest, device), _to_device(padding, device), G)
-    return _SEGMENT_GROUPS[key]
+        _SEGMENT_GROUPS[key] = tuple(_to_device(t, device) for t in (shift, lens, last, amount)) + (K, G)
+    shift, lens, last, amount, K, G = _SEGMENT_GROUPS[key]
+    dest = torch.arange(K, device=shift.device).add_(torch.repeat_interleave(shift, lens, output_size=K))
+    padding = torch.zeros(G, dtype=torch.long, device=shift.device).index_put_((last, ), amount)
+    return dest, padding, G
 
 
-_SEGMENT_GROUPS: Dict[Tuple, Tuple[torch.Tensor, torch.Tensor, int]] = {}
+_SEGMENT_GROUPS: Dict[Tuple, Tuple] = {}
 
 
 def _prefix(xs, inclusive: bool = False):
