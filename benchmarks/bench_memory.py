@@ -2,7 +2,7 @@
 
 Run from the repository root (CPU ranks; ``make bench-memory``)::
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_memory.py --json runs/bench_memory/results.json --docs docs
+    OMP_NUM_THREADS=1 python benchmarks/bench_memory.py --json runs/bench_memory/results.json --results results
 
 What it does:
 
@@ -186,7 +186,7 @@ def main(argv=None) -> int:
                     "decoupled_momentum.storage}")
     ap.add_argument("--out-dir", type=Path, default=Path("runs/bench_memory"))
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--docs", type=Path, help="write DIR/bench_memory.md")
+    ap.add_argument("--results", type=Path, help="write DIR/bench_memory.md")
     ap.add_argument("--master-port", type=int, default=29760)
     ap.add_argument("--launch-timeout-s", type=float, default=600.0)
     ap.add_argument("--worker-config", help=argparse.SUPPRESS)
@@ -215,10 +215,10 @@ def main(argv=None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"rows": rows, "hier_storage": args.hier_storage, "steps": args.steps}, indent=2))
-    if args.docs:
-        (args.docs / "bench_memory.md").write_text(
+    if args.results:
+        (args.results / "bench_memory.md").write_text(
             "# Per-rank memory: the extension's state and ZeRO-3's own\n\n`OMP_NUM_THREADS=1 python "
-            "benchmarks/bench_memory.py --json runs/bench_memory/results.json --docs docs` (`make bench-memory`), "
+            "benchmarks/bench_memory.py --json runs/bench_memory/results.json --results results` (`make bench-memory`), "
             f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores.\n\n" + text)
     return 0
 

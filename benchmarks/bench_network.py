@@ -82,7 +82,7 @@ class BenchConfig:
 
 
 def _dgc(density: float | str, error_feedback: bool = True, weights: str | None = None) -> dict:
-    # fp32 residuals, as when docs/bench_network*.md were measured (the default "auto" stores fp8 on the flat
+    # fp32 residuals, as when results/bench_network*.md were measured (the default "auto" stores fp8 on the flat
     # topology since; on this CPU storing and reading back 10M residuals in fp8 costs about 0.15 s per step)
     section = {"enabled": True, "density": density, "quantization": "int4", "group_size": 128,
                "error_feedback": error_feedback, "residual_dtype": "fp32", "min_numel": 2048,

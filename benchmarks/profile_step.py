@@ -18,7 +18,7 @@ under cProfile on every rank (``examples/train_char_gpt.py --profile-step``). Wh
 - the functions with the most own time.
 
 Outputs: ``--out-dir``/``<config>.rank<R>.prof`` and ``.txt`` (pstats), ``--out-dir``/``profile.json`` and
-``profile.md`` (the table), and with ``--docs DIR`` the table as ``DIR/profile.md`` too.
+``profile.md`` (the table), and with ``--results DIR`` the table as ``DIR/profile.md`` too.
 """
 
 import argparse
@@ -59,7 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--profile-step", type=int, default=8)
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--out-dir", type=Path, default=Path("runs/profile"))
-    parser.add_argument("--docs", type=Path, help="write DIR/profile.md")
+    parser.add_argument("--results", type=Path, help="write DIR/profile.md")
     parser.add_argument("--launch-timeout-s", type=float, default=900.0)
     args = parser.parse_args(argv)
     args.configs = list(dict.fromkeys(args.configs))  # each once
@@ -167,9 +167,9 @@ def main(argv=None) -> int:
     (args.out_dir / "profile.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
     table = markdown(results, meta)
     (args.out_dir / "profile.md").write_text(table)
-    if args.docs:
-        args.docs.mkdir(parents=True, exist_ok=True)
-        (args.docs / "profile.md").write_text(table)
+    if args.results:
+        args.results.mkdir(parents=True, exist_ok=True)
+        (args.results / "profile.md").write_text(table)
     print("\n" + table)
     return 0
 

@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python benchmarks/study_convergence.py --json runs/study/results.json --docs docs
+    python benchmarks/study_convergence.py --json runs/study/results.json --results results
 
 Every setting trains ``examples/train_char_gpt.py`` with ``configs/zero3_baseline.json`` (char GPT
 of 0.8M parameters, Adam, 16 x 64 characters per rank per step) and a ``"dgc"`` section:
@@ -30,7 +30,7 @@ Columns: final validation loss, gap to stock, compression ratio of the gradient 
 whole run (warm-up included) against fp32, the extension's state in bytes per parameter per rank, and
 wire bits per kept element. Outputs: ``<out-dir>/<setting>_<steps>.json`` per run (reused when present
 with the same config, unless ``--fresh``), ``<out-dir>/study.md``, ``<out-dir>/study.png``
-(compression ratio, log scale, against the gap; one point per setting) and, with ``--docs DIR``,
+(compression ratio, log scale, against the gap; one point per setting) and, with ``--results DIR``,
 copies of both as ``DIR/study_convergence.{md,png}``.
 """
 
@@ -138,7 +138,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--num-gpus", type=int, default=2)
     parser.add_argument("--out-dir", type=Path, default=Path("runs/study"))
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--docs", type=Path, help="copy the table and plot here as study_convergence.{md,png}")
+    parser.add_argument("--results", type=Path, help="copy the table and plot here as study_convergence.{md,png}")
     parser.add_argument("--fresh", action="store_true", help="rerun settings whose summary already exists")
     args = parser.parse_args(argv)
     known = settings(args.freeze_step)
@@ -359,10 +359,10 @@ def main(argv=None) -> int:
     for path in filter(None, [args.out_dir / "results.json", args.json]):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(payload, indent=2) + "\n")
-    if args.docs:
-        args.docs.mkdir(parents=True, exist_ok=True)
-        shutil.copy(args.out_dir / "study.md", args.docs / "study_convergence.md")
-        shutil.copy(args.out_dir / "study.png", args.docs / "study_convergence.png")
+    if args.results:
+        args.results.mkdir(parents=True, exist_ok=True)
+        shutil.copy(args.out_dir / "study.md", args.results / "study_convergence.md")
+        shutil.copy(args.out_dir / "study.png", args.results / "study_convergence.png")
     print("\n" + table, end="")
     return 0
 

@@ -123,7 +123,7 @@ class SharedMaskConfig(BaseModel):
     DeepSpeedCPUAdam, fp32 or bf16; the top-level codec keys do not apply (`residual_dtype` and `residual_offload`
     do).
     Measured on the main job with Adam: +29% to +49% validation loss after 300 steps at densities 0.2 to 0.01
-    (docs/study_convergence.md): not a setting to train with; `decoupled_momentum` is.
+    (results/study_convergence.md): not a setting to train with; `decoupled_momentum` is.
     """
 
     model_config = _MODEL

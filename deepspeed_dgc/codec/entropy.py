@@ -3,7 +3,7 @@
 Quantized codes of gradients are far from uniform (most values fall in the inner levels of an
 absmax-scaled grid), so Huffman coding of their bytes saves 25-35% of INT2 and 10-25% of INT4 codes of
 heavy-tailed values (Gaussian to Student-t); random-looking parts (fp32 scales, INT1 signs) pass through
-at about their size. See docs/study_convergence.md for what it saved in training.
+at about their size. See results/study_convergence.md for what it saved in training.
 """
 
 import zlib

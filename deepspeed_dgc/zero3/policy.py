@@ -1,7 +1,7 @@
 """``"dgc": {"policy": "auto"}``: per bucket, stock ZeRO-3's reduce-scatter or the compressed one, whichever the
 measurements say is faster on this job's link.
 
-Compression pays where the link is slow and costs where it is fast (docs/bench_network.md: 5x faster per step at
+Compression pays where the link is slow and costs where it is fast (results/bench_network.md: 5x faster per step at
 100 Mbit/s, 0.6x to 0.9x of stock on an unlimited loopback). The choice depends on the link, the device, the codec and
 the bucket's tensors, so it is measured, not guessed: when a bucket of a new shape is first reduced, and again every
 ``policy_interval`` applied steps, every rank of the group times, on random tensors of exactly that bucket's sizes and

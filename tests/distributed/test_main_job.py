@@ -151,7 +151,7 @@ def test_the_recommended_adam_config_is_the_baseline_with_decoupled_momentum():
     parameters plus one fp32 scale per 128 values and the headers) and the fp32 momentum as its state (4 bytes per
     parameter). Its
     sign steps lag stock's early on (measured on this tiny model: +7.6% after 60 steps, +3.7% after 200) and catch
-    up later: parity at 300 and 1000 steps on the main job is the convergence study's (docs/study_convergence.md),
+    up later: parity at 300 and 1000 steps on the main job is the convergence study's (results/study_convergence.md),
     too long for a test."""
     ours_cfg = json.load(open(os.path.join(ROOT, "configs", "zero3_dgc_adam.json")))
     base_cfg = json.load(open(os.path.join(ROOT, "configs", "zero3_baseline.json")))

@@ -3,6 +3,7 @@ outside the repository, and the package's modules import each other without cycl
 
 import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -36,7 +37,7 @@ def test_readme_is_at_most_200_lines():
 def test_nothing_points_outside_the_repository():
     """No source, doc or config refers to the workspace's shared folder (``../shared``), which a clone lacks."""
     hits = []
-    for folder in ("deepspeed_dgc", "op_builder", "csrc", "benchmarks", "examples", "tests", "docs", "configs"):
+    for folder in ("deepspeed_dgc", "op_builder", "csrc", "benchmarks", "examples", "tests", "docs", "results", "configs"):
         for path in (ROOT / folder).rglob("*"):
             if path.suffix in (".py", ".md", ".cpp", ".cu", ".h", ".json") and path != Path(__file__):
                 text = path.read_text(errors="replace")
@@ -88,3 +89,14 @@ def test_no_import_cycle_among_the_package_modules():
         if node not in state:
             visit(node, [node])
     assert not cycle, " -> ".join(cycle[0])
+
+
+def test_relative_links_resolve():
+    """Every relative Markdown link in README.md, docs/ and results/ names a file that exists (documents moved between
+    docs/ and results/ keep their links)."""
+    broken = []
+    for path in [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "results").glob("*.md")]:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", path.read_text()):
+            if "://" not in target and not (path.parent / target).exists():
+                broken.append(f"{path.relative_to(ROOT)}: {target}")
+    assert not broken, broken
