@@ -2,7 +2,7 @@
 the working tree's or a second revision's (B), on bench_kernels.py's gradient rows.
 
 On a shared 2-core host the fused op's times move between levels from one process to the next (one build's dense
-INT2 row took 25.6-38.2 ms across seven processes, docs/kernels.md), so timing two builds in two processes says
+INT2 row took 25.6-38.2 ms across seven processes, results/kernels.md), so timing two builds in two processes says
 little about a change of a few percent. Here both builds are compiled with the prebuilt op's flags (the op
 builder's ``cxx_args()`` for a portable build) under two module names, loaded into one process and called in turn
 on the same job; the order alternates from round to round (on such a host the second call of a round can be 15%

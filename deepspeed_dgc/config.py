@@ -96,8 +96,8 @@ class DecoupledMomentumConfig(BaseModel):
         "`\"adam\"`: the job's optimizer steps on `u` as its gradient")
     storage: Literal["fp32", "bf16"] = Field("fp32", description="storage of the local momentum between steps "
                                              "(4 or 2 bytes per parameter per rank); bf16 drops increments below 2^-9 "
-                                             "of the momentum (main job, DCT top-2 INT2: -0.48% at 300 steps, but "
-                                             "+1.11% at 1000, against +0.76% in fp32)")
+                                             "of the momentum, which costs loss on long runs (docs/methods.md, "
+                                             "decoupled momentum)")
 
     @model_validator(mode="after")
     def _sizes(self):
@@ -122,8 +122,8 @@ class SharedMaskConfig(BaseModel):
     between nodes only, over the node-level sums (residuals 1/L of full size). Needs Adam, AdamW, FusedAdam or
     DeepSpeedCPUAdam, fp32 or bf16; the top-level codec keys do not apply (`residual_dtype` and `residual_offload`
     do).
-    Measured on the main job with Adam: +29% to +49% validation loss after 300 steps at densities 0.2 to 0.01
-    (results/study_convergence.md): not a setting to train with; `decoupled_momentum` is.
+    It loses validation loss against stock on the main job at every density tried (results/study_convergence.md):
+    not a setting to train with; `decoupled_momentum` is.
     """
 
     model_config = _MODEL
@@ -135,7 +135,7 @@ class SharedMaskConfig(BaseModel):
         "`\"exp_avg\"`, the first moment's magnitude")
     explore: float = Field(0.25, ge=0.0, lt=1.0, allow_inf_nan=False,
                            description="share of each mask taken by the moving window instead of the score "
-                           "(measured at density 0.05: +37.2% with 0.25, +29.0% with 0)")
+                           "(what it does to the loss: results/study_convergence.md)")
     quantization: Literal["int4", "int2", "int1", "fp8_e4m3", "fp8_e5m2"] = Field(
         "int4", description="format of the sent values")
     group_size: int = Field(128, ge=2, le=1 << 20, multiple_of=2, description="sent values per fp32 scale")
@@ -155,8 +155,8 @@ class DGCConfig(BaseModel):
     density: Density = Field(
         1.0, description="fraction of each tensor's elements kept by top-k selection each micro-step (DGC, Lin et "
         "al., ICLR 2018, section 2); `1.0` (the default) sends every element, quantized, with error feedback: "
-        "stock's loss with any optimizer (dense INT4: 7.5x fewer bytes, within 0.1% of stock on the main job with Adam), while "
-        "top-k below 1 is lossy with Adam at short horizons (0.01: +16%). `\"auto\"`: per bucket, the smallest "
+        "stock's loss with any optimizer, while top-k below 1 is lossy with Adam at short horizons "
+        "(results/README.md). `\"auto\"`: per bucket, the smallest "
         "density that leaves at most `energy_budget` of the accumulated gradient's energy unsent (estimated on "
         "DGC's 1% sample), within `[density_min, density_max]`; the ranks take the largest of their choices (one "
         "all-reduce of one float per bucket), so all agree")
@@ -186,9 +186,8 @@ class DGCConfig(BaseModel):
         "bitmap (1 bit per element); `\"auto\"` takes the bitmap above density 1/8")
     entropy_coding: Literal["none", "zlib"] = Field(
         "none", description="`\"zlib\"`: DEFLATE (level 1) of every gradient payload after quantization and index "
-        "coding; lossless (training is bit-identical); it shrinks INT2 codes of heavy-tailed values by 25-35% and "
-        "INT4 codes by 10-25%, INT1 signs not at all (in training: 20% of a dense-INT2-momentum run's bytes, 14% "
-        "of a dense-INT4 run's); runs on the host")
+        "coding; lossless (training is bit-identical); it shrinks INT2 and INT4 codes of heavy-tailed values, INT1 "
+        "signs not at all (what it saved: docs/methods.md); runs on the host")
     group_size: int = Field(128, ge=2, le=1 << 20, multiple_of=2,
                             description="values per scale group (groups never span two tensors)")
     layout: Literal["auto", "fixed", "exact"] = Field(
@@ -203,16 +202,16 @@ class DGCConfig(BaseModel):
     capacity_factor: float = Field(
         2.0, ge=1.0, le=64.0, allow_inf_nan=False, description="fixed layout: each owner's slice of a sparsified "
         "tensor sends what reaches DGC's threshold up to `ceil(capacity_factor * density * c)` values, and always "
-        "carries that many slots (unused ones cost bytes). Main job, 300 steps, INT4, against the exact layout: 2.0 "
-        "kept the loss (+0.07% at density 0.1, -1.2% at 0.01) for 1.8x its bytes; 1.3 (Ok-Topk's bound) cost 1.2x "
-        "the bytes but +0.8% loss at 0.1, because slices of one tensor differ (an attention projection's q, k and v)")
+        "carries that many slots (unused ones cost bytes). 2.0 kept the exact layout's loss on the main job; Ok-Topk's "
+        "1.3 did not, because slices of one tensor differ (an attention projection's q, k and v); measured in "
+        "docs/methods.md")
     error_feedback: bool = Field(True, description="carry what was not sent (unselected values and quantization "
                                  "error) to the next micro-step (Seide et al., Interspeech 2014)")
     residual_dtype: Literal["auto", "fp32", "bf16", "fp8"] = Field(
         "auto", description="storage of the residuals between steps: 4, 2 or about 1.03 bytes per element (fp8: e4m3 "
         "with an fp32 absmax scale per 128, as LoCo's 8-bit buffer, arXiv 2407.04480); the storage's own rounding "
-        "is not fed back. `\"auto\"`: fp8, the cheapest storage that kept fp32's loss in the convergence studies (flat, "
-        "and hierarchical at 2x2: +0.16% against fp32's +0.06%); fp32 with `momentum_correction`, which needs it")
+        "is not fed back. `\"auto\"`: fp8, the cheapest storage that kept fp32's loss in the convergence studies, flat "
+        "and hierarchical (docs/methods.md, docs/multinode.md); fp32 with `momentum_correction`, which needs it")
     residual_offload: bool = Field(
         False, description="keep the committed residuals in pinned host memory between steps (one buffer per "
         "parameter, reused); each is copied to the device when its bucket is compressed, so it lowers the memory "

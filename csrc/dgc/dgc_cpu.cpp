@@ -507,8 +507,8 @@ __attribute__((target("avx2"))) inline __m256i code32_avx2(const float* v, __m25
 
 // The codes of one scale group of scale > 0 (encode_block's loop) with AVX2 where the CPU has it, 32 values a step
 // (code32_avx2): a[x] -= what each code decodes to (the new residual), one code byte each into codes. GCC's own
-// vectorization of encode_value spilled registers and blended per lane: a dense INT4 row of 16M elements took 26 ms
-// with it, 19 ms with this loop (docs/kernels.md). Returns the count of values done (a multiple of 32), and in *zeros
+// vectorization of encode_value spilled registers and blended per lane, and was slower than this loop
+// (results/kernels.md). Returns the count of values done (a multiple of 32), and in *zeros
 // the zero values among them (counted from INT2/INT1's non-zero marks; 0 for the others); the caller codes the rest.
 template <int F>
 __attribute__((target("avx2"))) int64_t encode_group_avx2(float* __restrict a, uint8_t* __restrict codes, int64_t len,
@@ -641,8 +641,7 @@ __attribute__((target("avx2"))) int64_t int8_to_bf16_avx2(const uint8_t* __restr
 // of accumulate_block: s * inverse or s / divisor, then + res, each one IEEE operation) is streamed to dst with
 // non-temporal stores, and the columns j0 + x and values of |acc| >= thr are appended to out in order (as
 // compact_at_least). Where accumulate_block, compact_at_least and stream_copy pass a piece through an L1 scratch
-// buffer three times, this keeps acc in registers: 16M-element INT4 rows at density 0.01 took 9.9 ms before and 8.0
-// ms after (docs/kernels.md). A lane with a non-finite acc is counted (the caller then gives up the bucket) and never
+// buffer three times, this keeps acc in registers, which is faster on large sparse rows (results/kernels.md). A lane with a non-finite acc is counted (the caller then gives up the bucket) and never
 // kept. fp32 and bf16 sources (load8); returns -1 for any other (the caller takes the three steps).
 template <typename T, int Mode>  // Mode 0: s, 1: s * inverse, 2: s / divisor
 __attribute__((target("avx2"))) int64_t accumulate_compact_avx2(const T* __restrict s, const float* __restrict res,
@@ -1181,7 +1180,7 @@ int64_t dense_pass(std::vector<Spec>& specs, const Params& p, const std::vector<
   int64_t total = 0;
   for (int64_t bad : nonfinite) total += bad;
   // each task's candidates appended to its destination's in task order: where each part goes, one resize per
-  // destination, then the copies in parallel (a serial append of 168K candidates took 0.2-0.3 ms on 2 cores)
+  // destination, then the copies in parallel (a serial append is a serial step of the whole bucket)
   // (and the varint bytes of each destination's gaps: the parts' own, and those from one part's last column to the
   // next part's first)
   std::vector<int64_t> at(tasks.size(), 0);
@@ -1220,9 +1219,8 @@ int64_t dense_pass(std::vector<Spec>& specs, const Params& p, const std::vector<
 }
 
 // The dense pass's tasks over tensors `which`: each row in blocks of a multiple of kBlock elements, a quarter of
-// one thread's even share of the pass, at most kTask. Fewer, longer tasks cost less than many of kBlock (sparse rows
-// of 16M elements took 2-5% less time in tasks of 2^18 than of 2^15 on 2 cores, docs/kernels.md); four per thread
-// or more keep the threads evenly loaded.
+// one thread's even share of the pass, at most kTask. Fewer, longer tasks cost less than many of kBlock
+// (results/kernels.md); four per thread or more keep the threads evenly loaded.
 std::vector<Task> make_tasks(const std::vector<Spec>& specs, const std::vector<int64_t>& which) {
   int64_t total = 0;
   for (int64_t i : which) total += specs[i].m;
@@ -1286,7 +1284,7 @@ float topk_threshold(at::Tensor mag, int64_t k, at::Tensor sample) {
 
 // New residuals of 32 MB or more come from here. glibc maps memory of that size afresh for each allocation (32 MB is
 // its largest threshold), so each step's residual would fault in its 4 KB pages one by one as the dense pass first
-// writes them: a 16M-element row took 30-37 ms that way and takes 6.5-8.5 ms in reused memory (docs/kernels.md).
+// writes them, several times the cost of the pass itself (results/kernels.md).
 // Freed buffers are kept, at most kKeep (past that the oldest freed is freed), and handed out again for the same
 // size, the last freed first, as a caching allocator does on a GPU: a bucket's new residual takes the memory that
 // the bucket before it freed. What this holds beyond the live residuals is at most kKeep freed buffers (the largest

@@ -100,3 +100,15 @@ def test_relative_links_resolve():
             if "://" not in target and not (path.parent / target).exists():
                 broken.append(f"{path.relative_to(ROOT)}: {target}")
     assert not broken, broken
+
+
+def test_the_product_carries_no_lab_record():
+    """Comments and docstrings of the package and the kernels state behaviour, not dated measurements: no dates and
+    no "took N ms" (measured runs live in results/)."""
+    pattern = re.compile(r"20\d{2}-\d{2}-\d{2}|took [0-9.\-]+ ?ms\b")
+    hits = []
+    for folder in ("deepspeed_dgc", "csrc"):
+        for path in (ROOT / folder).rglob("*"):
+            if path.suffix in (".py", ".cpp", ".cu", ".cuh", ".h"):
+                hits += [f"{path.relative_to(ROOT)}: {m.group(0)}" for m in pattern.finditer(path.read_text())]
+    assert not hits, hits

@@ -690,7 +690,7 @@ def test_rows_sent_whole_code_quotients_near_a_step_as_the_reference(fused, fmt)
     of two hold, after their absmax, values whose quotients are a step moved by a random walk of up to 9 fp32 ulps.
     The test first checks that the product would code some of them otherwise, then that the dense pass's payload bytes
     and residual bits are the reference's. (A coder taking the product away from the steps and dividing near them
-    was tried: no faster, docs/kernels.md.)"""
+    was tried: no faster, results/kernels.md.)"""
     seed = int(torch.randint(0, 1 << 30, ()))
     g = torch.Generator().manual_seed(seed)
     gs, n_groups = 64, 48
