@@ -58,9 +58,8 @@ TRAIN_SCRIPT = ROOT / "examples" / "train_char_gpt.py"
 DDP_SCRIPT = ROOT / "benchmarks" / "ddp_powersgd.py"
 BASE_CONFIG = ROOT / "configs" / "zero3_p0_baseline.json"
 # stage3_prefetch_bucket_size of every ZeRO-3 configuration (--prefetch-bucket-size): about two of the model's
-# 6 x 1.77M-parameter layers' matrices, so that each gather overlaps the forward of the layer before. Measured at
-# 100 Mbit/s (one launch each, 2026-12-02): stock fp32 11.24 s -> 10.95 s, bf16 7.62 -> 7.42, the recommended Adam
-# setting 1.83 -> 1.53 (DeepSpeed's default, 5e7, gathers all 10.7M parameters at once before the first layer).
+# 6 x 1.77M-parameter layers' matrices, so that each gather overlaps the forward of the layer before (DeepSpeed's
+# default, 5e7, gathers all 10.7M parameters at once before the first layer; results/bench_time_to_target.md).
 PREFETCH_BUCKET_SIZE = 1_000_000
 
 

@@ -55,8 +55,7 @@ def remove_shm_buffers(port: int) -> None:
 # import itself did is shared. DGC_TEST_FRESH_RANKS=1, or extra_env (variables that may act at start-up, as
 # DEEPSPEED_DGC_AUTOLOAD does), starts fresh interpreters instead. As with any forkserver, each rank first imports
 # the launching process's __main__ as __mp_main__ (pytest's: harmless), so a script that calls launch() keeps its own
-# work under `if __name__ == "__main__":`. The full suite: 1188 s with fresh interpreters, 1009 s forked (2026-12-04);
-# 727 s with the Muon module in the preload (tests/workers/preload.py).
+# work under `if __name__ == "__main__":`. Forked ranks make the full suite markedly faster than fresh ones.
 PRELOAD = "tests.workers.preload"
 _server: Optional[multiprocessing.context.BaseContext] = None
 

@@ -5,8 +5,7 @@ beyond what the installed start-up hook loads in any interpreter.
 deepspeed.initialize imports the Muon module in every rank (``is_zero_supported_optimizer`` in
 deepspeed/runtime/zero/utils.py, DeepSpeed 0.19.8), and that module's ``torch.compile`` pulls in torch._dynamo and
 inductor: 2.6-4 s of each rank's CPU, paid in every launch. Imported here, it is paid once. It starts no thread, so the
-server still forks from a single thread. tests/distributed/test_momentum.py: 167 s without it, 65 s with it
-(2026-12-04, this 2-core host)."""
+server still forks from a single thread."""
 
 import torch  # noqa: F401
 import torch.distributed  # noqa: F401
