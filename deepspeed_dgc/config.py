@@ -198,7 +198,8 @@ class DGCConfig(BaseModel):
         "`\"exact\"`: payloads of the kept count (DGC's sampled threshold, varint or bitmap positions, a size exchange "
         "first); needed by `density: \"auto\"`, `threshold`, `threshold_reuse_steps`, `entropy_coding` and "
         "`index_coding`. `\"auto\"`: fixed on a GPU, exact on CPU (the fused CPU op codes it, and exact sizes are "
-        "smaller), and exact wherever one of those settings asks for it")
+        "smaller), and exact wherever one of those settings asks for it. `decoupled_momentum` and `shared_mask` "
+        "have payloads of their own: a `layout` other than `\"auto\"` is refused with them")
     capacity_factor: float = Field(
         2.0, ge=1.0, le=64.0, allow_inf_nan=False, description="fixed layout: each owner's slice of a sparsified "
         "tensor sends what reaches DGC's threshold up to `ceil(capacity_factor * density * c)` values, and always "

@@ -12,9 +12,12 @@ matrix it codes a bucket (:meth:`GradientMethod.layout`), so that the hierarchic
 that matrix. The owners' side (a replaced optimizer step, something done after each step) is the method's too:
 :meth:`~GradientMethod.install` and :meth:`~GradientMethod.after_step`.
 
-Adding a method: a module in this package defining a subclass of :class:`GradientMethod`, decorated with
-:func:`register` (its name and when the config asks for it), imported by the package's ``__init__``; its key in
-:mod:`deepspeed_dgc.config`. The reducer and the patches stay as they are.
+Adding a method: a module defining a subclass of :class:`GradientMethod`, decorated with :func:`register` (its name,
+when the config asks for it, and its order), imported on every rank before ``deepspeed.initialize`` (the package's
+``__init__`` imports the modules of this package). ``when`` reads the existing ``"dgc"`` keys: the config refuses
+unknown keys, so a method switched on by a key of its own also adds that key to :mod:`deepspeed_dgc.config`. The
+reducer and the patches stay as they are. A method that the hierarchical topology is to wrap says its owner matrix
+(:meth:`GradientMethod.layout`); one that does not is refused with that topology at initialize.
 """
 
 from dataclasses import dataclass, field
@@ -158,9 +161,26 @@ _WHEN: Dict[str, Tuple[Callable, int]] = {}
 def register(name: str, when: Callable[[object, str], bool],
              order: int = 0) -> Callable[[Type[GradientMethod]], Type[GradientMethod]]:
     """Class decorator: make a method available under ``name``, chosen for a ``"dgc"`` config and device type where
-    ``when(cfg, device_type)`` holds (of several, the highest ``order``: a momentum method before plain top-k)."""
+    ``when(cfg, device_type)`` holds (of several, the highest ``order``: a momentum method before plain top-k; two of
+    the highest order that both want a config are an error at initialize).
+
+    Raises:
+        ValueError: ``name`` is empty or already registered, ``when`` is not callable, ``order`` is not an int, or
+            the decorated class is not a :class:`GradientMethod`.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"register: a gradient method needs a non-empty name, got {name!r}")
+    if name in METHODS:
+        raise ValueError(f"register: a gradient method named {name!r} is registered already "
+                         f"({METHODS[name].__module__}.{METHODS[name].__qualname__})")
+    if not callable(when):
+        raise ValueError(f"register({name!r}): 'when' must be callable (cfg, device_type) -> bool, got {when!r}")
+    if not isinstance(order, int) or isinstance(order, bool):
+        raise ValueError(f"register({name!r}): 'order' must be an int, got {order!r}")
 
     def add(cls: Type[GradientMethod]) -> Type[GradientMethod]:
+        if not (isinstance(cls, type) and issubclass(cls, GradientMethod)):
+            raise ValueError(f"register({name!r}) decorates {cls!r}, not a GradientMethod subclass")
         cls.name = name
         METHODS[name] = cls
         _WHEN[name] = (when, order)
@@ -169,20 +189,43 @@ def register(name: str, when: Callable[[object, str], bool],
     return add
 
 
+def _wants(name: str, when: Callable, cfg, device_type: str) -> bool:
+    try:
+        return bool(when(cfg, device_type))
+    except Exception as e:
+        raise RuntimeError(f"the condition ('when') of gradient method {name!r} raised on this 'dgc' config: "
+                           f"{type(e).__name__}: {e}") from e
+
+
 def method_name(cfg, device_type: str) -> str:
     """The registered name of the method the ``"dgc"`` config asks for on gradients of ``device_type``.
 
     Raises:
-        ValueError: no registered method takes this config.
+        ValueError: no registered method takes this config, or two of the highest order do.
+        RuntimeError: a method's condition raised (named).
     """
-    wanted = [(order, name) for name, (when, order) in _WHEN.items() if when(cfg, device_type)]
+    wanted = [(order, name) for name, (when, order) in _WHEN.items() if _wants(name, when, cfg, device_type)]
     if not wanted:
         raise ValueError(f"no gradient method takes this 'dgc' config on {device_type!r}")
-    return max(wanted)[1]
+    top = max(order for order, _ in wanted)
+    names = sorted(name for order, name in wanted if order == top)
+    if len(names) > 1:
+        raise ValueError(f"gradient methods {names} (order {top}) all take this 'dgc' config on {device_type!r}: "
+                         "register one with a higher order, or narrow their conditions")
+    return names[0]
 
 
 def build(reducer, device_type: str, wrap: Optional[Callable] = None) -> GradientMethod:
     """The method for ``reducer``'s config on ``device_type`` (from :data:`METHODS`, which :mod:`deepspeed_dgc.methods`
-    fills), wrapped by ``wrap`` (the hierarchical topology) where given."""
+    fills), wrapped by ``wrap`` (the hierarchical topology) where given.
+
+    Raises:
+        ValueError: as :func:`method_name`; or ``wrap`` is given and the method has no :meth:`GradientMethod.layout`.
+    """
     method = METHODS[method_name(reducer.cfg, device_type)](reducer)
-    return wrap(reducer, method) if wrap is not None else method
+    if wrap is None:
+        return method
+    if type(method).layout is GradientMethod.layout:
+        raise ValueError(f"gradient method {method.name!r} says no owner matrix (GradientMethod.layout), which the "
+                         "hierarchical topology needs to hand it the node-level sums: use the flat topology with it")
+    return wrap(reducer, method)

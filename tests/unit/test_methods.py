@@ -47,3 +47,55 @@ def test_a_new_method_is_a_class_and_a_registration():
     finally:
         methods.METHODS.pop("test_only_dense_sum")
         base._WHEN.pop("test_only_dense_sum")
+
+
+@pytest.fixture
+def scratch_registry():
+    """The method table as it was, restored after the test (registrations made in it are dropped)."""
+    saved = dict(methods.METHODS), dict(base._WHEN)
+    yield
+    methods.METHODS.clear()
+    methods.METHODS.update(saved[0])
+    base._WHEN.clear()
+    base._WHEN.update(saved[1])
+
+
+class _DenseSum(methods.GradientMethod):
+    def reduce(self, bucket, exchange, A=None):
+        out = torch.cat([s.float().reshape(-1) for s in bucket.srcs]) / bucket.divisor
+        return methods.Reduced(out, list(out.split(bucket.numels)), True, out.numel())
+
+
+@pytest.mark.parametrize("name, when, order, match", [
+    ("topk_exact", lambda cfg, device: False, 0, "registered already"),
+    ("", lambda cfg, device: False, 0, "non-empty name"),
+    ("test_only_x", "stats_interval == 4321", 0, "must be callable"),
+    ("test_only_x", lambda cfg, device: False, 1.5, "must be an int"),
+])
+def test_a_registration_that_cannot_work_is_refused(scratch_registry, name, when, order, match):
+    with pytest.raises(ValueError, match=match):
+        methods.register(name, when, order)(_DenseSum)
+    assert methods.METHODS["topk_exact"].__name__ == "TopKExact"  # the built-in is still there
+
+
+def test_a_condition_that_raises_is_named(scratch_registry):
+    methods.register("test_only_raises", lambda cfg, device: cfg.no_such_key, order=100)(_DenseSum)
+    with pytest.raises(RuntimeError, match="'test_only_raises' raised .*AttributeError"):
+        methods.method_name(DGCConfig(enabled=True), "cpu")
+
+
+def test_two_methods_of_the_highest_order_are_an_error(scratch_registry):
+    methods.register("test_only_a", lambda cfg, device: cfg.stats_interval == 4321, order=100)(_DenseSum)
+    methods.register("test_only_b", lambda cfg, device: cfg.stats_interval == 4321, order=100)(_DenseSum)
+    with pytest.raises(ValueError, match=r"\['test_only_a', 'test_only_b'\] \(order 100\)"):
+        methods.method_name(DGCConfig(enabled=True, stats_interval=4321), "cpu")
+    assert methods.method_name(DGCConfig(enabled=True), "cpu") == "topk_exact"  # other configs unaffected
+
+
+def test_the_hierarchical_topology_refuses_a_method_without_a_layout(scratch_registry):
+    methods.register("test_only_dense_sum", lambda cfg, device: cfg.stats_interval == 4321, order=100)(_DenseSum)
+    flat = CompressedReduceScatter(DGCConfig(enabled=True, stats_interval=4321), ErrorFeedback("fp32"))
+    assert type(flat.method_for("cpu")) is _DenseSum
+    hier = DGCConfig(enabled=True, stats_interval=4321, topology="hierarchical")
+    with pytest.raises(ValueError, match="'test_only_dense_sum' says no owner matrix"):
+        methods.build(CompressedReduceScatter(hier, ErrorFeedback("fp32")), "cpu")
