@@ -42,7 +42,7 @@ demo: install
 
 # as root: a private network namespace with a tc-limited loopback (100 Mbit/s, 1 Gbit/s, unlimited), about 80 min
 bench: install
-	$(PY) benchmarks/bench_network.py --json runs/bench_network/results.json
+	$(PY) -m benchmarks.bench_network --json runs/bench_network/results.json
 
 # as root: time to the same loss (stock fp32's at step 100 of 200, and at step 30, which DDP + PowerSGD reaches) at
 # 100 Mbit/s, 1 Gbit/s and unlimited; 3 timing rounds of 6 steps (2 of 4 did not settle 5% on the unlimited link),
@@ -50,26 +50,26 @@ bench: install
 # BENCH_SEEDS=3: every loss run at 3 seeds, the tables comparing the means (the loss runs take BENCH_SEEDS times as long)
 BENCH_SEEDS ?= 1
 bench-target: install
-	$(PY) benchmarks/bench_network.py --rates 100mbit 1gbit --configs stock_fp32 stock_bf16 zeropp_like \
+	$(PY) -m benchmarks.bench_network --rates 100mbit 1gbit --configs stock_fp32 stock_bf16 zeropp_like \
 		ddp_powersgd int4_ef_wint4 dgc_adam_flat policy_auto --converge-steps 200 --eval-interval 10 \
 		--target-steps 100 30 --repeats 3 --timed-steps 6 --seeds $(BENCH_SEEDS) --out-dir runs/bench_ttt \
 		--json runs/bench_ttt/bench_time_to_target.json
 
 # as root: two nodes of two in a namespace, only the path between them limited (100 Mbit/s, 1 Gbit/s, unlimited)
 bench-nodes: install
-	OMP_NUM_THREADS=1 $(PY) benchmarks/bench_network.py --nodes 2x2 --rates 100mbit 1gbit --micro-batch 4 \
+	OMP_NUM_THREADS=1 $(PY) -m benchmarks.bench_network --nodes 2x2 --rates 100mbit 1gbit --micro-batch 4 \
 		--converge-steps 120 --eval-interval 20 --out-dir runs/bench_2x2 --json runs/bench_2x2/results.json
 
 # where one step's time goes (cProfile of one step, the network benchmark's model, stock and the recommended settings)
 profile: install
-	$(PY) benchmarks/profile_step.py
+	$(PY) -m benchmarks.profile_step
 
 # per-rank memory of the extension's state and ZeRO-3's own, flat and hierarchical (up to 8 CPU ranks, minutes)
 bench-memory: install
-	OMP_NUM_THREADS=1 $(PY) benchmarks/bench_memory.py --json runs/bench_memory/results.json
+	OMP_NUM_THREADS=1 $(PY) -m benchmarks.bench_memory --json runs/bench_memory/results.json
 
 bench-kernels: install
-	$(PY) benchmarks/bench_kernels.py --json runs/bench_kernels.json
+	$(PY) -m benchmarks.bench_kernels --json runs/bench_kernels.json
 
 report: install
 	$(PY) -m deepspeed_dgc report
@@ -79,7 +79,7 @@ report: install
 # launches per bucket, the CUDA op's GB/s; one table, under 8 minutes (benchmarks/gpu_check.py)
 GPU_PYTHON ?= python3
 gpu-check:
-	$(GPU_PYTHON) benchmarks/gpu_check.py
+	$(GPU_PYTHON) -m benchmarks.gpu_check
 
 clean:
 	rm -rf runs build *.egg-info .pytest_cache deepspeed_dgc/_prebuilt/*.so

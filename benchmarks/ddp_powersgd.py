@@ -7,7 +7,7 @@ optimizer (Adam), learning-rate warm-up and gradient clipping as ``examples/trai
 with ``configs/zero3_p0_baseline.json``; it writes the same summary fields that
 ``benchmarks/bench_network.py`` reads. Launch with 2 ranks (gloo), e.g.::
 
-    deepspeed --num_gpus 2 benchmarks/ddp_powersgd.py --max-steps 20
+    deepspeed --num_gpus 2 --module benchmarks.ddp_powersgd --max-steps 20
 
 DDP runs with one large bucket: with the default buckets the hook crashed on gloo (a collective
 size mismatch between ranks).
@@ -15,7 +15,6 @@ size mismatch between ranks).
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -24,10 +23,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-import train_char_gpt as job  # noqa: E402  (the model, data and evaluation of the main job)
-
-from deepspeed_dgc.comm.communicators import exit_without_finalization  # noqa: E402
+from deepspeed_dgc.comm.communicators import exit_without_finalization
+from examples import train_char_gpt as job  # the model, data and evaluation of the main job
 
 
 def parse_args() -> argparse.Namespace:

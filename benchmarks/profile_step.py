@@ -2,11 +2,12 @@
 
 Run from the repository root (``make profile``)::
 
-    python benchmarks/profile_step.py --configs stock_fp32 int4_ef_wint4 dgc_adam_flat
+    python -m benchmarks.profile_step --configs stock_fp32 int4_ef_wint4 dgc_adam_flat
 
-Each configuration (a name of ``benchmarks/bench_network.py``: the same ds_config, model and micro-batch) runs
-``--steps`` steps with ``deepspeed --num_gpus 2`` on the plain loopback (no rate limit); step ``--profile-step`` runs
-under cProfile on every rank (``examples/train_char_gpt.py --profile-step``). What is reported, rank 0:
+Each configuration (a name of the network benchmark's ``benchmarks/configs.py``: the same ds_config, model and
+micro-batch) runs ``--steps`` steps with ``deepspeed --num_gpus 2`` on the plain loopback (no rate limit); step
+``--profile-step`` runs under cProfile on every rank (``examples/train_char_gpt.py --profile-step``). What is
+reported, rank 0:
 
 - the median step time of the unprofiled steps after the first three (cProfile slows the profiled one);
 - the profiled step split by where DeepSpeed calls into it: the gradient reduce-scatter (stock's
@@ -32,9 +33,11 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.configs import BY_NAME, CONFIGS, ds_config_for  # the network benchmark's configurations
+from benchmarks.launcher import TRAIN_SCRIPT
+from benchmarks.report import machine
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import bench_network  # noqa: E402  (the configurations and their ds_config)
 
 # (label, where: (file name suffix, function name)): the largest cumulative time of the matches (alternatives, or one
 # calling the other), rank 0
@@ -54,7 +57,7 @@ SECTIONS = [
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", nargs="+", default=["stock_fp32", "int4_ef_wint4", "dgc_adam_flat"],
-                        help="configurations of benchmarks/bench_network.py")
+                        help="configurations of benchmarks/configs.py")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--profile-step", type=int, default=8)
     parser.add_argument("--micro-batch", type=int, default=8)
@@ -71,10 +74,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.steps < 6:
         parser.error(f"--steps {args.steps}: at least 6 (steps 1-3 build caches, then the profiled step and "
                      "unprofiled steps around it)")
-    unknown = [c for c in args.configs if c not in bench_network.BY_NAME or bench_network.BY_NAME[c].ddp]
+    unknown = [c for c in args.configs if c not in BY_NAME or BY_NAME[c].ddp]
     if unknown:
         parser.error(f"--configs: unknown (or not ZeRO-3) {unknown}; choose from "
-                     f"{[c.name for c in bench_network.CONFIGS if not c.ddp]}")
+                     f"{[c.name for c in CONFIGS if not c.ddp]}")
     if not 5 <= args.profile_step <= args.steps - 1:
         parser.error(f"--profile-step {args.profile_step}: must be 5 to --steps - 1 ({args.steps - 1}): steps 1-3 "
                      "build caches, and the median needs unprofiled steps on both sides")
@@ -83,15 +86,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def run(name: str, args: argparse.Namespace) -> dict:
     """One launch of ``name``; returns its summary. RuntimeError when it fails."""
-    config = bench_network.BY_NAME[name]
+    config = BY_NAME[name]
     out = args.out_dir
     (out / "configs").mkdir(parents=True, exist_ok=True)
     config_path = out / "configs" / f"{name}.json"
-    config_path.write_text(json.dumps(bench_network.ds_config_for(config, args.micro_batch), indent=2) + "\n")
+    config_path.write_text(json.dumps(ds_config_for(config, args.micro_batch), indent=2) + "\n")
     summary_path = out / f"{name}.summary.json"
     summary_path.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_addr", "127.0.0.1",
-           "--master_port", "29711", str(bench_network.TRAIN_SCRIPT), "--deepspeed_config", str(config_path),
+           "--master_port", "29711", str(TRAIN_SCRIPT), "--deepspeed_config", str(config_path),
            "--n-layer", "6", "--n-embd", "384", "--n-head", "6", "--block-size", "128", "--max-steps", str(args.steps),
            "--eval-interval", str(args.steps + 1), "--eval-batches", "1", "--profile-step", str(args.profile_step),
            "--profile-out", str(out / name), "--summary-json", str(summary_path)]
@@ -161,9 +164,9 @@ def main(argv=None) -> int:
                              step_times_s=times)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     meta = {"date": time.strftime("%Y-%m-%d", time.gmtime()),
-            "machine": bench_network.machine().replace("the namespace loopback", "the loopback"), "commit": commit,
+            "machine": machine().replace("the namespace loopback", "the loopback"), "commit": commit,
             "n_params": n_params, "steps": args.steps, "profile_step": args.profile_step,
-            "command": " ".join(["python", "benchmarks/profile_step.py"] + list(argv if argv is not None else sys.argv[1:]))}
+            "command": " ".join(["python", "-m", "benchmarks.profile_step"] + list(argv if argv is not None else sys.argv[1:]))}
     (args.out_dir / "profile.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
     table = markdown(results, meta)
     (args.out_dir / "profile.md").write_text(table)

@@ -15,7 +15,7 @@ unclassified and leaves unshaped. The two classes count the bytes that crossed b
 
 Usage (as root)::
 
-    python benchmarks/two_nodes.py --rate 100mbit [--mbytes 8]   # set up, verify both directions and a node-mate
+    python -m benchmarks.two_nodes --rate 100mbit [--mbytes 8]   # set up, verify both directions and a node-mate
                                                                  # pair with plain sockets, print, tear down
 """
 
@@ -31,10 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_network  # noqa: E402  (its Namespace, rate parsing and privilege check)
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-import train_char_gpt  # noqa: E402  (tc_class_bytes: the bytes a shaping class sent)
+from benchmarks import netlink  # the namespace, rate parsing and privilege check
 
 NODE_ADDRESSES = {"A": "127.0.1.1", "B": "127.0.2.1"}
 NODE_RANGES = {"A": "127.0.1.0/24", "B": "127.0.2.0/24"}
@@ -81,8 +78,8 @@ if rank == 0:
 
 
 def check_privileges() -> Optional[str]:
-    """Why two nodes cannot be made here, or None if they can: bench_network's needs (root, iproute2) and ``cc``."""
-    why = bench_network.check_privileges()
+    """Why two nodes cannot be made here, or None if they can: a namespace's needs (root, iproute2) and ``cc``."""
+    why = netlink.check_privileges()
     if why is None and shutil.which("cc") is None:
         why = "needs cc on PATH (it builds benchmarks/bindsrc.c)"
     return why
@@ -106,12 +103,12 @@ def build_shim(out_dir: str) -> str:
 
 
 def parse_rate_bits(rate: str) -> float:
-    """Bits per second of a tc rate (``100mbit``, ``1gbit``, ``500kbit``): :func:`bench_network.parse_rate_bits`.
+    """Bits per second of a tc rate (``100mbit``, ``1gbit``, ``500kbit``): :func:`netlink.parse_rate_bits`.
 
     Raises:
         ValueError: not such a rate.
     """
-    bits = bench_network.parse_rate_bits(rate)
+    bits = netlink.parse_rate_bits(rate)
     if bits is None:
         raise ValueError(f"{rate!r} is not a tc rate like 100mbit, 1gbit or 500kbit")
     return bits
@@ -130,7 +127,7 @@ class Transfer:
         return 8 * self.nbytes / self.seconds
 
 
-class TwoNodeLink(bench_network.Namespace):
+class TwoNodeLink(netlink.Namespace):
     """A namespace holding two nodes whose only path between them is shaped to ``rate`` in each direction.
 
     Args:
@@ -199,7 +196,10 @@ class TwoNodeLink(bench_network.Namespace):
         out = {f"{a}->{b}": 0 for a, b in SHAPED_CLASSES}
         if self.rate is None:
             return out
-        sent = train_char_gpt.tc_class_bytes(list(SHAPED_CLASSES.values()), "lo", self.name)
+        # the main job's reading of the classes' counters; imported here, as it imports torch and deepspeed, which
+        # setting up the link does not need
+        from examples.train_char_gpt import tc_class_bytes
+        sent = tc_class_bytes(list(SHAPED_CLASSES.values()), "lo", self.name)
         return {f"{a}->{b}": sent[c] for (a, b), c in SHAPED_CLASSES.items()}
 
     def node_env(self, node: str) -> Dict[str, str]:

@@ -1,4 +1,4 @@
-"""benchmarks/bench_network.py: the rate-limited namespace, its clean-up, one real launch inside it,
+"""benchmarks/bench_network.py and its modules: the rate-limited namespace, its clean-up, one real launch inside it,
 argument checks and the reduction of launches to speed-ups (the full benchmark is `make bench`)."""
 
 import json
@@ -12,12 +12,10 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import bench_network as bn  # noqa: E402
-import two_nodes as tn  # noqa: E402
+from benchmarks import bench_network as bn, configs, launcher, netlink, report, stats, two_nodes as tn
 
-needs_root = pytest.mark.skipif(bn.check_privileges() is not None, reason=f"bench_network: {bn.check_privileges()}")
+needs_root = pytest.mark.skipif(netlink.check_privileges() is not None,
+                                reason=f"bench_network: {netlink.check_privileges()}")
 
 # a TCP transfer between two addresses in one process, printing "seconds bytes" (benchmarks/two_nodes.py)
 SENDER = tn.TRANSFER
@@ -27,7 +25,7 @@ def _namespaces() -> str:
     return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
 
 
-def _transfer(ns: bn.Namespace, nbytes: int) -> tuple[float, int, int]:
+def _transfer(ns: netlink.Namespace, nbytes: int) -> tuple[float, int, int]:
     """(seconds, bytes received, loopback tx bytes) of one TCP transfer on 127.0.0.1 inside ``ns``."""
     counter = ns.prefix() + ["cat", "/sys/class/net/lo/statistics/tx_bytes"]
     before = int(subprocess.run(counter, capture_output=True, text=True, check=True).stdout)
@@ -41,7 +39,7 @@ def _transfer(ns: bn.Namespace, nbytes: int) -> tuple[float, int, int]:
 def test_namespace_limits_the_loopback_and_is_deleted():
     name = f"dgctest{uuid.uuid4().hex[:8]}"
     nbytes = 3_000_000
-    with bn.Namespace(name) as ns:
+    with netlink.Namespace(name) as ns:
         assert name in _namespaces()
         ns.set_rate("20mbit")
         limited_s, received, tx = _transfer(ns, nbytes)
@@ -59,7 +57,7 @@ def test_namespace_limits_the_loopback_and_is_deleted():
 def test_namespace_is_deleted_after_a_failure():
     name = f"dgctest{uuid.uuid4().hex[:8]}"
     with pytest.raises(RuntimeError, match="boom"):
-        with bn.Namespace(name) as ns:
+        with netlink.Namespace(name) as ns:
             ns.set_rate("1gbit")
             raise RuntimeError("boom")
     assert name not in _namespaces()
@@ -69,9 +67,9 @@ def test_namespace_is_deleted_after_a_failure():
 def test_one_launch_inside_the_namespace_records_steps_and_bytes(tmp_path):
     args = bn.parse_args(["--rates", "1gbit", "--out-dir", str(tmp_path), "--n-layer", "1", "--n-embd", "32",
                           "--n-head", "2", "--block-size", "32"])
-    with bn.Namespace(f"dgctest{uuid.uuid4().hex[:8]}") as ns:
+    with netlink.Namespace(f"dgctest{uuid.uuid4().hex[:8]}") as ns:
         ns.set_rate("1gbit")
-        summary = bn.launch(ns, bn.BY_NAME["int4_ef_wint4"], args, 3, 3, 1, "smoke")
+        summary = launcher.launch(ns, configs.BY_NAME["int4_ef_wint4"], args, 3, 3, 1, "smoke")
     assert len(summary["step_times_s"]) == 3 and min(summary["step_times_s"]) > 0
     assert len(summary["step_net_tx_bytes"]) == 3
     # the namespace counter sees at least what rank 0 sent through the extension (gradients and weights)
@@ -89,10 +87,10 @@ def test_two_node_launches_count_only_what_crosses_between_the_nodes(tmp_path):
     the hierarchical topology and hpZ over the node."""
     args = bn.parse_args(["--nodes", "2x2", "--rates", "1gbit", "--out-dir", str(tmp_path), "--n-layer", "1",
                           "--n-embd", "64", "--n-head", "2", "--block-size", "32"])
-    assert args.ranks_per_node == 2 and args.configs == [c.name for c in bn.NODE_CONFIGS]
+    assert args.ranks_per_node == 2 and args.configs == [c.name for c in configs.NODE_CONFIGS]
     with tn.TwoNodeLink("1gbit") as link:
-        hier = bn.launch(link, bn.BY_NAME["dgc_adam_hier"], args, 3, 3, 1, "hier")
-        stock = bn.launch(link, bn.BY_NAME["stock_fp32"], args, 3, 3, 1, "stock")
+        hier = launcher.launch(link, configs.BY_NAME["dgc_adam_hier"], args, 3, 3, 1, "hier")
+        stock = launcher.launch(link, configs.BY_NAME["stock_fp32"], args, 3, 3, 1, "stock")
     assert hier["world_size"] == 4 and len(hier["step_net_tx_bytes"]) == 3
     crossed = hier["dgc_stats"]["grad_inter_node_wire_bytes_total"] + hier["dgc_stats"]["param_inter_node_wire_bytes_total"]
     assert crossed > 0 and statistics.median(hier["step_net_tx_bytes"]) >= crossed / 3
@@ -131,8 +129,8 @@ def test_bad_arguments_are_named(argv, message, capsys):
 
 def test_stock_baselines_are_always_run():
     assert bn.parse_args(["--configs", "dgc_d001"]).configs == ["stock_fp32", "stock_bf16", "dgc_d001"]
-    assert bn.BY_NAME["dgc_auto"].dgc["density"] == "auto"
-    assert bn.parse_rate_bits("100mbit") == 1e8 and bn.parse_rate_bits("1gbit") == 1e9
+    assert configs.BY_NAME["dgc_auto"].dgc["density"] == "auto"
+    assert netlink.parse_rate_bits("100mbit") == 1e8 and netlink.parse_rate_bits("1gbit") == 1e9
 
 
 def _summary(val_losses, steps=20):
@@ -152,7 +150,7 @@ def test_analysis_takes_medians_of_same_round_ratios_and_the_time_to_the_stock_l
     rounds = [{"stock_fp32": (10.0, 1e8), "stock_bf16": (7.0, 7e7), "int4_ef_wint4": (2.0, 1e7)},
               {"stock_fp32": (20.0, 1e8), "stock_bf16": (14.0, 7e7), "int4_ef_wint4": (4.0, 1e7)},
               {"stock_fp32": (12.0, 1e8), "stock_bf16": (8.4, 7e7), "int4_ef_wint4": (2.4, 1e7)}]
-    results = bn.analyse(args, convergence, {"100mbit": rounds})
+    results = stats.analyse(args, convergence, {"100mbit": rounds})
     r = results["rates"]["100mbit"]
     assert r["int4_ef_wint4"]["speedup_vs_fp32"] == pytest.approx(5.0)
     assert r["int4_ef_wint4"]["speedup_vs_bf16"] == pytest.approx(3.5)
@@ -164,7 +162,7 @@ def test_analysis_takes_medians_of_same_round_ratios_and_the_time_to_the_stock_l
     # 1e7 bytes per step in 2.4 s of a 100 Mbit/s link: 1e7 / (1.25e7 x 2.4)
     assert r["int4_ef_wint4"]["link_utilisation"] == pytest.approx(1e7 / (1.25e7 * 2.4))
     assert results["configs"]["int4_ef_wint4"]["val_gap_pct"] == pytest.approx(100 * (2.35 - 2.4) / 2.4)
-    table = bn.markdown(args, results, {"date": "today", "machine": "here", "n_params": 1000})
+    table = report.markdown(args, results, {"date": "today", "machine": "here", "n_params": 1000})
     assert "| 5.00x | 3.50x |" in table and "not reached" in table
 
 
@@ -182,17 +180,17 @@ def test_the_loss_compared_is_the_whole_validation_splits_where_every_run_has_it
     own = 2.0 + rng.random()
     per_rate = {"100mbit": {"policy_auto": dict(_summary([[10, 3.0], [20, 2.9]]), holdout_val_loss=own)}}
     rounds = {"100mbit": [{n: (1.0, 1e6) for n in args.configs}]}
-    results = bn.analyse(args, convergence, rounds, per_rate)
+    results = stats.analyse(args, convergence, rounds, per_rate)
     assert results["loss_key"] == "holdout_val_loss" and results["holdout_tokens"] == 1024
     gap = results["configs"]["policy_auto"]["val_gap_pct"]
     assert gap == pytest.approx(100 * (holdout["policy_auto"] - holdout["stock_fp32"]) / holdout["stock_fp32"])
     assert results["configs"]["policy_auto"]["val_loss_last_evaluation"] == sampled["policy_auto"][-1][1]
     assert results["rates"]["100mbit"]["policy_auto"]["val_loss"] == own
-    assert "whole validation split (1,024 tokens)" in bn.markdown(args, results, {"date": "d", "machine": "m",
+    assert "whole validation split (1,024 tokens)" in report.markdown(args, results, {"date": "d", "machine": "m",
                                                                                "n_params": 1})
     # one run without it (a reused run of before --holdout-eval): the last periodic evaluation for all
     del per_rate["100mbit"]["policy_auto"]["holdout_val_loss"]
-    results = bn.analyse(args, convergence, rounds, per_rate)
+    results = stats.analyse(args, convergence, rounds, per_rate)
     assert results["loss_key"] == "final_val_loss"
     assert results["configs"]["stock_bf16"]["val_loss"] == sampled["stock_bf16"][-1][1]
     assert results["rates"]["100mbit"]["policy_auto"]["val_loss"] == 2.9
@@ -202,10 +200,10 @@ def test_reuse_convergence_takes_matching_runs_and_trains_the_missing(tmp_path):
     args = bn.parse_args(["--reuse-convergence", str(tmp_path), "--converge-steps", "80"])
     (tmp_path / "converge_stock_fp32.json").write_text(json.dumps({"steps": 80, "seed": 1234, "final_val_loss": 2.5}))
     (tmp_path / "converge_stock_bf16.json").write_text(json.dumps({"steps": 40, "seed": 1234}))
-    assert bn.reused(args, bn.BY_NAME["stock_fp32"])["final_val_loss"] == 2.5
-    assert bn.reused(args, bn.BY_NAME["dgc_auto"]) is None  # not in that run: trained
+    assert bn.reused(args, configs.BY_NAME["stock_fp32"])["final_val_loss"] == 2.5
+    assert bn.reused(args, configs.BY_NAME["dgc_auto"]) is None  # not in that run: trained
     with pytest.raises(SystemExit, match="steps 40"):
-        bn.reused(args, bn.BY_NAME["stock_bf16"])
+        bn.reused(args, configs.BY_NAME["stock_bf16"])
 
 
 def test_time_to_target_takes_stock_fp32s_loss_at_the_target_step_and_a_per_rate_configurations_own_run(tmp_path):
@@ -224,19 +222,19 @@ def test_time_to_target_takes_stock_fp32s_loss_at_the_target_step_and_a_per_rate
                "policy_auto": (2.5, 1e7)}]
     unlimited = [{"stock_fp32": (1.0, 1e8), "stock_bf16": (1.0, 7e7), "int4_ef_wint4": (1.1, 1e7),
                   "policy_auto": (1.0, 1e8)}]
-    results = bn.analyse(args, convergence, {"100mbit": rounds, bn.UNLIMITED: unlimited}, per_rate)
+    results = stats.analyse(args, convergence, {"100mbit": rounds, netlink.UNLIMITED: unlimited}, per_rate)
     assert results["target"] == {"step": 20, "loss": 2.5, "of": "stock_fp32"}
-    slow, fast = results["rates"]["100mbit"], results["rates"][bn.UNLIMITED]
+    slow, fast = results["rates"]["100mbit"], results["rates"][netlink.UNLIMITED]
     assert slow["stock_fp32"]["steps_to_target"] == 20 and slow["stock_fp32"]["time_to_target_s"] == 200.0
     assert slow["int4_ef_wint4"]["steps_to_target"] == 30 and slow["int4_ef_wint4"]["time_to_target_s"] == 60.0
     assert slow["int4_ef_wint4"]["time_to_target_vs_fp32"] == pytest.approx(0.3)
     assert slow["policy_auto"]["loss_run"] == "this rate" and slow["policy_auto"]["steps_to_target"] == 40
     assert slow["policy_auto"]["val_loss"] == 2.5 and slow["policy_auto"]["stock_buckets_total"] == 0
-    assert fast["policy_auto"]["loss_run"] == bn.UNLIMITED and fast["policy_auto"]["steps_to_target"] == 20
+    assert fast["policy_auto"]["loss_run"] == netlink.UNLIMITED and fast["policy_auto"]["steps_to_target"] == 20
     assert fast["policy_auto"]["link_utilisation"] is None
-    table = bn.markdown(args, results, {"date": "today", "machine": "here", "n_params": 1000})
+    table = report.markdown(args, results, {"date": "today", "machine": "here", "n_params": 1000})
     assert "| 30 | 60.0 | 0.30x |" in table and "| 2.5000* |" in table
-    bn.plot(args, results, tmp_path / "plot.png")
+    report.plot(args, results, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 10000
 
 
@@ -258,7 +256,7 @@ def test_several_targets_and_the_tables_made_again_from_an_earlier_runs_launches
                          ("int4_ef_wint4", [[10, 2.9], [20, 2.6], [30, 2.45], [40, 2.3]])]:
         (run / f"converge_{name}.json").write_text(json.dumps(_summary(losses, 40)))
     timing = {"100mbit": [{"stock_fp32": [10.0, 1e8], "stock_bf16": [7.0, 7e7], "int4_ef_wint4": [2.0, 1e7]}],
-              bn.UNLIMITED: [{"stock_fp32": [1.0, 1e8], "stock_bf16": [1.0, 7e7], "int4_ef_wint4": [1.1, 1e7]}]}
+              netlink.UNLIMITED: [{"stock_fp32": [1.0, 1e8], "stock_bf16": [1.0, 7e7], "int4_ef_wint4": [1.1, 1e7]}]}
     (run / "results.json").write_text(json.dumps({"meta": {"args": meta_args, "date": "d", "machine": "m",
                                                            "n_params": 10, "command": "python bench"},
                                                   "timing_rounds": timing}))
@@ -295,7 +293,7 @@ def test_several_seeds_compare_the_means_of_their_losses_and_reach_the_target_on
             curve = [[10, 2.5 + rng.random()], [20, 2.0 + rng.random()]]
             summary = dict(_summary(curve), seed=seed, holdout_val_loss=2.0 + rng.random(), holdout_tokens=4096)
             holdout[name, rate, seed], curves[name, rate, seed] = summary["holdout_val_loss"], curve
-            (run / f"{bn.converge_tag(bn.BY_NAME[name], rate, extra)}.json").write_text(json.dumps(summary))
+            (run / f"{bn.converge_tag(configs.BY_NAME[name], rate, extra)}.json").write_text(json.dumps(summary))
     timing = {"100mbit": [{n: [1.0 + i, 1e6] for i, n in enumerate(args.configs)}]}
     meta_args = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     (run / "results.json").write_text(json.dumps({"meta": {"args": meta_args, "date": "d", "machine": "m",
@@ -352,13 +350,13 @@ def test_several_seeds_compare_the_means_of_their_losses_and_reach_the_target_on
         bn.main(["--reanalyse", str(timed_only), "--out-dir", str(tmp_path / "out2")])
     # a seed's run that evaluated at other steps is refused, not averaged
     with pytest.raises(SystemExit, match="same steps"):
-        bn.mean_over_seeds([_summary([[10, 2.5], [20, 2.0]]), _summary([[10, 2.5]])])
+        stats.mean_over_seeds([_summary([[10, 2.5], [20, 2.0]]), _summary([[10, 2.5]])])
     # --reuse-convergence checks each run's own seed
     reuse = bn.parse_args(["--reuse-convergence", str(run), "--converge-steps", "20", "--seeds", "2"])
-    assert bn.reused(reuse, bn.BY_NAME["stock_fp32"], None, 1235)["seed"] == 1235
+    assert bn.reused(reuse, configs.BY_NAME["stock_fp32"], None, 1235)["seed"] == 1235
     (run / "converge_stock_fp32_seed1235.json").write_text(json.dumps(dict(_summary([[20, 2.0]]), seed=1234)))
     with pytest.raises(SystemExit, match="seed 1234"):
-        bn.reused(reuse, bn.BY_NAME["stock_fp32"], None, 1235)
+        bn.reused(reuse, configs.BY_NAME["stock_fp32"], None, 1235)
 
 
 def test_machine_names_the_cpu_model_clock_and_vector_width():
@@ -366,10 +364,10 @@ def test_machine_names_the_cpu_model_clock_and_vector_width():
     and the measured matmul rate is a positive number."""
     zen1 = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 23\nmodel\t\t: 1\nmodel name\t: AMD EPYC\n"
             "cpu MHz\t\t: 1996.249\nflags\t\t: fpu sse4_2 avx avx2 fma\n\nprocessor\t: 1\nmodel name\t: other\n")
-    assert bn.cpu_description(zen1) == "AMD EPYC (family 23 model 1, 1996 MHz, AVX2)"
+    assert report.cpu_description(zen1) == "AMD EPYC (family 23 model 1, 1996 MHz, AVX2)"
     zen4 = zen1.replace(": 1\nmodel name", ": 17\nmodel name").replace("cpu family\t: 23", "cpu family\t: 25") \
         .replace("fma", "fma avx512f").replace("1996.249", "2600.0")
-    assert bn.cpu_description(zen4) == "AMD EPYC (family 25 model 17, 2600 MHz, AVX-512)"
-    assert bn.cpu_description("flags: sse2\n") == "unknown CPU"
-    assert bn.cpu_description("model name\t: Some CPU\nflags\t: sse2 sse4_2\n") == "Some CPU (SSE4.2)"
-    assert 0 < bn.matmul_gflops(n=128, repeats=3) < 10_000
+    assert report.cpu_description(zen4) == "AMD EPYC (family 25 model 17, 2600 MHz, AVX-512)"
+    assert report.cpu_description("flags: sse2\n") == "unknown CPU"
+    assert report.cpu_description("model name\t: Some CPU\nflags\t: sse2 sse4_2\n") == "Some CPU (SSE4.2)"
+    assert 0 < report.matmul_gflops(n=128, repeats=3) < 10_000

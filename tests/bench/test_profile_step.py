@@ -1,14 +1,12 @@
 """benchmarks/profile_step.py: the breakdown of a profile into sections, on a profile of known functions."""
 import cProfile
 import importlib.util
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import profile_step as ps  # noqa: E402
+from benchmarks import profile_step as ps
 
 
 def _module(path: Path, source: str):

@@ -2,14 +2,10 @@
 unlimited; checked with plain sockets and with gloo ranks bound to their nodes' addresses (root only)."""
 
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import two_nodes as tn  # noqa: E402
+from benchmarks import two_nodes as tn
 
 needs_root = pytest.mark.skipif(tn.check_privileges() is not None, reason=f"two_nodes: {tn.check_privileges()}")
 RATE, LIMIT = "100mbit", 100e6
