@@ -12,8 +12,8 @@ both run with this tree's Python side, so a revision whose binding takes other a
 
 Usage::
 
-    python benchmarks/ab_kernels.py HEAD~1                  # HEAD~1's op (A) against the working tree's (B)
-    python benchmarks/ab_kernels.py HEAD~3 HEAD --formats int4 int2 --densities 1 --rounds 30
+    python -m benchmarks.ab_kernels HEAD~1                  # HEAD~1's op (A) against the working tree's (B)
+    python -m benchmarks.ab_kernels HEAD~3 HEAD --formats int4 int2 --densities 1 --rounds 30
 """
 
 import argparse
@@ -31,14 +31,11 @@ from unittest import mock
 
 import torch
 
+from benchmarks.bench_kernels import density_arg, keep_freed_memory, make_job, parse_size, timed
+from deepspeed_dgc.codec.formats import VALUE_BITS
+from deepspeed_dgc.codec.kernels import FusedCPUOps
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from bench_kernels import density_arg, keep_freed_memory, make_job, parse_size, timed  # noqa: E402
-
-from deepspeed_dgc.codec.formats import VALUE_BITS  # noqa: E402
-from deepspeed_dgc.codec.kernels import FusedCPUOps  # noqa: E402
 
 SOURCE_DIR = "csrc/dgc"
 

@@ -19,7 +19,7 @@ compute shows.
 
 Usage::
 
-    python benchmarks/bench_kernels.py [--device cpu|cuda] [--sizes 1M 4M 16M] [--formats int4 int2 ...]
+    python -m benchmarks.bench_kernels [--device cpu|cuda] [--sizes 1M 4M 16M] [--formats int4 int2 ...]
         [--densities 0.01 1] [--weight-formats int8 fp8_e4m3 int4] [--repeats 5] [--json PATH]
 """
 

@@ -2,7 +2,7 @@
 
 Run from the repository root (CPU ranks; ``make bench-memory``)::
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_memory.py --json runs/bench_memory/results.json --results results
+    OMP_NUM_THREADS=1 python -m benchmarks.bench_memory --json runs/bench_memory/results.json --results results
 
 What it does:
 
@@ -32,7 +32,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "examples"))
 
 BASE_CONFIG = ROOT / "configs" / "zero3_baseline.json"
 ADAM_CONFIG = ROOT / "configs" / "zero3_dgc_adam.json"
@@ -86,7 +85,7 @@ def worker(args) -> None:
 
     import deepspeed_dgc
     from deepspeed_dgc.telemetry import zero3_state_bytes
-    from train_char_gpt import CharGPT, get_batch, load_data
+    from examples.train_char_gpt import CharGPT, get_batch, load_data
 
     ds = json.loads(Path(args.worker_config).read_text())
     deepspeed.init_distributed()
@@ -119,7 +118,7 @@ def run_row(config: str, topology: str, args, port: int) -> dict:
     cfg_path = out / "ds_config.json"
     cfg_path.write_text(json.dumps(ds_config(config, topology, args.hier_storage), indent=2))
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(W), "--master_port", str(port),
-           str(Path(__file__).resolve()), "--worker-config", str(cfg_path), "--worker-out", str(out),
+           "--module", "benchmarks.bench_memory", "--worker-config", str(cfg_path), "--worker-out", str(out),
            "--steps", str(args.steps), "--seed", str(args.seed)]
     log = args.out_dir / "logs" / f"{config}_{topology}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -217,8 +216,8 @@ def main(argv=None) -> int:
         args.json.write_text(json.dumps({"rows": rows, "hier_storage": args.hier_storage, "steps": args.steps}, indent=2))
     if args.results:
         (args.results / "bench_memory.md").write_text(
-            "# Per-rank memory: the extension's state and ZeRO-3's own\n\n`OMP_NUM_THREADS=1 python "
-            "benchmarks/bench_memory.py --json runs/bench_memory/results.json --results results` (`make bench-memory`), "
+            "# Per-rank memory: the extension's state and ZeRO-3's own\n\n`OMP_NUM_THREADS=1 python -m "
+            "benchmarks.bench_memory --json runs/bench_memory/results.json --results results` (`make bench-memory`), "
             f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores.\n\n" + text)
     return 0
 

@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python benchmarks/study_convergence.py --json runs/study/results.json --results results
+    python -m benchmarks.study_convergence --json runs/study/results.json --results results
 
 Every setting trains ``examples/train_char_gpt.py`` with ``configs/zero3_baseline.json`` (char GPT
 of 0.8M parameters, Adam, 16 x 64 characters per rank per step) and a ``"dgc"`` section:
@@ -351,7 +351,7 @@ def main(argv=None) -> int:
     meta = {"date": time.strftime("%Y-%m-%d", time.gmtime(started)), "seed": args.seed, "ranks": args.num_gpus, "n_params": stock["n_params"],
             "machine": f"{__import__('os').cpu_count()} CPU cores, gloo", "elapsed_s": time.time() - started,
             "freeze_step": args.freeze_step,
-            "command": " ".join(["python", "benchmarks/study_convergence.py"] + list(argv if argv is not None else sys.argv[1:]))}
+            "command": " ".join(["python", "-m", "benchmarks.study_convergence"] + list(argv if argv is not None else sys.argv[1:]))}
     table = markdown(rows, meta)
     (args.out_dir / "study.md").write_text(table)
     plot(rows, args.out_dir / "study.png", args.steps)

@@ -3,8 +3,8 @@ runs of contiguous positions (``deepspeed_dgc.codec.selection.sample_indices``).
 
 Run from the repository root::
 
-    python benchmarks/study_threshold_sample.py --n-embd 512 --density 0.1
-    python benchmarks/study_threshold_sample.py --n-embd 768 --density 0.01
+    python -m benchmarks.study_threshold_sample --n-embd 512 --density 0.1
+    python -m benchmarks.study_threshold_sample --n-embd 768 --density 0.01
 
 One process, no DeepSpeed: the examples' char GPT (``examples/train_char_gpt.py``'s model, 4 layers) trained on the
 shipped Shakespeare text with Adam for ``--steps`` steps, each parameter's gradient plus its error-feedback residual
@@ -22,17 +22,12 @@ Printed per kind and per run length L that ``sample_indices`` uses for the tenso
 import argparse
 import math
 import sys
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
-sys.path.insert(0, str(ROOT))
-
-import train_char_gpt as gpt  # noqa: E402
-from deepspeed_dgc.codec.selection import (MIN_SAMPLE, run_length, sample_indices, sample_size,  # noqa: E402
-                                           target_count, topk_threshold)
+from deepspeed_dgc.codec.selection import (MIN_SAMPLE, run_length, sample_indices, sample_size, target_count,
+                                           topk_threshold)
+from examples import train_char_gpt as gpt
 
 
 def runs_of(m: int, length: int, gen: torch.Generator, stratified: bool = False) -> torch.Tensor:

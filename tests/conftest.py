@@ -1,29 +1,32 @@
+"""Session set-up of the tests. Their import roots (tests/workers, tests, the repository root) are pytest.ini's
+``pythonpath``."""
+
+import glob
 import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(HERE, "workers"))
+import pytest
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # DeepSpeed JIT-builds its CPU shared-memory comm op on the first init_distributed (make install builds it here
 # first: the Makefile's TEST_EXTENSIONS names this directory). Keep that build in this checkout: another venv sharing
 # ~/.cache/torch_extensions rebuilds it with its own include paths, and a build killed half-way leaves a lock that
 # makes every later launch wait forever. No build runs before the session starts, so a lock here is stale.
 EXT_DIR = os.path.join(ROOT, "build", "torch_extensions")
-# One ninja for every process: the multi-process tests put this environment's bin/ first on PATH
-# (for mpirun), and a build cache written by another ninja version counts as "command line
-# changed", so DeepSpeed's CPU comm op was rebuilt (about 35 s) each time the two alternated.
-os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-os.environ["TORCH_EXTENSIONS_DIR"] = EXT_DIR
-for dirpath, _, files in os.walk(EXT_DIR):
-    if "lock" in files:
-        os.unlink(os.path.join(dirpath, "lock"))
 
 
-import glob  # noqa: E402
+def pytest_configure(config):
+    """Before any test module is collected (so before anything imports DeepSpeed or starts a rank): the environment
+    every test process and its ranks inherit, and no stale build lock."""
+    # One ninja for every process: the multi-process tests put this environment's bin/ first on PATH
+    # (for mpirun), and a build cache written by another ninja version counts as "command line
+    # changed", so DeepSpeed's CPU comm op was rebuilt (about 35 s) each time the two alternated.
+    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    os.environ["TORCH_EXTENSIONS_DIR"] = EXT_DIR
+    for dirpath, _, files in os.walk(EXT_DIR):
+        if "lock" in files:
+            os.unlink(os.path.join(dirpath, "lock"))
 
-import pytest  # noqa: E402
 
 SHM_LEFTOVERS = ("/dev/shm/sm_segment.*", "/dev/shm/deepspeed_allreduce_buffer_*")
 

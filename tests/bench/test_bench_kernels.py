@@ -2,14 +2,10 @@
 and its refusals of arguments it cannot run with."""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import bench_kernels as bk  # noqa: E402
+from benchmarks import bench_kernels as bk
 
 
 def test_a_small_run_writes_the_table_and_same_bytes(tmp_path, capsys):

@@ -2,14 +2,10 @@
 the 70B projection uses (the full table is `make bench-memory`)."""
 
 import argparse
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import bench_memory as bm  # noqa: E402
+from benchmarks import bench_memory as bm
 
 HIER = {"ef": "fp8", "adam": "bf16"}
 

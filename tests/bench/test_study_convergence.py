@@ -1,17 +1,13 @@
 """The convergence study's driver: settings, argument errors and parallel launches (no training here)."""
 
 import json
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
+from benchmarks import study_convergence as sc
 from deepspeed_dgc.config import parse_dgc_config
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent / "benchmarks"))
-import study_convergence as sc  # noqa: E402
 
 
 def test_settings_hold_what_their_names_say():

@@ -4,7 +4,6 @@ test_launchers.py."""
 
 import json
 import os
-import sys
 import tempfile
 
 import pytest
@@ -12,9 +11,7 @@ import torch
 
 from deepspeed_dgc.codec.layout import padded_elements
 from dist_launch import ROOT, check_ok, launch
-
-sys.path.insert(0, os.path.join(ROOT, "examples"))
-from train_char_gpt import holdout_batches, load_data  # noqa: E402
+from examples.train_char_gpt import holdout_batches, load_data
 
 SUMMARY_KEYS = {
     "final_val_loss", "final_train_loss", "steps", "wall_s", "wire_bytes_total", "dense_fp32_bytes_total",
@@ -89,7 +86,7 @@ def test_holdout_batches_are_the_whole_split_in_consecutive_windows():
 def test_evaluation_runs_without_autograd(monkeypatch):
     """evaluate() scores under torch.no_grad: no graph is recorded (and ZeRO-3 registers no backward) for a forward
     whose loss is only read. One rank, the collective replaced by the identity."""
-    import train_char_gpt as job
+    from examples import train_char_gpt as job
     monkeypatch.setattr(job.dist, "get_rank", lambda: 0)
     monkeypatch.setattr(job.dist, "get_world_size", lambda: 1)
     monkeypatch.setattr(job.dist, "all_reduce", lambda t: t)

@@ -1,5 +1,6 @@
 """The repository's promises about itself: the config reference is current, the README is short, nothing points
-outside the repository, and the package's modules import each other without cycles."""
+outside the repository, the modules of the package, the benchmarks and the examples import each other without cycles,
+and no file edits the import path (the import roots are the repository root and pytest.ini's)."""
 
 import ast
 import os
@@ -10,6 +11,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 PACKAGE = ROOT / "deepspeed_dgc"
+# the packages importable from the repository root, whose modules the cycle check covers
+IMPORT_ROOTS = ("deepspeed_dgc", "benchmarks", "examples")
 
 
 def test_config_reference_is_current():
@@ -53,7 +56,7 @@ def _module_name(path: Path) -> str:
 
 
 def _imports(path: Path, modules) -> set:
-    """Modules of the package ``path`` imports (module level or inside functions), by name."""
+    """Modules of ``modules`` that ``path`` imports (module level or inside functions), by name."""
     name = _module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out = set()
@@ -70,10 +73,16 @@ def _imports(path: Path, modules) -> set:
     return {m for m in out if m in modules and m != name}
 
 
-def test_no_import_cycle_among_the_package_modules():
-    paths = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+def test_no_import_cycle_among_the_modules():
+    """No cycle among the modules of the package, the benchmarks and the examples (one graph: a benchmark importing
+    an example that imports the benchmark is a cycle too). Imports inside functions count: a cycle is not undone by
+    moving one of its imports into a function."""
+    paths = {_module_name(p): p for root in IMPORT_ROOTS for p in (ROOT / root).rglob("*.py")}
     graph = {name: _imports(path, paths) for name, path in paths.items()}
     assert graph["deepspeed_dgc.zero3.reduce_scatter"] >= {"deepspeed_dgc.codec.wire", "deepspeed_dgc.comm.topology"}
+    assert graph["benchmarks.bench_network"] >= {"benchmarks.configs", "benchmarks.launcher", "benchmarks.netlink",
+                                                 "benchmarks.report", "benchmarks.stats", "benchmarks.two_nodes"}
+    assert graph["benchmarks.ddp_powersgd"] >= {"examples.train_char_gpt"}
     state, cycle = {}, []
 
     def visit(node, stack):
@@ -89,6 +98,37 @@ def test_no_import_cycle_among_the_package_modules():
         if node not in state:
             visit(node, [node])
     assert not cycle, " -> ".join(cycle[0])
+
+
+# an edit of sys.path: a call of its list methods that change it (insert, append, ...), an assignment to it or to a
+# slice of it, +=
+SYS_PATH_EDIT = re.compile(r"\bsys\.path\s*(\.\s*(insert|append|extend|remove|pop|clear)\s*\("
+                           r"|(\[[^\]]*\]\s*)?\+?=(?!=))")
+# tests/dist_launch.py runs a worker script in a forked rank as Python would start it (its folder first); setup.py
+# imports op_builder while setuptools runs it
+MAY_EDIT_SYS_PATH = {"setup.py", "tests/dist_launch.py"}
+
+
+def test_no_file_edits_the_import_path():
+    """Modules import each other by their names from the repository root (``from benchmarks import configs``,
+    ``from examples.train_char_gpt import CharGPT``); the tests' further roots are pytest.ini's ``pythonpath``. No
+    Python file (generated source in strings included) changes ``sys.path`` besides :data:`MAY_EDIT_SYS_PATH`."""
+    files = [*ROOT.glob("*.py")] + [p for folder in ("deepspeed_dgc", "op_builder", "benchmarks", "examples", "tests")
+                                    for p in (ROOT / folder).rglob("*.py")]
+    hits = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}" for path in files
+            if str(path.relative_to(ROOT)) not in MAY_EDIT_SYS_PATH
+            for n, line in enumerate(path.read_text().splitlines(), 1) if SYS_PATH_EDIT.search(line)]
+    assert len(files) > 100 and not hits, hits
+
+
+def test_conftest_changes_nothing_at_import():
+    """tests/conftest.py's module level only defines: the environment it sets (PATH, TORCH_EXTENSIONS_DIR) and the
+    stale locks it deletes are a hook's work (``pytest_configure``), not an import's."""
+    tree = ast.parse((ROOT / "tests" / "conftest.py").read_text())
+    top = [node for node in tree.body if not isinstance(node, (ast.FunctionDef, ast.ClassDef))]
+    effects = [ast.unparse(node) for node in top for sub in ast.walk(node)
+               if isinstance(sub, ast.Attribute) and ast.unparse(sub) in ("os.environ", "sys.path", "os.unlink")]
+    assert not effects, effects
 
 
 def test_relative_links_resolve():

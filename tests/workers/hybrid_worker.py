@@ -5,18 +5,14 @@ engine's "dgc" config and the telemetry totals.
 """
 
 import argparse
-import os
 import sys
 
 import torch
 
+import deepspeed_dgc
 from common import finish, init
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
-from train_char_gpt import CharGPT, get_batch, load_data  # noqa: E402
-
-import deepspeed_dgc  # noqa: E402
-from deepspeed_dgc import HybridTrainer  # noqa: E402
+from deepspeed_dgc import HybridTrainer
+from examples.train_char_gpt import CharGPT, get_batch, load_data
 
 
 def main(argv=None):

@@ -105,8 +105,7 @@ def test_cuda_sources_compile_with_the_builders_flags(cuda_builder, jit_check, t
 
 
 CHECK_OP = """
-import sys, torch
-sys.path.insert(0, {root!r})
+import torch
 from tests.unit.codec.jobs import make_job, assert_same
 from deepspeed_dgc.codec.kernels import FusedCPUOps
 from deepspeed_dgc.codec.reference import REFERENCE
@@ -118,7 +117,7 @@ print("OP_FILE", op.__file__)
 
 
 def _start_check(load: str, env=None, cwd=ROOT) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", CHECK_OP.format(root=ROOT, load=load)], stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-c", CHECK_OP.format(load=load)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=cwd,
                             env=dict(os.environ, PYTHONPATH=ROOT, **(env or {})))
 
