@@ -13,7 +13,7 @@ install and only imports a prebuilt op that its own ``setup.py`` recorded
 
 Flags: the JIT build may use ``-march=native`` (it runs where it was built); a prebuilt module
 uses portable flags (x86-64-v2 at most, no ``-march=native``), and its passes over every element are also
-built for AVX2 and picked at load time where the CPU has it (GCC ``target_clones`` in ``dgc_cpu.cpp``; the same
+built for AVX2 and picked at load time where the CPU has it (GCC ``target_clones`` in ``csrc/dgc/cpu_*``; the same
 results: no contraction either way). Floating-point contraction is
 off everywhere (``-ffp-contract=off``, nvcc ``--fmad=false``), and the CUDA build drops DeepSpeed's
 ``--use_fast_math`` for IEEE division and square root without flush-to-zero (``EXACT_NVCC_MATH``), so
@@ -105,11 +105,13 @@ class _DGCBuilderMixin:
 
 
 class DGCCPUBuilder(_DGCBuilderMixin, CPUOpBuilder):
-    """OpenMP C++ build of ``csrc/dgc/dgc_cpu.cpp`` (``compress_bucket``, ``decode_add``, ``topk_threshold``)."""
+    """OpenMP C++ build of ``csrc/dgc/cpu_*.cpp`` (``compress_bucket``, ``decode_add``, ``topk_threshold``, the weights'
+    codes), one file per stage (``cpu_common.h`` lists them)."""
 
     BUILD_VAR = "DS_BUILD_DGC"
     NAME = "dgc_cpu_op"
-    SOURCES = ("dgc_cpu.cpp", )
+    SOURCES = ("cpu_threshold.cpp", "cpu_dense_pass.cpp", "cpu_compress.cpp", "cpu_decode.cpp", "cpu_residual_cache.cpp",
+               "cpu_weights.cpp", "cpu_bindings.cpp")
     ABI = 4  # every value format (compress_bucket and decode_add take it), weight quantize and dequantize
 
     def __init__(self):

@@ -242,7 +242,7 @@ def int1_mean(sums: torch.Tensor, small_sums: torch.Tensor, counts: torch.Tensor
     """INT1's group scales: ``sums / counts`` (fp32 sums of the groups' magnitudes, counts of their non-zeros,
     >= 1), and where a sum passed the largest float (finite magnitudes from about 2.7e36 in groups of 128)
     ``small_sums / counts * 2^64``, ``small_sums`` the sums of the magnitudes times ``INT1_DOWN``: finite, as the
-    mean is (``value_group_scale`` in csrc/dgc/dgc_cpu.cpp takes it the same way). Shapes broadcast; fp32."""
+    mean is (``value_group_scale`` in csrc/dgc/cpu_coders.h takes it the same way). Shapes broadcast; fp32."""
     return torch.where(torch.isinf(sums), small_sums / counts * INT1_UP, sums / counts)
 
 

@@ -1,6 +1,6 @@
 """The fused ops (C++/OpenMP on CPU, CUDA on GPU) and the choice between them and the reference.
 
-- :class:`FusedCPUOps` (``csrc/dgc/dgc_cpu.cpp``): one OpenMP pass over the dense data;
+- :class:`FusedCPUOps` (``csrc/dgc/cpu_*.cpp``): one OpenMP pass over the dense data;
 - :class:`FusedCUDAOps` (``csrc/dgc/dgc_cuda_fixed.cu``, ``dgc_cuda.cu``): the fixed layout's gather of a bucket,
   its scales, codes and packing in one kernel and its decode-and-sum in one, the weight codes; the selection of the
   kept values stays torch ops on the device (batched, :mod:`~deepspeed_dgc.codec.fixed`).

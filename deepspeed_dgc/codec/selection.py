@@ -4,7 +4,7 @@ Pure functions on tensors. DGC (Lin et al., "Deep Gradient Compression", ICLR 20
 section 3 and its appendix) samples about 1% of ``|acc|``, takes the top-k threshold of the sample, then
 corrects it towards the target count k: below 0.8 k kept it lowers the threshold (x 0.8, at most 10
 rounds), above 1.3 k it takes the exact k-th largest of what was kept. The fused ops compute the same
-values (``csrc/dgc/dgc_cpu.cpp``); these functions are the oracle.
+values (``csrc/dgc/cpu_threshold.cpp``); these functions are the oracle.
 """
 
 import math
