@@ -70,7 +70,10 @@ def build(src_dir: Path, label: str):
     out = ROOT / "build" / "ab_kernels" / name
     out.mkdir(parents=True, exist_ok=True)
     print(f"# {label}: {src_dir} -> module {name}", flush=True)
-    return load(name=name, sources=[str(src_dir / "dgc_cpu.cpp")], extra_include_paths=[str(src_dir)],
+    # the CPU op's sources as that tree has them: one file before the split by stage, the builder's list after
+    single = src_dir / "dgc_cpu.cpp"
+    sources = [single] if single.exists() else [src_dir / f for f in builder.SOURCES]
+    return load(name=name, sources=[str(f) for f in sources], extra_include_paths=[str(src_dir)],
                 extra_cflags=flags, extra_ldflags=builder.extra_ldflags(), build_directory=str(out), verbose=False)
 
 
