@@ -31,8 +31,8 @@ from unittest import mock
 
 import torch
 
-from benchmarks.bench_kernels import density_arg, keep_freed_memory, make_job, parse_size, timed
-from deepspeed_dgc.codec.formats import VALUE_BITS
+from benchmarks.bench_kernels import decode_fn, density_arg, keep_freed_memory, make_job, parse_size, timed
+from deepspeed_dgc.codec.formats import VALUE_BITS, WEIGHT_QMAX
 from deepspeed_dgc.codec.kernels import FusedCPUOps
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -77,26 +77,64 @@ def build(src_dir: Path, label: str):
                 extra_cflags=flags, extra_ldflags=builder.extra_ldflags(), build_directory=str(out), verbose=False)
 
 
+def timed_ab(fn_a, fn_b, clone, rounds: int) -> tuple:
+    """Median ms of A's, B's and a clone's times over ``rounds`` rounds (A first in even rounds, B first in odd ones)
+    and the median of the rounds' B/A ratios."""
+    ta, tb, tc = [], [], []
+    for k in range(rounds):
+        if k % 2 == 0:
+            a, b = timed(fn_a, "cpu"), timed(fn_b, "cpu")
+        else:
+            b, a = timed(fn_b, "cpu"), timed(fn_a, "cpu")
+        ta.append(a)
+        tb.append(b)
+        tc.append(timed(clone, "cpu"))
+    ms = {k: statistics.median(v) * 1e3 for k, v in (("a", ta), ("b", tb), ("clone", tc))}
+    return ms, statistics.median(y / x for x, y in zip(ta, tb))
+
+
 def compare(ops_a, ops_b, fmt: str, density: float, args) -> dict:
-    """One row: the medians of A's, B's and a clone's times and of the rounds' B/A ratios, and whether A and B
-    gave the same payload bytes and residual bits."""
+    """One compress row: the medians of A's, B's and a clone's times and of the rounds' B/A ratios, and whether A and
+    B gave the same payload bytes and residual bits."""
     job = make_job(args.size, args.world, "cpu", args.seed, fmt, density)
     out_a, out_b = ops_a.compress(job), ops_b.compress(job)
     same = all(torch.equal(x, y) for x, y in zip(out_a.payloads, out_b.payloads)) and all(
         torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(out_a.residuals, out_b.residuals))
+    ms, ratio = timed_ab(lambda: ops_a.compress(job), lambda: ops_b.compress(job), lambda: job.srcs[0].clone(),
+                         args.rounds)
+    return dict(stage="compress", format=fmt, density=density, ms=ms, b_over_a=ratio, same=same)
 
-    ta, tb, tc = [], [], []
-    for k in range(args.rounds):
-        if k % 2 == 0:
-            a, b = timed(lambda: ops_a.compress(job), "cpu"), timed(lambda: ops_b.compress(job), "cpu")
-        else:
-            b, a = timed(lambda: ops_b.compress(job), "cpu"), timed(lambda: ops_a.compress(job), "cpu")
-        ta.append(a)
-        tb.append(b)
-        tc.append(timed(lambda: job.srcs[0].clone(), "cpu"))
-    ms = {k: statistics.median(v) * 1e3 for k, v in (("a", ta), ("b", tb), ("clone", tc))}
-    return dict(format=fmt, density=density, ms=ms, b_over_a=statistics.median(y / x for x, y in zip(ta, tb)),
-                same=same)
+
+def compare_decode(ops_a, ops_b, fmt: str, density: float, args) -> dict:
+    """One decode row: row 0's payload decoded and added into a dense row by A and by B (the same sums?)."""
+    job = make_job(args.size, args.world, "cpu", args.seed, fmt, density)
+    payload = ops_a.compress(job).payloads[0]
+    (dec_a, out_a), (dec_b, out_b) = decode_fn(ops_a, job, payload), decode_fn(ops_b, job, payload)
+    dec_a()
+    dec_b()
+    same = torch.equal(out_a, out_b)
+    ms, ratio = timed_ab(dec_a, dec_b, lambda: job.srcs[0].clone(), args.rounds)
+    return dict(stage="decode", format=fmt, density=density, ms=ms, b_over_a=ratio, same=same)
+
+
+def compare_weights(ops_a, ops_b, wfmt: str, args) -> list:
+    """Two rows: a shard of fp32 weights quantized, and its codes dequantized into bf16, by A and by B."""
+    x = torch.randn(args.size, generator=torch.Generator().manual_seed(args.seed))
+    qa, qb = ops_a.quantize_weights(x, wfmt, 128), ops_b.quantize_weights(x, wfmt, 128)
+    outs = [torch.empty(args.size, dtype=torch.bfloat16) for _ in range(2)]
+    ops_a.dequantize_weights_into(outs[0], *qa, wfmt, 128)
+    ops_b.dequantize_weights_into(outs[1], *qa, wfmt, 128)
+    same_q = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(qa, qb))
+    same_d = torch.equal(outs[0].view(torch.uint8), outs[1].view(torch.uint8))
+    rows = []
+    for stage, fa, fb, same in (
+            ("quantize weights", lambda: ops_a.quantize_weights(x, wfmt, 128),
+             lambda: ops_b.quantize_weights(x, wfmt, 128), same_q),
+            ("dequantize weights", lambda: ops_a.dequantize_weights_into(outs[0], *qa, wfmt, 128),
+             lambda: ops_b.dequantize_weights_into(outs[1], *qa, wfmt, 128), same_d)):
+        ms, ratio = timed_ab(fa, fb, lambda: x.clone(), args.rounds)
+        rows.append(dict(stage=stage, format=wfmt, density=None, ms=ms, b_over_a=ratio, same=same))
+    return rows
 
 
 def main(argv=None) -> int:
@@ -109,6 +147,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=30, help="rounds per row, each calling A and B once (default 30)")
     ap.add_argument("--world", type=int, default=2, help="owners the tensor is split between (default 2)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--stages", nargs="+", choices=["compress", "decode", "weights"],
+                    default=["compress", "decode", "weights"], help="what to time (default all)")
+    ap.add_argument("--weight-formats", nargs="+", choices=list(WEIGHT_QMAX), default=list(WEIGHT_QMAX))
     ap.add_argument("--default-allocator", action="store_true",
                     help="keep glibc's defaults (by default freed memory is kept for reuse, as bench_kernels.py's "
                     "--reuse-freed-memory)")
@@ -126,16 +167,27 @@ def main(argv=None) -> int:
         ops_b = FusedCPUOps(build(dirs[1], f"B ({args.b or 'working tree'})"))
     print(f"# {args.size} elements, {args.world} owners, {torch.get_num_threads()} threads, {args.rounds} rounds, "
           "order alternating; ms are medians")
-    print("| format | density | A ms | B ms | clone ms | A / clone | B / clone | B / A (median of rounds) "
+    print("| stage | format | density | A ms | B ms | clone ms | A / clone | B / clone | B / A (median of rounds) "
           "| same bytes |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---|")
-    for fmt in args.formats:
-        for density in args.densities:
-            row = compare(ops_a, ops_b, fmt, density, args)
-            ms = row["ms"]
-            print(f"| {fmt} | {density:g} | {ms['a']:.2f} | {ms['b']:.2f} | {ms['clone']:.2f} | "
-                  f"{ms['a'] / ms['clone']:.2f}x | {ms['b'] / ms['clone']:.2f}x | {row['b_over_a']:.3f} | "
-                  f"{'yes' if row['same'] else 'NO'} |", flush=True)
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---|")
+
+    def rows():
+        for fmt in args.formats:
+            for density in args.densities:
+                if "compress" in args.stages:
+                    yield compare(ops_a, ops_b, fmt, density, args)
+                if "decode" in args.stages:
+                    yield compare_decode(ops_a, ops_b, fmt, density, args)
+        if "weights" in args.stages:
+            for wfmt in args.weight_formats:
+                yield from compare_weights(ops_a, ops_b, wfmt, args)
+
+    for row in rows():
+        ms = row["ms"]
+        density = "" if row["density"] is None else f"{row['density']:g}"
+        print(f"| {row['stage']} | {row['format']} | {density} | {ms['a']:.2f} | {ms['b']:.2f} | {ms['clone']:.2f} | "
+              f"{ms['a'] / ms['clone']:.2f}x | {ms['b'] / ms['clone']:.2f}x | {row['b_over_a']:.3f} | "
+              f"{'yes' if row['same'] else 'NO'} |", flush=True)
     return 0
 
 

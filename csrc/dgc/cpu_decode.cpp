@@ -206,52 +206,10 @@ std::vector<DecodeGroup> decode_groups(const std::vector<Run>& runs, const float
   return groups;
 }
 
-// What one payload's groups read: codes, scales (then the zero bitmap), positions; and the row they add into.
-struct DecodeInput {
-  const uint8_t* vals;
-  const float* sc;
-  const uint8_t* mask;
-  const Positions& pos;
-  float* out;
-  float unit[256];  // code -> value at scale 1 (exact: value = unit[code] * scale)
-};
-
-// The groups' values added at their columns, in parallel over groups, codes of B bits. One sender's positions are
-// distinct: groups add into disjoint elements. Per group, its values are decoded into a buffer first (the code width
-// a constant: loops without a branch per value), then added.
-template <int B>
-void add_groups(const DecodeInput& in, const std::vector<Run>& runs, const std::vector<DecodeGroup>& groups,
-                int64_t group_size, int64_t kept, bool masked) {
-  at::parallel_for(0, static_cast<int64_t>(groups.size()), 64, [&](int64_t lo, int64_t hi) {
-    thread_local std::vector<float> buf;  // (a group holds at most min(group_size, kept) values)
-    buf.resize(std::max<int64_t>(1, std::min(group_size, kept)));
-    float* __restrict v = buf.data();
-    for (int64_t gi = lo; gi < hi; ++gi) {
-      const DecodeGroup& gr = groups[gi];
-      const Run& run = runs[gr.run];
-      const int64_t len = gr.x1 - gr.x0;
-      const float scale = std::fabs(in.sc[gi]);
-      for (int64_t x = 0; x < len; ++x) v[x] = in.unit[dgc::unpack_code(in.vals, gr.v0 + x, B)] * scale;
-      if (masked && in.sc[gi] < 0.0f)  // a mixed group: zero where its bit is 0
-        for (int64_t x = 0; x < len; ++x) {
-          const int64_t mb = gr.mb0 + x;
-          if (!((in.mask[mb >> 3] >> (mb & 7)) & 1)) v[x] = 0.0f;
-        }
-      if (run.implied) {
-        float* __restrict dst = in.out + run.first + gr.x0;
-        for (int64_t x = 0; x < len; ++x) dst[x] += v[x];
-      } else {
-        const int64_t* __restrict at_ = in.pos.data() + run.first + gr.x0;
-        for (int64_t x = 0; x < len; ++x) in.out[at_[x]] += v[x];
-      }
-    }
-  });
-}
-
 }  // namespace
 
 // One sender's payload decoded and added into an owner's row: check_decode_args, decode_positions, segment_runs,
-// decode_groups, add_groups.
+// decode_groups, then its groups' values added (the loop as one lambda per code width, in parallel over groups).
 void decode_add(at::Tensor out, at::Tensor values, at::Tensor scales, at::Tensor index_bytes, int64_t kept,
                 int64_t n_indexed, std::vector<int64_t> seg_real, std::vector<int64_t> seg_chunks,
                 std::vector<bool> sparse, int64_t group_size, int64_t fmt) {
@@ -262,14 +220,45 @@ void decode_add(at::Tensor out, at::Tensor values, at::Tensor scales, at::Tensor
   const std::vector<DecodeGroup> groups = decode_groups(runs, sc, scales.numel(), group_size, fmt);
   if (values.numel() < dgc::packed_bytes(kept, fmt)) throw std::invalid_argument("too few value bytes");
   const bool masked = dgc::zero_masked(fmt);
-  DecodeInput in{values.data_ptr<uint8_t>(), sc, reinterpret_cast<const uint8_t*>(sc + groups.size()), pos,
-                 out.data_ptr<float>(), {}};
-  for (int c = 0; c < 256; ++c) in.unit[c] = dgc::decode_unit(static_cast<int>(fmt), static_cast<uint8_t>(c));
+  float* o = out.data_ptr<float>();
+  const uint8_t* vals = values.data_ptr<uint8_t>();
+  const uint8_t* mask = reinterpret_cast<const uint8_t*>(sc + groups.size());
+  float unit[256];  // code -> value at scale 1 (exact: value = unit[code] * scale)
+  for (int c = 0; c < 256; ++c) unit[c] = dgc::decode_unit(static_cast<int>(fmt), static_cast<uint8_t>(c));
+  // One sender's positions are distinct: groups add into disjoint elements. Per group, its values are decoded into
+  // v first (the code width a constant: loops without a branch per value), then added at their columns.
+  auto add_groups = [&](auto bits_tag) {
+    constexpr int B = decltype(bits_tag)::value;
+    at::parallel_for(0, static_cast<int64_t>(groups.size()), 64, [&](int64_t b, int64_t e) {
+      thread_local std::vector<float> buf;  // (a group holds at most min(group_size, kept) values)
+      buf.resize(std::max<int64_t>(1, std::min(group_size, kept)));
+      float* __restrict v = buf.data();
+      for (int64_t gi = b; gi < e; ++gi) {
+        const DecodeGroup& gr = groups[gi];
+        const Run& run = runs[gr.run];
+        const int64_t len = gr.x1 - gr.x0;
+        const float scale = std::fabs(sc[gi]);
+        for (int64_t x = 0; x < len; ++x) v[x] = unit[dgc::unpack_code(vals, gr.v0 + x, B)] * scale;
+        if (masked && sc[gi] < 0.0f)  // a mixed group: zero where its bit is 0
+          for (int64_t x = 0; x < len; ++x) {
+            const int64_t mb = gr.mb0 + x;
+            if (!((mask[mb >> 3] >> (mb & 7)) & 1)) v[x] = 0.0f;
+          }
+        if (run.implied) {
+          float* __restrict dst = o + run.first + gr.x0;
+          for (int64_t x = 0; x < len; ++x) dst[x] += v[x];
+        } else {
+          const int64_t* __restrict at_ = pos.data() + run.first + gr.x0;
+          for (int64_t x = 0; x < len; ++x) o[at_[x]] += v[x];
+        }
+      }
+    });
+  };
   switch (dgc::format_bits(fmt)) {
-    case 8: add_groups<8>(in, runs, groups, group_size, kept, masked); break;
-    case 4: add_groups<4>(in, runs, groups, group_size, kept, masked); break;
-    case 2: add_groups<2>(in, runs, groups, group_size, kept, masked); break;
-    default: add_groups<1>(in, runs, groups, group_size, kept, masked); break;
+    case 8: add_groups(std::integral_constant<int, 8>()); break;
+    case 4: add_groups(std::integral_constant<int, 4>()); break;
+    case 2: add_groups(std::integral_constant<int, 2>()); break;
+    default: add_groups(std::integral_constant<int, 1>()); break;
   }
 }
 
