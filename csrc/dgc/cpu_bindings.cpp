@@ -10,6 +10,8 @@
 // decode_add: parse one payload body and scatter-add its dequantized values into a dense
 //   fp32 partition.
 // topk_threshold: DGC's sampled top-k threshold (Lin et al., ICLR 2018, section 3 and appendix).
+#include <torch/extension.h>
+
 #include "cpu_common.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -12,7 +12,7 @@
 //   cpu_bindings.cpp        the Python module
 // dgc_math.h (shared with the CUDA op) holds the per-format math.
 #pragma once
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <ATen/Parallel.h>
 
