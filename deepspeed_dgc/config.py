@@ -205,7 +205,7 @@ class DGCConfig(BaseModel):
         "tensor sends what reaches DGC's threshold up to `ceil(capacity_factor * density * c)` values, and always "
         "carries that many slots (unused ones cost bytes). 2.0 kept the exact layout's loss on the main job; Ok-Topk's "
         "1.3 did not, because slices of one tensor differ (an attention projection's q, k and v); measured in "
-        "docs/methods.md")
+        "results/fixed_layout.md")
     error_feedback: bool = Field(True, description="carry what was not sent (unselected values and quantization "
                                  "error) to the next micro-step (Seide et al., Interspeech 2014)")
     residual_dtype: Literal["auto", "fp32", "bf16", "fp8"] = Field(
