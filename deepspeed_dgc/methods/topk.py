@@ -24,6 +24,18 @@ def _want_residual(cfg, bucket: Bucket, threshold) -> bool:
     return cfg.error_feedback and not (bucket.density >= 1.0 and bucket.quantization == "none" and threshold is None)
 
 
+def _value_format(bucket: Bucket) -> str:
+    """The format of the sent values (raw values keep INT4's tag: ``quantize`` says they are not coded)."""
+    return bucket.quantization if bucket.quantization != "none" else "int4"
+
+
+def _rounding_generator(reducer, bucket: Bucket, device) -> Optional[torch.Generator]:
+    """This rank's generator where stochastic rounding applies (INT4 and INT2), else None (to nearest)."""
+    if reducer.cfg.stochastic_rounding and bucket.quantization in ("int4", "int2"):
+        return reducer.generator(device)
+    return None
+
+
 @register("topk_exact", lambda cfg, device: cfg.layout_for(device) == "exact")
 class TopKExact(GradientMethod):
     """Payloads of exactly the kept values (varint or bitmap positions, entropy coding where asked), one uneven
@@ -81,7 +93,7 @@ class TopKExact(GradientMethod):
                           residual_numels=residual_numels, divisor=divisor, density=density, samples=[],
                           group_size=group_size, quantize=quantization != "none", value_dtype=bucket.comm_dtype,
                           fingerprint=bucket.fingerprint, want_residual=ef,
-                          value_format=quantization if quantization != "none" else "int4",
+                          value_format=_value_format(bucket),
                           index_coding=cfg.index_coding_for(density), threshold=threshold, raw_scale=bucket.loss_scale)
         if cfg.threshold_reuse_steps > 1 and threshold is None:
             job.reuse_thresholds = [r.reusable(k, density) for k in bucket.keys]
@@ -89,8 +101,7 @@ class TopKExact(GradientMethod):
                     for i, s in enumerate(bucket.sparse)]
         # positions of the threshold's sample, over the real elements (known from the shape)
         job.samples = draw_samples(job.real_totals(), estimate, density, r.generator(device), device)
-        if cfg.stochastic_rounding and quantization in ("int4", "int2"):
-            job.rounding_generator = r.generator(device)
+        job.rounding_generator = _rounding_generator(r, bucket, device)
         return job
 
     def _exchange(self, comm, payloads: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -117,10 +128,9 @@ class TopKFixed(GradientMethod):
     """
 
     def plan(self, bucket: Bucket, owners: Sequence[int]) -> fixed.FixedPlan:
-        quantize = bucket.quantization != "none"
-        return fixed.FixedPlan.build(bucket.numels, bucket.world, owners, bucket.sparse, bucket.density, quantize,
-                                     bucket.quantization if quantize else "int4", bucket.group_size, bucket.comm_dtype,
-                                     self.cfg.capacity_factor)
+        return fixed.FixedPlan.build(bucket.numels, bucket.world, owners, bucket.sparse, bucket.density,
+                                     bucket.quantization != "none", _value_format(bucket), bucket.group_size,
+                                     bucket.comm_dtype, self.cfg.capacity_factor)
 
     def layout(self, bucket, owners):
         return self.plan(bucket, owners).layout
@@ -153,8 +163,8 @@ class TopKFixed(GradientMethod):
             if on_exchanged is not None:
                 before = [r.memory.get(k) for k in bucket.keys]
             r.memory.add_block(bucket.keys, res_numels, L, A, ws)
-        rounding = r.generator(device) if cfg.stochastic_rounding and bucket.quantization in ("int4", "int2") else None
-        payloads = fixed.encode(A, plan, bucket.fingerprint, ws, bucket.loss_scale, r.generator(device), rounding, ops)
+        payloads = fixed.encode(A, plan, bucket.fingerprint, ws, bucket.loss_scale, r.generator(device),
+                                _rounding_generator(r, bucket, device), ops)
         if on_exchanged is not None and ef:
             on_exchanged(before, [L.flat_of(A, i, n) for i, n in enumerate(res_numels)])
         held = ef and r.memory.stage_block(bucket.keys, res_numels, L, A)
