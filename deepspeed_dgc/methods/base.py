@@ -99,6 +99,9 @@ class GradientMethod:
 
     name: ClassVar[str] = ""
     resolves_density: ClassVar[bool] = False  # a pending density: "auto" is estimated by the method itself
+    # on one node (nothing crosses a node) the hierarchical topology hands the node's sum to whole(); False: to
+    # reduce() over no network, for a method whose step depends on its own extraction (decoupled momentum)
+    whole_on_one_node: ClassVar[bool] = True
 
     def __init__(self, reducer):
         self.reducer = reducer

@@ -24,6 +24,8 @@ class DecoupledMomentumMethod(GradientMethod):
     """See the module docstring; ``reducer.momentum`` is its :class:`~deepspeed_dgc.memory.momentum.
     DecoupledMomentum` state."""
 
+    whole_on_one_node = False  # DeMo's step is the extraction's, also where nothing crosses a node
+
     def plan(self, bucket: Bucket) -> dct.ChunkPlan:
         cfg = self.reducer.momentum.cfg
         return dct.ChunkPlan(tuple(bucket.chunks), cfg.chunk, cfg.topk, cfg.transform, cfg.quantization, cfg.group_size)

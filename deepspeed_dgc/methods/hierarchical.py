@@ -67,6 +67,6 @@ class Hierarchical(GradientMethod):
         if bucket.density_pending and not self.inner.resolves_density:
             rows = [node_sum[:, node.cols[i]:node.cols[i] + c].reshape(-1) for i, c in enumerate(bucket.chunks)]
             r.resolve_density(inner, rows, inner.divisor, comms.inter)
-        if N == 1 and self.inner.name != "decoupled_momentum":  # nothing crosses a node: the node's sum sent whole
+        if N == 1 and self.inner.whole_on_one_node:  # nothing crosses a node: the node's sum sent whole
             return self.inner.whole(inner, node_sum, node)
         return self.inner.reduce(inner, Exchange(comms.inter if N > 1 else None, comms.node, owners), A=node_sum)
