@@ -96,8 +96,8 @@ class DecoupledMomentumConfig(BaseModel):
         "`\"adam\"`: the job's optimizer steps on `u` as its gradient")
     storage: Literal["fp32", "bf16"] = Field("fp32", description="storage of the local momentum between steps "
                                              "(4 or 2 bytes per parameter per rank); bf16 drops increments below 2^-9 "
-                                             "of the momentum, which costs loss on long runs (docs/methods.md, "
-                                             "decoupled momentum)")
+                                             "of the momentum, which costs loss on long runs "
+                                             "(results/study_convergence.md)")
 
     @model_validator(mode="after")
     def _sizes(self):
@@ -187,7 +187,7 @@ class DGCConfig(BaseModel):
     entropy_coding: Literal["none", "zlib"] = Field(
         "none", description="`\"zlib\"`: DEFLATE (level 1) of every gradient payload after quantization and index "
         "coding; lossless (training is bit-identical); it shrinks INT2 and INT4 codes of heavy-tailed values, INT1 "
-        "signs not at all (what it saved: docs/methods.md); runs on the host")
+        "signs not at all (what it saved: results/figures.md); runs on the host")
     group_size: int = Field(128, ge=2, le=1 << 20, multiple_of=2,
                             description="values per scale group (groups never span two tensors)")
     layout: Literal["auto", "fixed", "exact"] = Field(
@@ -212,7 +212,8 @@ class DGCConfig(BaseModel):
         "auto", description="storage of the residuals between steps: 4, 2 or about 1.03 bytes per element (fp8: e4m3 "
         "with an fp32 absmax scale per 128, as LoCo's 8-bit buffer, arXiv 2407.04480); the storage's own rounding "
         "is not fed back. `\"auto\"`: fp8, the cheapest storage that kept fp32's loss in the convergence studies, flat "
-        "and hierarchical (docs/methods.md, docs/multinode.md); fp32 with `momentum_correction`, which needs it")
+        "and hierarchical (results/study_convergence.md, results/multinode.md); fp32 with `momentum_correction`, "
+        "which needs it")
     residual_offload: bool = Field(
         False, description="keep the committed residuals in pinned host memory between steps (one buffer per "
         "parameter, reused); each is copied to the device when its bucket is compressed, so it lowers the memory "

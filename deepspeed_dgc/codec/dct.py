@@ -208,8 +208,8 @@ def unpack_uint(data: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     return torch.stack([(word >> (j * bits)) & mask for j in range(g)], dim=2).view(R, -1)[:, :n]
 
 
-# largest k whose top-k by k passes of argmax is faster than torch.topk (one CPU thread, 10.9M values in 64-wide
-# chunks: k = 2 takes 0.60x of torch.topk's time, 3 0.83x, 4 0.95x, 5 1.05x)
+# largest k for which k passes of argmax take less time than torch.topk of k in 64-wide chunks on one CPU thread
+# (at k = 5 torch.topk is the cheaper; the timings are in results/profile.md)
 ARGMAX_TOPK_MAX = 4
 
 

@@ -1,9 +1,10 @@
 """Entropy coding of whole payloads (``dgc.entropy_coding: "zlib"``): lossless, on the host.
 
 Quantized codes of gradients are far from uniform (most values fall in the inner levels of an
-absmax-scaled grid), so Huffman coding of their bytes saves 25-35% of INT2 and 10-25% of INT4 codes of
-heavy-tailed values (Gaussian to Student-t); random-looking parts (fp32 scales, INT1 signs) pass through
-at about their size. See results/study_convergence.md for what it saved in training.
+absmax-scaled grid), so Huffman coding of their bytes shrinks INT2 and INT4 codes of heavy-tailed values
+(Gaussian to Student-t; tests/unit/codec/test_entropy.py requires at least 15% and 5%); random-looking parts
+(fp32 scales, INT1 signs) pass through at about their size. What it saved on codes: results/figures.md; in
+training: results/study_convergence.md.
 """
 
 import zlib

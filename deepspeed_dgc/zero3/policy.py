@@ -1,11 +1,11 @@
 """``"dgc": {"policy": "auto"}``: per bucket, stock ZeRO-3's reduce-scatter or the compressed one, whichever the
 measurements say is faster on this job's link.
 
-Compression pays where the link is slow and costs where it is fast (results/bench_network.md: 5x faster per step at
-100 Mbit/s, 0.6x to 0.9x of stock on an unlimited loopback). The choice depends on the link, the device, the codec and
-the bucket's tensors, so it is measured, not guessed: when a bucket of a new shape is first reduced, and again every
-``policy_interval`` applied steps, every rank of the group times, on random tensors of exactly that bucket's sizes and
-on the same process group,
+Compression pays where the link is slow and costs where it is fast: its own coding time is only won back when the
+bytes it saves take longer to send (results/bench_network.md has both cases). The choice depends on the link, the
+device, the codec and the bucket's tensors, so it is measured, not guessed: when a bucket of a new shape is first
+reduced, and again every ``policy_interval`` applied steps, every rank of the group times, on random tensors of
+exactly that bucket's sizes and on the same process group,
 
 - **stock**: what ZeRO-3's reduce-scatter moves, an all-to-all of the partitions in the communication dtype plus
   the sum of the received ones;
