@@ -13,7 +13,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = os.path.join(ROOT, "tests", "workers")
@@ -184,6 +184,58 @@ def check_ok(results: List[RankResult]) -> None:
     """Assert every rank exited 0, showing the failing rank's stderr tail otherwise."""
     for r in results:
         assert r.returncode == 0, f"rank {r.rank} exited {r.returncode}:\n{r.stderr[-4000:]}"
+
+
+def launch_scenarios(jobs: Sequence[object], world: int = 2, timeout_s: float = 300.0, out: Optional[str] = None,
+                     extra_env=None) -> List[RankResult]:
+    """Launch ``world`` ranks of ``scenario_worker.py`` running ``jobs`` (dataclasses of ``tests/workers/scenarios``)
+    in turn in the same processes; the record of job i on rank r goes to ``out/rank<r>_<i>.pt`` (``out``: a new
+    temporary directory by default). Returns every rank's result without checking it.
+
+    Raises:
+        TimeoutError: some rank was still running after ``timeout_s`` seconds (a hang).
+    """
+    import torch
+
+    out = out or tempfile.mkdtemp()
+    torch.save(list(jobs), os.path.join(out, "jobs.pt"))
+    return launch(world, "scenario_worker.py", ["--out", out], timeout_s=timeout_s, extra_env=extra_env)
+
+
+def run_scenarios(jobs: Dict[str, object], world: int = 2, timeout_s: float = 300.0, out: Optional[str] = None,
+                  logs: bool = False, extra_env=None):
+    """One launch of ``world`` ranks running every job in turn (:func:`launch_scenarios`; the start-up of a launch,
+    most of a short test's time, is paid once), every rank checked to exit 0.
+
+    Args:
+        jobs: name -> job, run in this order.
+        out: directory for the jobs and records (a new temporary one by default).
+        logs: also return the launch's per-rank results (their output).
+
+    Returns:
+        name -> the record of every rank, in rank order (with ``logs``: that and the per-rank results).
+
+    Raises:
+        AssertionError: a rank exited with an error (its stderr's tail in the message).
+        TimeoutError: some rank was still running after ``timeout_s`` seconds.
+    """
+    import torch
+
+    out = out or tempfile.mkdtemp()
+    names = list(jobs)
+    ranks = launch_scenarios([jobs[name] for name in names], world, timeout_s, out, extra_env)
+    check_ok(ranks)
+    records = {name: [torch.load(os.path.join(out, f"rank{r}_{i}.pt"), weights_only=False) for r in range(world)]
+               for i, name in enumerate(names)}
+    return (records, ranks) if logs else records
+
+
+def run_scenario(job, world: int = 2, timeout_s: float = 240.0, out: Optional[str] = None, logs: bool = False,
+                 extra_env=None):
+    """The record of every rank (in rank order) of one job run by :func:`run_scenarios` (with ``logs``: and the
+    per-rank results)."""
+    records, ranks = run_scenarios({"run": job}, world, timeout_s, out, True, extra_env)
+    return (records["run"], ranks) if logs else records["run"]
 
 
 def mpirun_path() -> str:

@@ -13,10 +13,12 @@ import tempfile
 import pytest
 import torch
 
-from dist_launch import launch
+from dist_launch import launch_scenarios, run_scenario, run_scenarios
 from deepspeed_dgc.memory.error_feedback import ErrorFeedback
 
-from .test_engine import SPARSE, engine_argv, run_engine, run_engines
+from scenarios import Resume, SaveMidway, Train
+
+from .test_engine import SPARSE
 
 STEPS = 10
 MOMENTUM = {"dgc": dict(SPARSE, compressed_momentum={"freeze_step": 3, "quantization": "int2"})}
@@ -41,7 +43,8 @@ def uninterrupted():
     records per rank."""
     if "full" not in _SHARED:
         src = tempfile.mkdtemp()
-        _SHARED["full"] = (src, run_engine(out=src, steps=STEPS, ckpt=f"{src}/ckpt", save_at=5, config={"dgc": SPARSE}))
+        job = SaveMidway(steps=STEPS, ckpt=f"{src}/ckpt", save_at=5, config={"dgc": SPARSE})
+        _SHARED["full"] = (src, run_scenario(job, out=src))
     return _SHARED["full"]
 
 
@@ -55,7 +58,7 @@ def saved_at_step_5():
 
 def resume(out, config, world=2):
     """Load the latest checkpoint of ``out/ckpt`` and run steps 5..9; returns (records, launch results)."""
-    return run_engine(world, out=out, steps=STEPS, ckpt=f"{out}/ckpt", resume_at=5, config=config, logs=True)
+    return run_scenario(Resume(steps=STEPS, ckpt=f"{out}/ckpt", resume_at=5, config=config), world, out=out, logs=True)
 
 
 def test_resume_is_bit_identical():
@@ -68,13 +71,13 @@ def test_resume_is_bit_identical():
     second, _ = resume(out, {"dgc": SPARSE})
     for r in range(2):
         # new processes continue exactly where the first ones stopped
-        assert second[r]["losses"] == full[r]["losses"][5:]
-        for a, b in zip(second[r]["params"][-1], full[r]["params"][-1]):
+        assert second[r].losses == full[r].losses[5:]
+        for a, b in zip(second[r].params[-1], full[r].params[-1]):
             assert torch.equal(a, b)
-        assert second[r]["residuals"][-1].keys() == full[r]["residuals"][-1].keys()
-        for k in full[r]["residuals"][-1]:
-            assert torch.equal(second[r]["residuals"][-1][k], full[r]["residuals"][-1][k])
-        assert second[r]["stats"]["steps"] == STEPS
+        assert second[r].residuals[-1].keys() == full[r].residuals[-1].keys()
+        for k in full[r].residuals[-1]:
+            assert torch.equal(second[r].residuals[-1][k], full[r].residuals[-1][k])
+        assert second[r].stats["steps"] == STEPS
     # DeepSpeed's own files still load: the fp32 weights from the ZeRO checkpoint
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     state = get_fp32_state_dict_from_zero_checkpoint(f"{out}/ckpt")
@@ -87,14 +90,14 @@ def test_resume_after_building_another_model_first_is_bit_identical():
     Keyed by the parameters' names, the run continues bit-identically, as stock ZeRO-3 does."""
     _, full = uninterrupted()
     out = saved_at_step_5()
-    second, _ = run_engine(out=out, steps=STEPS, ckpt=f"{out}/ckpt", resume_at=5, config={"dgc": SPARSE},
-                           models_before=1, logs=True)
+    job = Resume(steps=STEPS, ckpt=f"{out}/ckpt", resume_at=5, config={"dgc": SPARSE}, models_before=1)
+    second, _ = run_scenario(job, out=out, logs=True)
     for r in range(2):
-        assert second[r]["losses"] == full[r]["losses"][5:]
-        assert all(torch.equal(a, b) for a, b in zip(second[r]["params"][-1], full[r]["params"][-1]))
-        res_a, res_b = second[r]["residuals"][-1], full[r]["residuals"][-1]
+        assert second[r].losses == full[r].losses[5:]
+        assert all(torch.equal(a, b) for a, b in zip(second[r].params[-1], full[r].params[-1]))
+        res_a, res_b = second[r].residuals[-1], full[r].residuals[-1]
         assert res_a.keys() == res_b.keys() and all(torch.equal(res_a[k], res_b[k]) for k in res_b)
-        assert second[r]["keys"] == ["l1.weight", "l1.bias", "ln.weight", "ln.bias", "l2.weight", "l2.bias"]
+        assert second[r].keys == ["l1.weight", "l1.bias", "ln.weight", "ln.bias", "l2.weight", "l2.bias"]
 
 
 def test_resume_with_int8_weights_and_padded_shards_is_bit_identical():
@@ -106,16 +109,16 @@ def test_resume_with_int8_weights_and_padded_shards_is_bit_identical():
     config = {"dgc": dict(SPARSE, weights={"quantization": "int8"}),
               "zero_optimization": {"stage3_prefetch_bucket_size": 0, "stage3_max_reuse_distance": 0}}
     out = tempfile.mkdtemp()
-    full = run_engine(out=out, steps=8, ckpt=f"{out}/ckpt", save_at=5, config=config, poison_padding=True)
-    clean = run_engine(steps=8, config=config)
-    second, _ = run_engine(out=out, steps=8, ckpt=f"{out}/ckpt", resume_at=5, config=config, logs=True)
+    full = run_scenario(SaveMidway(steps=8, ckpt=f"{out}/ckpt", save_at=5, config=config, poison_padding=True), out=out)
+    clean = run_scenario(Train(steps=8, config=config))
+    second, _ = run_scenario(Resume(steps=8, ckpt=f"{out}/ckpt", resume_at=5, config=config), out=out, logs=True)
     for r in range(2):
-        assert all(math.isfinite(x) for x in full[r]["losses"])
-        assert full[r]["losses"] == clean[r]["losses"]  # a quantizer that saw the padding would differ from step 1
-        assert all(torch.equal(a, b) for a, b in zip(full[r]["params"][-1], clean[r]["params"][-1]))
-        assert second[r]["losses"] == full[r]["losses"][5:]
-        assert all(torch.equal(a, b) for a, b in zip(second[r]["params"][-1], full[r]["params"][-1]))
-        assert full[r]["stats"]["param_wire_bytes_total"] < 0.3 * full[r]["stats"]["param_dense_fp32_bytes_total"]
+        assert all(math.isfinite(x) for x in full[r].losses)
+        assert full[r].losses == clean[r].losses  # a quantizer that saw the padding would differ from step 1
+        assert all(torch.equal(a, b) for a, b in zip(full[r].params[-1], clean[r].params[-1]))
+        assert second[r].losses == full[r].losses[5:]
+        assert all(torch.equal(a, b) for a, b in zip(second[r].params[-1], full[r].params[-1]))
+        assert full[r].stats["param_wire_bytes_total"] < 0.3 * full[r].stats["param_dense_fp32_bytes_total"]
 
 
 def test_checkpoint_without_dgc_state_says_residuals_restart():
@@ -126,8 +129,8 @@ def test_checkpoint_without_dgc_state_says_residuals_restart():
     second, results = resume(out, {"dgc": SPARSE})
     for r in range(2):
         assert "error-feedback residuals start at zero" in results[r].stderr + results[r].stdout
-        assert second[r]["residuals"][-1]  # training went on and built new residuals
-        assert second[r]["losses"] != full[r]["losses"][5:]  # the side-car is what makes resume exact
+        assert second[r].residuals[-1]  # training went on and built new residuals
+        assert second[r].losses != full[r].losses[5:]  # the side-car is what makes resume exact
 
 
 def test_dgc_checkpoint_into_a_run_without_dgc_says_what_is_ignored():
@@ -141,9 +144,9 @@ def test_dgc_checkpoint_into_a_run_without_dgc_says_what_is_ignored():
         log = results[r].stderr + results[r].stdout
         assert "this run has DGC off, so its error-feedback residuals are ignored" in log, log[-2000:]
         assert "dgc_state_dp_rank_" in log
-        assert second[r]["stats"] is None
-        assert second[r]["losses"][0] == full[r]["losses"][5]  # same weights at the start of step 6
-        assert second[r]["losses"][1:] != full[r]["losses"][6:]  # then stock ZeRO-3 reduces differently
+        assert second[r].stats is None
+        assert second[r].losses[0] == full[r].losses[5]  # same weights at the start of step 6
+        assert second[r].losses[1:] != full[r].losses[6:]  # then stock ZeRO-3 reduces differently
 
 
 def test_world_size_2_saved_loaded_at_3():
@@ -152,8 +155,8 @@ def test_world_size_2_saved_loaded_at_3():
     and split evenly, so the gradient not yet sent is conserved (up to the rounding of the default fp8 storage of
     each rank's share; the arithmetic is checked exactly in fp32 by tests/unit/zero3/test_checkpoint.py)."""
     out = saved_at_step_5()
-    refused = launch(3, "engine_worker.py", engine_argv(out, steps=STEPS, ckpt=f"{out}/ckpt", resume_at=5,
-                                                        config={"dgc": SPARSE}), timeout_s=240)
+    refused = launch_scenarios([Resume(steps=STEPS, ckpt=f"{out}/ckpt", resume_at=5, config={"dgc": SPARSE})], world=3,
+                               timeout_s=240, out=tempfile.mkdtemp())
     for r in refused:
         assert r.returncode != 0  # no hang, no silent partial load
     assert any("used a DP world size of 2 but the current world size is 3" in r.stderr for r in refused)
@@ -170,8 +173,8 @@ def test_world_size_2_saved_loaded_at_3():
     for r in range(3):
         log = results[r].stderr + results[r].stdout
         assert "saved at data-parallel world size 2, this run has 3: re-sharded" in log, log[-2000:]
-        assert len(third[r]["losses"]) == 5 and all(math.isfinite(x) for x in third[r]["losses"])
-    loaded = [third[r]["loaded_residuals"] for r in range(3)]
+        assert len(third[r].losses) == 5 and all(math.isfinite(x) for x in third[r].losses)
+    loaded = [third[r].loaded_residuals for r in range(3)]
     assert set(loaded[0]) == set(saved[0])
     for k in saved[0]:
         before = saved[0][k].double() + saved[1][k].double()
@@ -199,8 +202,8 @@ def local_momentum_runs():
     for world, cases in by_world.items():
         out = tempfile.mkdtemp()
         jobs = {case: dict(steps=STEPS, ckpt=f"{out}/{case}", config=LOCAL_MOMENTUM[case][0]) for case in cases}
-        full = run_engines({case: dict(job, save_at=5) for case, job in jobs.items()}, world=world)
-        second = run_engines({case: dict(job, resume_at=5) for case, job in jobs.items()}, world=world)
+        full = run_scenarios({case: SaveMidway(**job, save_at=5) for case, job in jobs.items()}, world=world)
+        second = run_scenarios({case: Resume(**job, resume_at=5) for case, job in jobs.items()}, world=world)
         runs.update({case: (full[case], second[case]) for case in cases})
     return runs
 
@@ -219,21 +222,21 @@ def test_resume_with_local_momentum_is_bit_identical(local_momentum_runs, case):
     config, world = LOCAL_MOMENTUM[case]
     full, second = local_momentum_runs[case]
     for r in range(world):
-        assert second[r]["losses"] == full[r]["losses"][5:]
-        assert all(torch.equal(a, b) for a, b in zip(second[r]["params"][-1], full[r]["params"][-1]))
-        res_a, res_b = second[r]["residuals"][-1], full[r]["residuals"][-1]
+        assert second[r].losses == full[r].losses[5:]
+        assert all(torch.equal(a, b) for a, b in zip(second[r].params[-1], full[r].params[-1]))
+        res_a, res_b = second[r].residuals[-1], full[r].residuals[-1]
         assert res_a.keys() == res_b.keys() and all(torch.equal(res_a[k], res_b[k]) for k in res_b)
         if world == 4:  # node-level: N x ceil(n / W) elements, 1/L of each parameter (plus padding)
-            node_level = res_b if config is MASK_HIER else full[r]["momenta"][-1]
-            for key, p in zip(full[r]["keys"], full[r]["params"][-1]):
+            node_level = res_b if config is MASK_HIER else full[r].momenta[-1]
+            for key, p in zip(full[r].keys, full[r].params[-1]):
                 assert node_level[key].numel() == 2 * -(-p.numel() // 4), key
         if config in (MASK, MASK_HIER):  # no local momentum; the residuals hold what the masks left
-            assert not second[r]["momenta"] and not full[r]["momenta"] and res_b
+            assert not second[r].momenta and not full[r].momenta and res_b
             continue
-        mom_a, mom_b = second[r]["momenta"][-1], full[r]["momenta"][-1]
+        mom_a, mom_b = second[r].momenta[-1], full[r].momenta[-1]
         assert mom_a.keys() == mom_b.keys() and mom_a
         assert all(torch.equal(mom_a[k], mom_b[k]) for k in mom_b)
         if config in (MOMENTUM, MOMENTUM_HIER):
-            assert second[r]["frozen"] and full[r]["frozen"]
+            assert second[r].frozen and full[r].frozen
         elif config in (MC, MC_HIER):  # momentum factor masking happened
             assert any(bool((v == 0).any()) for v in mom_b.values())

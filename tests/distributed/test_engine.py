@@ -1,7 +1,8 @@
 """ZeRO-3 through deepspeed.initialize in real processes: the seam against stock DeepSpeed, overflow, refused configs,
-ranks that disagree (tests/workers/engine_worker.py and config_worker.py)."""
+ranks that disagree (tests/workers/scenarios and config_worker.py)."""
 
 import csv
+import dataclasses
 import json
 import math
 import os
@@ -10,63 +11,32 @@ import tempfile
 import pytest
 import torch
 
-from dist_launch import check_ok, launch
+from dist_launch import check_ok, launch, run_scenario, run_scenarios
+from scenarios import Evaluate, Train
 
 LOSSLESS = {"enabled": True, "density": 1.0, "quantization": "none", "min_numel": 0}
 SPARSE = {"enabled": True, "density": 0.1, "quantization": "int4", "min_numel": 256, "stats_interval": 1}
-
-
-def engine_argv(out, **options):
-    """engine_worker.py's arguments: ``--key value`` per option (``config`` as JSON), ``--key`` for True."""
-    argv = ["--out", out]
-    for key, value in options.items():
-        flag = "--" + key.replace("_", "-")
-        if value is True:
-            argv.append(flag)
-        elif value is not None and value is not False:
-            argv += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
-    return argv
-
-
-def run_engine(world=2, timeout_s=240, out=None, logs=False, **options):
-    """engine_worker.py on ``world`` ranks with these options; the records of every rank (and with ``logs`` the
-    launch's per-rank results, holding their output)."""
-    runs, results = run_engines({"run": options}, world, timeout_s, out, logs=True)
-    return (runs["run"], results) if logs else runs["run"]
-
-
-def run_engines(jobs, world=2, timeout_s=300, out=None, logs=False):
-    """One launch of ``world`` ranks running every job (name -> :func:`run_engine`'s options) in turn in the same
-    processes (the start-up of a launch, most of a short test's time, is paid once): name -> the records of every
-    rank (and with ``logs`` the launch's per-rank results)."""
-    out = out or tempfile.mkdtemp()
-    names = list(jobs)
-    argv = ["--out", out, "--jobs", json.dumps([engine_argv(out, **jobs[name])[2:] for name in names])]
-    results = launch(world, "engine_worker.py", argv, timeout_s=timeout_s)
-    check_ok(results)
-    runs = {name: [torch.load(f"{out}/rank{r}_{i}.pt") for r in range(world)] for i, name in enumerate(names)}
-    return (runs, results) if logs else runs
 
 
 @pytest.mark.parametrize("comm", [{}, {"communication_data_type": "bf16"}], ids=["fp32comm", "bf16comm"])
 def test_lossless_bit_identical_to_stock(comm):
     """density 1 + no quantization, gradient accumulation 2, 4 steps: same losses, full gradients and fp32
     parameters as stock ZeRO-3, bit for bit (fp32 or bf16 communication)."""
-    runs = run_engines({"stock": dict(config=comm, gas=2), "ours": dict(config=dict(comm, dgc=LOSSLESS), gas=2)})
+    runs = run_scenarios({"stock": Train(config=comm, gas=2), "ours": Train(config=dict(comm, dgc=LOSSLESS), gas=2)})
     stock, ours = runs["stock"], runs["ours"]
     for r in range(2):
-        assert ours[r]["losses"] == stock[r]["losses"]
-        for step, (a, b) in enumerate(zip(ours[r]["grads"], stock[r]["grads"])):
+        assert ours[r].losses == stock[r].losses
+        for step, (a, b) in enumerate(zip(ours[r].grads, stock[r].grads)):
             for x, y in zip(a, b):
                 assert torch.equal(x, y), f"rank {r} step {step}: gradients differ"
-        for step, (a, b) in enumerate(zip(ours[r]["params"], stock[r]["params"])):
+        for step, (a, b) in enumerate(zip(ours[r].params, stock[r].params)):
             for x, y in zip(a, b):
                 assert torch.equal(x, y), f"rank {r} step {step}: parameters differ"
         # parameters moved, so the comparison is not between two untouched models
-        assert not torch.equal(stock[r]["params"][0][0], stock[r]["params"][-1][0])
-        stats = ours[r]["stats"]
+        assert not torch.equal(stock[r].params[0][0], stock[r].params[-1][0])
+        stats = ours[r].stats
         # every micro-step of every step went through our reduce-scatter: stock's fp32 bytes for all parameters
-        n_params = sum(p.numel() for p in ours[r]["params"][0])
+        n_params = sum(p.numel() for p in ours[r].params[0])
         assert stats["dense_fp32_bytes_total"] == 4 * 2 * n_params * 4 / 2
         assert stats["steps"] == 4 and stats["wire_bytes_total"] > 0
 
@@ -77,30 +47,30 @@ def test_lossless_bit_identical_to_stock_for_every_reduce_path(reduce_scatter, c
     false and contiguous gradients, stock all-reduces each bucket instead: that path is compressed too): lossless
     DGC gives stock's losses, gradients and parameters bit for bit, and every step's gradients went through it."""
     zero = {"reduce_scatter": reduce_scatter, "contiguous_gradients": contiguous}
-    runs = run_engines({"stock": dict(config={"zero_optimization": zero}, gas=2),
-                        "ours": dict(config={"zero_optimization": zero, "dgc": LOSSLESS}, gas=2)})
+    runs = run_scenarios({"stock": Train(config={"zero_optimization": zero}, gas=2),
+                          "ours": Train(config={"zero_optimization": zero, "dgc": LOSSLESS}, gas=2)})
     stock, ours = runs["stock"], runs["ours"]
     for r in range(2):
-        assert ours[r]["losses"] == stock[r]["losses"]
-        for a, b in zip(ours[r]["grads"] + ours[r]["params"], stock[r]["grads"] + stock[r]["params"]):
+        assert ours[r].losses == stock[r].losses
+        for a, b in zip(ours[r].grads + ours[r].params, stock[r].grads + stock[r].params):
             assert all(torch.equal(x, y) for x, y in zip(a, b))
-        n_params = sum(p.numel() for p in ours[r]["params"][0])
-        assert ours[r]["stats"]["dense_fp32_bytes_total"] == 4 * 2 * n_params * 4 / 2
+        n_params = sum(p.numel() for p in ours[r].params[0])
+        assert ours[r].stats["dense_fp32_bytes_total"] == 4 * 2 * n_params * 4 / 2
 
 
 def test_an_engine_without_optimizer_runs_with_quantized_weights():
     """No optimizer (inference, evaluation): initialize runs, says gradient compression has nothing to do, and the
     weight all-gather of the forward passes is INT8 (a quarter of the bytes, losses within 1% of stock's, not equal)."""
     zero = {"zero_optimization": {"stage3_prefetch_bucket_size": 0, "stage3_max_reuse_distance": 0}, "optimizer": None}
-    stock = run_engine(config=zero, eval_only=True)
-    ours, results = run_engine(config=dict(zero, dgc=dict(SPARSE, weights={"quantization": "int8"})), eval_only=True,
-                               logs=True)
+    stock = run_scenario(Evaluate(config=zero))
+    ours, results = run_scenario(Evaluate(config=dict(zero, dgc=dict(SPARSE, weights={"quantization": "int8"}))),
+                                 logs=True)
     assert "gradient compression has nothing to do" in results[0].stdout + results[0].stderr
     for r in range(2):
-        assert ours[r]["optimizer_type"] == "DeepSpeedZeRoOffload"
-        assert ours[r]["losses"] != stock[r]["losses"]
-        assert all(abs(a - b) <= 0.01 * abs(b) for a, b in zip(ours[r]["losses"], stock[r]["losses"]))
-        stats = ours[r]["stats"]
+        assert ours[r].optimizer_type == "DeepSpeedZeRoOffload"
+        assert ours[r].losses != stock[r].losses
+        assert all(abs(a - b) <= 0.01 * abs(b) for a, b in zip(ours[r].losses, stock[r].losses))
+        stats = ours[r].stats
         assert 0.25 <= stats["param_wire_bytes_total"] / stats["param_dense_fp32_bytes_total"] <= 0.27
         assert stats["wire_bytes_total"] == 0
 
@@ -110,23 +80,23 @@ def test_an_engine_without_optimizer_runs_with_quantized_weights():
 def test_lossless_matches_stock_within_rounding(world, dgc):
     """At 3 ranks, or 4 ranks as 2 nodes of 2 (a sum inside each node, then across nodes), the summation order
     differs from gloo's, so equality is within float32 rounding."""
-    runs = run_engines({"stock": dict(gas=2), "ours": dict(gas=2, config={"dgc": dgc})}, world=world)
+    runs = run_scenarios({"stock": Train(gas=2), "ours": Train(gas=2, config={"dgc": dgc})}, world=world)
     stock, ours = runs["stock"], runs["ours"]
     for r in range(world):
-        for a, b in zip(ours[r]["losses"], stock[r]["losses"]):
+        for a, b in zip(ours[r].losses, stock[r].losses):
             assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
-        for step, (a, b) in enumerate(zip(ours[r]["grads"], stock[r]["grads"])):
+        for step, (a, b) in enumerate(zip(ours[r].grads, stock[r].grads)):
             for x, y in zip(a, b):
                 torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-7)
         # Adam divides by sqrt(v): on a coordinate whose gradient is near zero a rounding difference of the sum
         # becomes a larger difference of its step (1.7e-6 was seen once at 4 ranks); a wrong reduction moves
         # parameters by about lr = 1e-2 per step, far outside this bound
-        for x, y in zip(ours[r]["params"][-1], stock[r]["params"][-1]):
+        for x, y in zip(ours[r].params[-1], stock[r].params[-1]):
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
-        assert not torch.equal(stock[r]["params"][0][0], stock[r]["params"][-1][0])
+        assert not torch.equal(stock[r].params[0][0], stock[r].params[-1][0])
         if dgc.get("topology") == "hierarchical":  # the two hops really ran
-            assert ours[r]["stats"]["grad_intra_node_wire_bytes_total"] > 0
-            assert ours[r]["stats"]["grad_inter_node_wire_bytes_total"] > 0
+            assert ours[r].stats["grad_intra_node_wire_bytes_total"] > 0
+            assert ours[r].stats["grad_inter_node_wire_bytes_total"] > 0
 
 
 @pytest.mark.parametrize("autoload", ["1", "0"], ids=["hook", "hook-off"])
@@ -152,10 +122,11 @@ def test_a_dgc_section_takes_effect_without_importing_the_package(autoload):
 def test_the_warm_up_counts_steps_taken_not_skipped():
     """warmup_dense_steps 3 with step 1 skipped (an Inf on rank 1): steps 0-3 are sent dense (step 3 is only the third
     step taken), step 4 at density 0.1."""
-    ranks = run_engine(steps=5, inf_at=1, config={"dgc": dict(SPARSE, warmup_dense_steps=3), "bf16": {"enabled": True}})
+    ranks = run_scenario(Train(steps=5, inf_at=1, config={"dgc": dict(SPARSE, warmup_dense_steps=3),
+                                                          "bf16": {"enabled": True}}))
     for rec in ranks:
-        assert rec["skipped"] == [0, 1, 1, 1, 1]
-        d = rec["density"]
+        assert rec.skipped == [0, 1, 1, 1, 1]
+        d = rec.density
         assert (d[0], d[2], d[3]) == (1.0, 1.0, 1.0) and d[4] < 0.2, d  # (step 1: 1.0 or nothing, by rank)
 
 
@@ -164,33 +135,34 @@ def test_a_parameter_frozen_mid_run_gives_up_its_residual():
     error feedback held back for it can never be applied: its weights no longer change), the extension's state
     shrinks by its share, and the other parameters keep theirs. l1.weight is frozen, not unused: a parameter unused
     in some steps keeps its residual (tests/distributed/test_odd_models.py)."""
-    ranks = run_engine(steps=6, freeze_at=3, config={"dgc": SPARSE})
+    ranks = run_scenario(Train(steps=6, freeze_at=3, config={"dgc": SPARSE}))
     for rec in ranks:
-        assert all("l1.weight" in res for res in rec["residuals"][:3])
-        assert all("l1.weight" not in res for res in rec["residuals"][3:])
-        assert all(set(res) >= {"l1.bias", "l2.weight"} for res in rec["residuals"])
-        assert rec["state_bytes"][3] < rec["state_bytes"][2]
+        assert all("l1.weight" in res for res in rec.residuals[:3])
+        assert all("l1.weight" not in res for res in rec.residuals[3:])
+        assert all(set(res) >= {"l1.bias", "l2.weight"} for res in rec.residuals)
+        assert rec.state_bytes[3] < rec.state_bytes[2]
 
 
 OVERFLOW = {
-    "fp16": dict(config={"dgc": SPARSE, "fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1,
-                                                   "loss_scale_window": 1000}}, allow_fp16=True),
-    "bf16_offload": dict(config={"dgc": dict(SPARSE, residual_offload=True), "bf16": {"enabled": True},
-                                 "csv_monitor": {"enabled": True, "job_name": "monitor"}}),
-    "bf16_momentum": dict(config={"dgc": dict(SPARSE, compressed_momentum={"freeze_step": 1, "quantization": "int2"}),
-                                  "bf16": {"enabled": True}}),
-    # decoupled_momentum keeps no residual: its momenta roll back
-    "bf16_decoupled": dict(config={"dgc": {"enabled": True, "decoupled_momentum": {"chunk": 16, "topk": 3,
-                                                                                    "quantization": "int2"}},
+    "fp16": Train(config={"dgc": SPARSE, "fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1,
+                                                    "loss_scale_window": 1000}}, allow_fp16=True),
+    "bf16_offload": Train(config={"dgc": dict(SPARSE, residual_offload=True), "bf16": {"enabled": True},
+                                  "csv_monitor": {"enabled": True, "job_name": "monitor"}}),
+    "bf16_momentum": Train(config={"dgc": dict(SPARSE, compressed_momentum={"freeze_step": 1, "quantization": "int2"}),
                                    "bf16": {"enabled": True}}),
-    # 4 ranks as 2 nodes of 2: node-level momenta and fp8 residuals roll back
-    "bf16_momentum_2x2": dict(world=4, config={"dgc": dict(SPARSE, residual_dtype="fp8", topology="hierarchical",
-                                                           ranks_per_node=2, compressed_momentum={
-                                                               "freeze_step": 1, "quantization": "int2"}),
-                                               "bf16": {"enabled": True}}),
+    # decoupled_momentum keeps no residual: its momenta roll back
+    "bf16_decoupled": Train(config={"dgc": {"enabled": True, "decoupled_momentum": {"chunk": 16, "topk": 3,
+                                                                                     "quantization": "int2"}},
+                                    "bf16": {"enabled": True}}),
+    # 4 ranks as 2 nodes of 2 (OVERFLOW_WORLD): node-level momenta and fp8 residuals roll back
+    "bf16_momentum_2x2": Train(config={"dgc": dict(SPARSE, residual_dtype="fp8", topology="hierarchical",
+                                                   ranks_per_node=2, compressed_momentum={
+                                                       "freeze_step": 1, "quantization": "int2"}),
+                                       "bf16": {"enabled": True}}),
     # gradient accumulation over 4 micro-steps, the Inf in the second: the whole window's residual updates roll back
-    "bf16_gas4_micro1": dict(config={"dgc": SPARSE, "bf16": {"enabled": True}}, gas=4, inf_micro=1),
+    "bf16_gas4_micro1": Train(config={"dgc": SPARSE, "bf16": {"enabled": True}}, gas=4, inf_micro=1),
 }
+OVERFLOW_WORLD = {"bf16_momentum_2x2": 4}  # the others: 2 ranks
 
 
 @pytest.fixture(scope="module")
@@ -199,15 +171,14 @@ def overflow_runs():
     that holds the CSV monitor's output."""
     out = tempfile.mkdtemp()
     jobs = {}
-    for case, options in OVERFLOW.items():
-        options = dict(options, inf_at=2)
-        if "csv_monitor" in options["config"]:
-            options["config"] = dict(options["config"], csv_monitor={"enabled": True, "output_path": out,
-                                                                     "job_name": "monitor"})
-        jobs.setdefault(options.pop("world", 2), {})[case] = options
+    for case, job in OVERFLOW.items():
+        job = dataclasses.replace(job, inf_at=2)
+        if "csv_monitor" in job.config:
+            job.config = dict(job.config, csv_monitor={"enabled": True, "output_path": out, "job_name": "monitor"})
+        jobs.setdefault(OVERFLOW_WORLD.get(case, 2), {})[case] = job
     runs = {}
     for world, cases in jobs.items():
-        runs.update(run_engines(cases, world=world, out=tempfile.mkdtemp(dir=out)))
+        runs.update(run_scenarios(cases, world=world, out=tempfile.mkdtemp(dir=out)))
     return runs, out
 
 
@@ -222,37 +193,37 @@ def test_inf_on_one_rank_skips_step_everywhere(overflow_runs, case):
     residuals). ``bf16_decoupled``: decoupled momentum (no residual; the sign step would turn NaN into NaN
     weights): its momenta roll back and stay finite."""
     runs, out = overflow_runs
-    options, ranks = OVERFLOW[case], runs[case]
+    job, ranks = OVERFLOW[case], runs[case]
     for r, rec in enumerate(ranks):
-        assert rec["skipped"] == [0, 0, 1, 1], f"rank {r}"
-        for x, y in zip(rec["params"][2], rec["params"][3]):  # params before / after step 2
+        assert rec.skipped == [0, 0, 1, 1], f"rank {r}"
+        for x, y in zip(rec.params[2], rec.params[3]):  # params before / after step 2
             assert torch.equal(x, y)
-        assert not all(torch.equal(x, y) for x, y in zip(rec["params"][3], rec["params"][4]))  # step 3 applied
-        kept = rec["momenta"] if case == "bf16_decoupled" else rec["residuals"]  # what error feedback holds
+        assert not all(torch.equal(x, y) for x, y in zip(rec.params[3], rec.params[4]))  # step 3 applied
+        kept = rec.momenta if case == "bf16_decoupled" else rec.residuals  # what error feedback holds
         assert kept[1], "sparse compression left no residuals"
         for res in kept:
             assert all(bool(torch.isfinite(v).all()) for v in res.values())
         for k in kept[1]:
             assert torch.equal(kept[1][k], kept[2][k])
         assert not all(torch.equal(kept[2][k], kept[3][k]) for k in kept[2])
-        assert rec["stats"]["skipped_steps"] == 1
-        gas, micro = options.get("gas", 1), options.get("inf_micro")
+        assert rec.stats["skipped_steps"] == 1
+        gas, micro = job.gas, job.inf_micro
         poisoned = {2 * gas + m for m in (range(gas) if micro is None else [micro])} if r == 1 else set()
-        assert all(math.isfinite(l) for i, l in enumerate(rec["losses"]) if i not in poisoned)
-        assert all(not math.isfinite(rec["losses"][i]) for i in poisoned)
+        assert all(math.isfinite(l) for i, l in enumerate(rec.losses) if i not in poisoned)
+        assert all(not math.isfinite(rec.losses[i]) for i in poisoned)
         if case.startswith("bf16_momentum"):
-            assert len(rec["momenta"]) == 4 and rec["momenta"][1]
-            for mom in rec["momenta"]:
+            assert len(rec.momenta) == 4 and rec.momenta[1]
+            for mom in rec.momenta:
                 assert all(bool(torch.isfinite(v).all()) for v in mom.values())
-            assert all(torch.equal(rec["momenta"][1][k], rec["momenta"][2][k]) for k in rec["momenta"][1])
-            assert not all(torch.equal(rec["momenta"][2][k], rec["momenta"][3][k]) for k in rec["momenta"][2])
+            assert all(torch.equal(rec.momenta[1][k], rec.momenta[2][k]) for k in rec.momenta[1])
+            assert not all(torch.equal(rec.momenta[2][k], rec.momenta[3][k]) for k in rec.momenta[2])
             # fp8 residual + fp32 momentum + bf16 preconditioner, of full size (flat) or of the node-level sums (1/L)
             want = (1.0 + 4 / 128 + 4 + 2) / (1 if case == "bf16_momentum" else 2)
-            assert rec["stats"]["state_bytes_per_param"] == pytest.approx(want, rel=0.03)
+            assert rec.stats["state_bytes_per_param"] == pytest.approx(want, rel=0.03)
     if case == "fp16":
-        assert [rec["loss_scale"] for rec in ranks][0] == [256.0, 256.0, 128.0, 128.0]
+        assert [rec.loss_scale for rec in ranks][0] == [256.0, 256.0, 128.0, 128.0]
     elif case == "bf16_offload":  # telemetry reaches DeepSpeed's monitor (CSV here), one row per step (stats_interval 1)
-        assert all(rec["stats"]["host_state_bytes"] == rec["stats"]["state_bytes"] > 0 for rec in ranks)  # offloaded
+        assert all(rec.stats["host_state_bytes"] == rec.stats["state_bytes"] > 0 for rec in ranks)  # offloaded
         with open(os.path.join(out, "monitor", "Train_dgc_compression_ratio.csv")) as f:
             rows = list(csv.reader(f))[1:]
         assert len(rows) == 4 and all(float(v) > 1 for _, v in rows)
@@ -414,8 +385,9 @@ UNUSED_ROWS = {
 @pytest.fixture(scope="module")
 def unused_rows_runs():
     adam = {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True, "weight_decay": 0.0}}  # DeepSpeed's default: 0.01
-    return run_engines({case: dict(steps=6, model="embed", config={"optimizer": adam, "dgc": dict(enabled=True, **row)})
-                        for case, row in UNUSED_ROWS.items()})
+    return run_scenarios({case: Train(steps=6, model="embed",
+                                      config={"optimizer": adam, "dgc": dict(enabled=True, **row)})
+                          for case, row in UNUSED_ROWS.items()})
 
 
 @pytest.mark.parametrize("case", sorted(UNUSED_ROWS))
@@ -426,15 +398,15 @@ def test_embedding_rows_no_input_uses_never_move(unused_rows_runs, case):
     the used rows move."""
     ranks = unused_rows_runs[case]
     for r, rec in enumerate(ranks):
-        first = rec["params"][0][0]
-        for t, params in enumerate(rec["params"][1:], 1):
+        first = rec.params[0][0]
+        for t, params in enumerate(rec.params[1:], 1):
             moved = (params[0][16:] != first[16:]).any(dim=1).nonzero().squeeze(1) + 16
             assert moved.numel() == 0, f"rank {r} step {t}: unused rows {moved.tolist()} moved"
-        assert (rec["params"][-1][0][:16] != first[:16]).all(dim=1).all(), "every used row moves"
+        assert (rec.params[-1][0][:16] != first[:16]).all(dim=1).all(), "every used row moves"
         if "momentum" in case:
-            assert rec["frozen"]  # steps 3-6 sent the momentum in its format
+            assert rec.frozen  # steps 3-6 sent the momentum in its format
         else:
-            assert rec["stats"]["wire_bytes_total"] < rec["stats"]["dense_fp32_bytes_total"] / 8
+            assert rec.stats["wire_bytes_total"] < rec.stats["dense_fp32_bytes_total"] / 8
 
 
 DEVICE_PATH = {
@@ -470,8 +442,8 @@ def _device_path_config(case):
 
 @pytest.fixture(scope="module")
 def device_path_runs():
-    return run_engines({case: dict(steps=6, count_syncs=True, config=_device_path_config(case))
-                        for case in DEVICE_PATH})
+    return run_scenarios({case: Train(steps=6, count_syncs=True, config=_device_path_config(case))
+                          for case in DEVICE_PATH})
 
 
 @pytest.mark.parametrize("case", sorted(DEVICE_PATH))
@@ -483,10 +455,10 @@ def test_the_fixed_layout_reads_nothing_back_on_the_host(device_path_runs, case)
     that and stock's own (its gradient-norm or overflow check). The run also trains: losses finite, weights moved."""
     ranks = device_path_runs[case]
     for r, rec in enumerate(ranks):
-        for step, sites in enumerate(rec["host_syncs"][2:], 3):
+        for step, sites in enumerate(rec.host_syncs[2:], 3):
             logged = step % 2 == 0
             allowed = {"memory/error_feedback.py"} if logged else set()
             assert sum(sites.values()) <= int(logged) and {k.split(":")[0] for k in sites} <= allowed, (r, step, sites)
-        assert all(math.isfinite(loss) for loss in rec["losses"])
-        assert not torch.equal(rec["params"][0][0], rec["params"][-1][0])
-        assert rec["stats"]["wire_bytes_total"] < rec["stats"]["dense_fp32_bytes_total"]
+        assert all(math.isfinite(loss) for loss in rec.losses)
+        assert not torch.equal(rec.params[0][0], rec.params[-1][0])
+        assert rec.stats["wire_bytes_total"] < rec.stats["dense_fp32_bytes_total"]

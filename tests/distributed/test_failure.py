@@ -5,9 +5,10 @@ import tempfile
 import pytest
 import torch
 
-from dist_launch import launch
+from dist_launch import launch_scenarios, run_scenario
+from scenarios import PeerFault, Train
 
-from .test_engine import SPARSE, engine_argv
+from .test_engine import SPARSE
 
 FAIL_TIMEOUT_S = 8.0
 MARGIN_S = 15.0  # process start-up of the error path, traceback printing, teardown
@@ -22,20 +23,20 @@ def test_peer_failure_ends_the_other_rank_with_an_error(mode, expected):
     the kill (the connection drop, not the timeout). Hung or stopped: rank 0 raises DGCTimeoutError naming the
     collective after timeout_s, and within timeout_s + 10 s. Either way rank 0 exits with an error."""
     out = tempfile.mkdtemp()
-    argv = engine_argv(out, steps=6, fault=mode, config={"dgc": dict(SPARSE, timeout_s=FAIL_TIMEOUT_S)})
-    ranks = launch(2, "engine_worker.py", argv, timeout_s=FAIL_TIMEOUT_S + 120)
+    job = PeerFault(steps=6, kind=mode, out=out, config={"dgc": dict(SPARSE, timeout_s=FAIL_TIMEOUT_S)})
+    ranks = launch_scenarios([job], timeout_s=FAIL_TIMEOUT_S + 120, out=out)
     failed_at = float(open(f"{out}/failed_at").read())
     rank0 = ranks[0]
     assert rank0.returncode != 0, "rank 0 finished training although its peer was gone"
-    err = torch.load(f"{out}/rank0_error.pt")
-    assert err["error"].startswith(expected), err["error"]
+    err = torch.load(f"{out}/rank0_error.pt", weights_only=False)
+    assert err.error.startswith(expected), err.error
     if mode in ("hang", "stop"):  # our collective noticed, after timeout_s and not much later
-        assert "dgc.timeout_s = 8" in err["error"] and "exchange" in err["error"], err["error"]  # names it
-        assert FAIL_TIMEOUT_S - 1 <= err["at"] - failed_at <= FAIL_TIMEOUT_S + 10
+        assert "dgc.timeout_s = 8" in err.error and "exchange" in err.error, err.error  # names it
+        assert FAIL_TIMEOUT_S - 1 <= err.at - failed_at <= FAIL_TIMEOUT_S + 10
     assert rank0.ended_at - failed_at <= FAIL_TIMEOUT_S + MARGIN_S, "rank 0 took too long to exit"
     if mode == "die":
         assert ranks[1].returncode == -9
-        assert err["at"] - failed_at <= DROP_S, f"rank 0 noticed the killed peer {err['at'] - failed_at:.1f} s late"
+        assert err.at - failed_at <= DROP_S, f"rank 0 noticed the killed peer {err.at - failed_at:.1f} s late"
 
 
 def test_timeout_defaults_to_the_process_groups():
@@ -43,13 +44,8 @@ def test_timeout_defaults_to_the_process_groups():
     collectives on it do: DeepSpeed builds its data-parallel group with torch's default (30 minutes for gloo; the
     world's, ``DEEPSPEED_TIMEOUT`` minutes, is another group's), not the 600 s the extension used to wait; set, it
     is kept."""
-    ranks = run_with_env(tempfile.mkdtemp(), {"dgc": dict(SPARSE)}, {"DEEPSPEED_TIMEOUT": "3"})
-    assert [r["timeout_s"] for r in ranks] == [1800.0, 1800.0]
-    ranks = run_with_env(tempfile.mkdtemp(), {"dgc": dict(SPARSE, timeout_s=42.0)}, {"DEEPSPEED_TIMEOUT": "3"})
-    assert [r["timeout_s"] for r in ranks] == [42.0, 42.0]
-
-
-def run_with_env(out, config, env):
-    results = launch(2, "engine_worker.py", engine_argv(out, steps=1, config=config), timeout_s=180, extra_env=env)
-    assert all(r.returncode == 0 for r in results), [r.stderr[-2000:] for r in results]
-    return [torch.load(f"{out}/rank{r}.pt") for r in range(2)]
+    env = {"DEEPSPEED_TIMEOUT": "3"}
+    ranks = run_scenario(Train(steps=1, config={"dgc": dict(SPARSE)}), timeout_s=180, extra_env=env)
+    assert [r.timeout_s for r in ranks] == [1800.0, 1800.0]
+    ranks = run_scenario(Train(steps=1, config={"dgc": dict(SPARSE, timeout_s=42.0)}), timeout_s=180, extra_env=env)
+    assert [r.timeout_s for r in ranks] == [42.0, 42.0]

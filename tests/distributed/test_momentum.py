@@ -10,9 +10,11 @@ from deepspeed_dgc.codec.layout import padded_elements
 
 from deepspeed_dgc.config import DGCConfigError
 from deepspeed_dgc.zero3.optimizer import V_FLOOR, check_adam_method
+from dist_launch import run_scenario
+from scenarios import Train
 
 from ..unit.codec.jobs import dct64
-from .test_engine import LOSSLESS, SPARSE, run_engine
+from .test_engine import LOSSLESS, SPARSE
 
 SGD = {"optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.01}},
        "zero_allow_untested_optimizer": True}
@@ -25,27 +27,28 @@ def test_compressed_momentum_is_adam_before_the_freeze_and_uses_the_frozen_v_aft
     frozen-variance update p <- p (1 - lr wd) - lr m / (sqrt(max(v_hat_3, floor)) + eps) (steps 4-6), with m the
     sum of the ranks' momenta of their own (unclipped) gradients and floor 1% of the mean v_hat over each owner's
     partition."""
-    stock = run_engine(timeout_s=300, steps=6, local_grads=True)
-    ours = run_engine(timeout_s=300, steps=6, local_grads=True, lr_scheduler=True, config={"dgc": dict(
-        LOSSLESS, compressed_momentum={"freeze_step": 3, "quantization": "none", "precondition": False})})
+    stock = run_scenario(Train(steps=6, local_grads=True), timeout_s=300)
+    ours = run_scenario(Train(steps=6, local_grads=True, lr_scheduler=True, config={"dgc": dict(
+        LOSSLESS, compressed_momentum={"freeze_step": 3, "quantization": "none", "precondition": False})}),
+        timeout_s=300)
     for r in range(2):
         for t in range(4):
-            assert all(torch.equal(a, b) for a, b in zip(stock[r]["params"][t], ours[r]["params"][t])), (r, t)
-    opt = ours[0]["optimizer"]
-    assert opt["type"] in ("Adam", "AdamW")
-    lr, (b1, b2), eps = opt["lr"], opt["betas"], opt["eps"]
-    wd = opt["weight_decay"] if opt["type"] == "AdamW" else 0.0
-    params = [p.double() for p in ours[0]["params"][0]]
+            assert all(torch.equal(a, b) for a, b in zip(stock[r].params[t], ours[r].params[t])), (r, t)
+    opt = ours[0].optimizer
+    assert opt.type in ("Adam", "AdamW")
+    lr, (b1, b2), eps = opt.lr, opt.betas, opt.eps
+    wd = opt.weight_decay if opt.type == "AdamW" else 0.0
+    params = [p.double() for p in ours[0].params[0]]
     m = [torch.zeros_like(p) for p in params]
     v = [torch.zeros_like(p) for p in params]
     local_m = [torch.zeros_like(p) for p in params]
     inv = None
     for t in range(1, 7):
-        grads = [(a.double() + b.double()) / 2 for a, b in zip(ours[0]["local_grads"][t - 1], ours[1]["local_grads"][t - 1])]
+        grads = [(a.double() + b.double()) / 2 for a, b in zip(ours[0].local_grads[t - 1], ours[1].local_grads[t - 1])]
         clip = 1.0
-        if t <= 3 and opt["gradient_clipping"] > 0:  # ZeRO-3 clips by the global norm; after the freeze it does not
+        if t <= 3 and opt.gradient_clipping > 0:  # ZeRO-3 clips by the global norm; after the freeze it does not
             norm = math.sqrt(sum(float(g.square().sum()) for g in grads))
-            clip = max(1.0, (norm + 1e-6) / opt["gradient_clipping"])
+            clip = max(1.0, (norm + 1e-6) / opt.gradient_clipping)
         for i, g in enumerate(grads):
             g = g.reshape(params[i].shape)
             local_m[i] = b1 * local_m[i] + (1 - b1) * g  # the ranks' momenta: of their own, unclipped gradients
@@ -65,33 +68,33 @@ def test_compressed_momentum_is_adam_before_the_freeze_and_uses_the_frozen_v_aft
                 update = local_m[i] * inv[i].view(params[i].shape)
             params[i] = params[i] * (1 - lr * wd) - lr * update
         for r in range(2):
-            for i, (got, want) in enumerate(zip(ours[r]["params"][t], params)):
+            for i, (got, want) in enumerate(zip(ours[r].params[t], params)):
                 torch.testing.assert_close(got.double(), want, rtol=2e-5, atol=2e-6, msg=f"rank {r} step {t} param {i}")
     # the freeze changed the trajectory (the comparison after it is not stock Adam again)
-    assert not all(torch.allclose(a, b, atol=1e-6) for a, b in zip(stock[0]["params"][6], ours[0]["params"][6]))
+    assert not all(torch.allclose(a, b, atol=1e-6) for a, b in zip(stock[0].params[6], ours[0].params[6]))
     # lossless: no residual; fp32 local momentum (4 B) and this owner's fp32 1/(sqrt(v_hat)+eps) on half the params
-    assert ours[0]["stats"]["state_bytes_per_param"] == pytest.approx(4.0 + 4.0 / 2, rel=0.02)
+    assert ours[0].stats["state_bytes_per_param"] == pytest.approx(4.0 + 4.0 / 2, rel=0.02)
 
 
 def test_momentum_correction_dense_equals_stock_momentum_sgd():
     """DGC's momentum correction with every element sent and nothing quantized is momentum SGD: the ranks apply the
     momentum to their own gradients, the owners apply it only to the weight-decay term (SGD, momentum 0.9, weight
     decay 0.01, 6 steps, 2 ranks, compared with stock ZeRO-3 at every step)."""
-    stock = run_engine(timeout_s=300, steps=6, local_grads=True, config=dict(SGD, gradient_clipping=0.0))
+    stock = run_scenario(Train(steps=6, local_grads=True, config=dict(SGD, gradient_clipping=0.0)), timeout_s=300)
     # DeepSpeed's clipping (1.0) must be switched off by momentum_correction, else this run would differ from stock
-    ours = run_engine(timeout_s=300, steps=6, local_grads=True, lr_scheduler=True,
-                      config=dict(SGD, gradient_clipping=1.0, dgc=dict(LOSSLESS, momentum_correction=True)))
-    assert ours[0]["optimizer"]["type"] == "SGD" and ours[0]["optimizer"]["momentum"] == 0.9
+    ours = run_scenario(Train(steps=6, local_grads=True, lr_scheduler=True, config=dict(
+        SGD, gradient_clipping=1.0, dgc=dict(LOSSLESS, momentum_correction=True))), timeout_s=300)
+    assert ours[0].optimizer.type == "SGD" and ours[0].optimizer.momentum == 0.9
     for r in range(2):
         for t in range(7):
-            for a, b in zip(ours[r]["params"][t], stock[r]["params"][t]):
+            for a, b in zip(ours[r].params[t], stock[r].params[t]):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-        assert ours[r]["skipped"][-1] == 0 and len(ours[r]["momenta"]) == 6
+        assert ours[r].skipped[-1] == 0 and len(ours[r].momenta) == 6
     # momentum really acts: the last step is not lr * (mean gradient + wd p)
     lr, last = 0.05, 5
-    mean_g = [(a + b) / 2 for a, b in zip(stock[0]["local_grads"][last], stock[1]["local_grads"][last])]
-    plain = [p - lr * (g.view(p.shape) + 0.01 * p) for p, g in zip(stock[0]["params"][last], mean_g)]
-    assert max(float((x - y).abs().max()) for x, y in zip(plain, stock[0]["params"][last + 1])) > 1e-4
+    mean_g = [(a + b) / 2 for a, b in zip(stock[0].local_grads[last], stock[1].local_grads[last])]
+    plain = [p - lr * (g.view(p.shape) + 0.01 * p) for p, g in zip(stock[0].params[last], mean_g)]
+    assert max(float((x - y).abs().max()) for x, y in zip(plain, stock[0].params[last + 1])) > 1e-4
 
 
 def test_momentum_correction_masks_the_sent_velocity_and_the_owner_applies_only_what_was_sent():
@@ -100,28 +103,30 @@ def test_momentum_correction_masks_the_sent_velocity_and_the_owner_applies_only_
     norm 0.05); error feedback accumulates u; where top-k sent an element its residual and its velocity are 0
     (momentum factor masking), elsewhere both carry on; and every parameter moves by exactly -lr (sum over ranks
     of what they sent + b), b = 0.9 b + wd p (the owner adds momentum to the weight-decay term only)."""
-    ranks = run_engine(timeout_s=300, steps=6, local_grads=True, lr_scheduler=True, config=dict(
-        SGD, gradient_clipping=0.0, dgc=dict(SPARSE, quantization="none", momentum_correction=True, local_clip_norm=0.05)))
+    ranks = run_scenario(Train(steps=6, local_grads=True, lr_scheduler=True, config=dict(
+        SGD, gradient_clipping=0.0, dgc=dict(SPARSE, quantization="none", momentum_correction=True,
+                                             local_clip_norm=0.05))), timeout_s=300)
     lr, m, clip, wd = 0.05, 0.9, 0.05, 0.01
     wd_buf = None
-    ids = ranks[0]["keys"]
-    shapes = [p.shape for p in ranks[0]["params"][0]]
+    ids = ranks[0].keys
+    shapes = [p.shape for p in ranks[0].params[0]]
     clipped = kept_total = 0
     for t in range(6):
         sent_sum = [torch.zeros(s, dtype=torch.float64).reshape(-1) for s in shapes]
         for r in range(2):
             rec = ranks[r]
             for i, key in enumerate(ids):
-                g = rec["local_grads"][t][i].double().reshape(-1)
+                g = rec.local_grads[t][i].double().reshape(-1)
                 norm = float(g.norm())
                 if norm > clip:
                     g, clipped = g * (clip / norm), clipped + 1
-                u_prev = rec["momenta"][t - 1][key].double() if t else torch.zeros_like(g)
-                e_prev = rec["residuals"][t - 1][key].double() if t and key in rec["residuals"][t - 1] else torch.zeros_like(g)
+                u_prev = rec.momenta[t - 1][key].double() if t else torch.zeros_like(g)
+                e_prev = (rec.residuals[t - 1][key].double() if t and key in rec.residuals[t - 1]
+                          else torch.zeros_like(g))
                 u_pre = m * u_prev + g / 2
                 acc = u_pre + e_prev
-                e = rec["residuals"][t][key].double()
-                u = rec["momenta"][t][key].double()
+                e = rec.residuals[t][key].double()
+                u = rec.momenta[t][key].double()
                 sparse = g.numel() >= 256
                 if sparse:
                     kept = e == 0
@@ -135,10 +140,10 @@ def test_momentum_correction_masks_the_sent_velocity_and_the_owner_applies_only_
                     torch.testing.assert_close(u, u_pre, rtol=1e-5, atol=1e-7)
                     assert torch.all(e == 0)
                 sent_sum[i] += acc - e
-        before = [p.double().reshape(-1) for p in ranks[0]["params"][t]]
+        before = [p.double().reshape(-1) for p in ranks[0].params[t]]
         wd_buf = [wd * p for p in before] if wd_buf is None else [m * b + wd * p for b, p in zip(wd_buf, before)]
         for i in range(len(ids)):
-            after = ranks[0]["params"][t + 1][i].double().reshape(-1)
+            after = ranks[0].params[t + 1][i].double().reshape(-1)
             torch.testing.assert_close(after, before[i] - lr * (sent_sum[i] + wd_buf[i]), rtol=1e-5, atol=2e-6)
     assert clipped > 0 and kept_total > 0
 
@@ -179,13 +184,13 @@ def test_decoupled_momentum_lossless_is_stock_adam_bit_for_bit():
     """decoupled_momentum with decay 0, every coordinate of every chunk sent raw, no transform and the owners' own
     Adam: the same parameters as stock ZeRO-3 Adam at every step, bit for bit (2 ranks, gradient accumulation 2:
     each micro-step sends, the owners accumulate)."""
-    stock = run_engine(timeout_s=300, steps=4, gas=2)
-    ours = run_engine(timeout_s=300, steps=4, gas=2, config={"dgc": DEMO_LOSSLESS})
+    stock = run_scenario(Train(steps=4, gas=2), timeout_s=300)
+    ours = run_scenario(Train(steps=4, gas=2, config={"dgc": DEMO_LOSSLESS}), timeout_s=300)
     for r in range(2):
-        assert ours[r]["losses"] == stock[r]["losses"]
+        assert ours[r].losses == stock[r].losses
         for t in range(5):
-            assert all(torch.equal(a, b) for a, b in zip(stock[r]["params"][t], ours[r]["params"][t])), (r, t)
-    assert ours[0]["stats"]["compression_ratio"] < 1.0  # raw fp32 plus positions: more bytes than stock's
+            assert all(torch.equal(a, b) for a, b in zip(stock[r].params[t], ours[r].params[t])), (r, t)
+    assert ours[0].stats["compression_ratio"] < 1.0  # raw fp32 plus positions: more bytes than stock's
 
 
 @pytest.mark.parametrize("fmt,bf16", [("none", False), ("int4", True)], ids=["raw", "int4-bf16"])
@@ -198,12 +203,12 @@ def test_decoupled_momentum_against_a_float64_replay(fmt, bf16):
     momentum lost is exactly what was sent (the rest stays); also with a bf16 engine (bf16 gradients, the fp32
     master partitions step)."""
     lr, wd, decay = 1e-2, 0.1, 0.9
-    ranks = run_engine(timeout_s=300, steps=6, local_grads=True, lr_scheduler=True, config=dict(ADAMW, dgc={
+    ranks = run_scenario(Train(steps=6, local_grads=True, lr_scheduler=True, config=dict(ADAMW, dgc={
         "enabled": True, "decoupled_momentum": {"chunk": 16, "topk": 3, "decay": decay, "quantization": fmt}},
-        **({"bf16": {"enabled": True}} if bf16 else {})))
-    assert ranks[0]["optimizer"]["type"] == "AdamW"
-    keys = ranks[0]["keys"]
-    shapes = [p.shape for p in ranks[0]["params"][0]]
+        **({"bf16": {"enabled": True}} if bf16 else {}))), timeout_s=300)
+    assert ranks[0].optimizer.type == "AdamW"
+    keys = ranks[0].keys
+    shapes = [p.shape for p in ranks[0].params[0]]
     delta64 = [[torch.zeros(math.prod(s), dtype=torch.float64) for s in shapes] for _ in range(2)]
     checked = 0
     for t in range(6):
@@ -211,10 +216,10 @@ def test_decoupled_momentum_against_a_float64_replay(fmt, bf16):
         for r in range(2):
             rec = ranks[r]
             for i, key in enumerate(keys):
-                g = rec["local_grads"][t][i].double().reshape(-1)
-                prev = rec["momenta"][t - 1][key].double() if t else torch.zeros_like(g)
+                g = rec.local_grads[t][i].double().reshape(-1)
+                prev = rec.momenta[t - 1][key].double() if t else torch.zeros_like(g)
                 pre = decay * prev + g / 2
-                now = rec["momenta"][t][key].double()
+                now = rec.momenta[t][key].double()
                 sent = pre - now  # what this rank's momentum lost
                 if fmt == "none":
                     pre64 = decay * delta64[r][i] + g / 2
@@ -226,19 +231,19 @@ def test_decoupled_momentum_against_a_float64_replay(fmt, bf16):
                     assert float(sent.abs().max()) > 0
                 u[i] += sent
         for i in range(len(keys)):
-            before = ranks[0]["params"][t][i].double().reshape(-1)
-            after = ranks[0]["params"][t + 1][i].double().reshape(-1)
+            before = ranks[0].params[t][i].double().reshape(-1)
+            after = ranks[0].params[t + 1][i].double().reshape(-1)
             clear = u[i].abs() > 1e-4 * float(u[i].abs().max())
             want = before * (1 - lr * wd) - lr * torch.sign(u[i])
             torch.testing.assert_close(after[clear], want[clear], rtol=1e-6, atol=1e-6)
             checked += int(clear.sum())
-            assert torch.equal(ranks[1]["params"][t + 1][i], ranks[0]["params"][t + 1][i])
+            assert torch.equal(ranks[1].params[t + 1][i], ranks[0].params[t + 1][i])
     assert checked > 0.9 * 6 * sum(math.prod(s) for s in shapes)
     # the momentum is stored in fp32: 4 bytes per element of the padded owner matrix (each slice a whole number of
     # 16-column chunks); a 16-column chunk sends 3 values
     numels = [math.prod(s) for s in shapes]
     want = 4.0 * padded_elements(numels, 2, 2, 16) / sum(numels)
-    assert ranks[0]["stats"]["state_bytes_per_param"] == pytest.approx(want, rel=1e-6) and want < 4.1
+    assert ranks[0].stats["state_bytes_per_param"] == pytest.approx(want, rel=1e-6) and want < 4.1
 
 
 def test_decoupled_momentum_with_gradient_accumulation_against_a_float64_replay():
@@ -246,17 +251,18 @@ def test_decoupled_momentum_with_gradient_accumulation_against_a_float64_replay(
     every micro-step adds g / 2 to each rank's momentum (after the decay) and sends its top-3 of each chunk; the
     owners step once per window with the sign of the sum over ranks and micro-steps, and decoupled weight decay."""
     decay = 0.9
-    ranks = run_engine(timeout_s=300, steps=4, gas=2, local_grads=True, config={"dgc": {
-        "enabled": True, "decoupled_momentum": {"chunk": 16, "topk": 3, "decay": decay, "quantization": "none"}}})
-    opt = ranks[0]["optimizer"]
-    assert opt["type"] == "AdamW" and opt["weight_decay"] > 0
-    lr, wd = opt["lr"], opt["weight_decay"]
-    shapes = [p.shape for p in ranks[0]["params"][0]]
+    ranks = run_scenario(Train(steps=4, gas=2, local_grads=True, config={"dgc": {
+        "enabled": True, "decoupled_momentum": {"chunk": 16, "topk": 3, "decay": decay, "quantization": "none"}}}),
+        timeout_s=300)
+    opt = ranks[0].optimizer
+    assert opt.type == "AdamW" and opt.weight_decay > 0
+    lr, wd = opt.lr, opt.weight_decay
+    shapes = [p.shape for p in ranks[0].params[0]]
     delta = [[torch.zeros(math.prod(s), dtype=torch.float64) for s in shapes] for _ in range(2)]
     for t in range(4):
         u = [torch.zeros(math.prod(s), dtype=torch.float64) for s in shapes]
         for r in range(2):
-            micros = ranks[r]["local_grads_micro"][t]
+            micros = ranks[r].local_grads_micro[t]
             assert len(micros) == 2
             for grads in micros:
                 for i, g in enumerate(grads):
@@ -264,12 +270,12 @@ def test_decoupled_momentum_with_gradient_accumulation_against_a_float64_replay(
                     sent = _chunked_dct_top_k(pre, 2, 16, 3)
                     delta[r][i] = pre - sent
                     u[i] += sent
-        for i, key in enumerate(ranks[0]["keys"]):
+        for i, key in enumerate(ranks[0].keys):
             for r in range(2):
                 scale = float(delta[r][i].abs().max()) + 1e-30
-                torch.testing.assert_close(ranks[r]["momenta"][t][key].double(), delta[r][i], rtol=1e-4, atol=1e-5 * scale)
-            before = ranks[0]["params"][t][i].double().reshape(-1)
-            after = ranks[0]["params"][t + 1][i].double().reshape(-1)
+                torch.testing.assert_close(ranks[r].momenta[t][key].double(), delta[r][i], rtol=1e-4, atol=1e-5 * scale)
+            before = ranks[0].params[t][i].double().reshape(-1)
+            after = ranks[0].params[t + 1][i].double().reshape(-1)
             clear = u[i].abs() > 1e-4 * float(u[i].abs().max())
             want = before * (1 - lr * wd) - lr * torch.sign(u[i])
             torch.testing.assert_close(after[clear], want[clear], rtol=1e-6, atol=1e-6)
@@ -282,22 +288,22 @@ def test_shared_mask_ranks_send_the_owners_coordinates_and_the_owners_step_on_th
     ZeRO-3's Adam stepped on is the sum over ranks of what they sent; step 1 is sent dense (the warm-up), and from
     step 2 on, in each owner's partition of each parameter, both ranks sent values only inside one common set of at
     most k = ceil(0.1 c) coordinates (the owner's mask)."""
-    ranks = run_engine(timeout_s=300, steps=6, local_grads=True, config={"dgc": {
-        "enabled": True, "residual_dtype": "fp32", "shared_mask": {"density": 0.1, "group_size": 32}}})
-    keys = ranks[0]["keys"]
+    ranks = run_scenario(Train(steps=6, local_grads=True, config={"dgc": {
+        "enabled": True, "residual_dtype": "fp32", "shared_mask": {"density": 0.1, "group_size": 32}}}), timeout_s=300)
+    keys = ranks[0].keys
     masked_slices = 0
     for t in range(6):
         for i, key in enumerate(keys):
             sent, used_by = [], []
             for r in range(2):
                 rec = ranks[r]
-                g = rec["local_grads"][t][i].double().reshape(-1)
-                before = rec["residuals"][t - 1][key].double() if t else torch.zeros_like(g)
+                g = rec.local_grads[t][i].double().reshape(-1)
+                before = rec.residuals[t - 1][key].double() if t else torch.zeros_like(g)
                 acc = before + g / 2
-                sent.append(acc - rec["residuals"][t][key].double())
+                sent.append(acc - rec.residuals[t][key].double())
                 used_by.append(sent[-1].abs() > 1e-6 * acc.abs())  # not fp32 rounding of the accumulation
             total = sent[0] + sent[1]
-            got = ranks[0]["grads"][t][i].double().reshape(-1)
+            got = ranks[0].grads[t][i].double().reshape(-1)
             torch.testing.assert_close(got, total, rtol=1e-5, atol=1e-6 * float(total.abs().max()))
             n = total.numel()
             c = -(-n // 2)
@@ -310,7 +316,7 @@ def test_shared_mask_ranks_send_the_owners_coordinates_and_the_owners_step_on_th
                     assert int(used.sum()) <= k, (t, key, o, int(used.sum()), k)
                     masked_slices += 1
     assert masked_slices >= 5 * len(keys)
-    stats = ranks[0]["stats"]
+    stats = ranks[0].stats
     assert stats["compression_ratio"] > 3.0  # dense INT4 step 1, then 10% of the values and the masks
 
 
@@ -323,11 +329,11 @@ def test_shared_mask_on_the_hierarchical_topology_sends_the_owners_coordinates_o
     k = ceil(0.1 c) coordinates (the owner's mask, shared between nodes); the masks and values cross nodes only."""
     W, L, steps = 4, 2, 5
     N = W // L
-    ranks = run_engine(world=W, timeout_s=400, steps=steps, local_grads=True, config={"dgc": {
+    ranks = run_scenario(Train(steps=steps, local_grads=True, config={"dgc": {
         "enabled": True, "topology": "hierarchical", "ranks_per_node": L, "residual_dtype": "fp32",
-        "shared_mask": {"density": 0.1, "group_size": 32}}})
-    keys = ranks[0]["keys"]
-    shapes = [p.shape for p in ranks[0]["params"][0]]
+        "shared_mask": {"density": 0.1, "group_size": 32}}}), world=W, timeout_s=400)
+    keys = ranks[0].keys
+    shapes = [p.shape for p in ranks[0].params[0]]
     masked_slices = 0
     for t in range(steps):
         for i, key in enumerate(keys):
@@ -338,16 +344,17 @@ def test_shared_mask_on_the_hierarchical_topology_sends_the_owners_coordinates_o
             used = torch.zeros(W, c, dtype=torch.bool)
             for r in range(W):
                 node, local = divmod(r, L)
-                mine = sum(_node_rows(ranks[s]["local_grads"][t][i], W, L, local) for s in range(node * L, node * L + L)) / W
+                mine = sum(_node_rows(ranks[s].local_grads[t][i], W, L, local)
+                           for s in range(node * L, node * L + L)) / W
                 rec = ranks[r]
-                assert rec["residuals"][t][key].numel() == N * c  # 1/L of the parameter (plus padding)
-                before = rec["residuals"][t - 1][key].double().view(N, c) if t else torch.zeros_like(mine)
+                assert rec.residuals[t][key].numel() == N * c  # 1/L of the parameter (plus padding)
+                before = rec.residuals[t - 1][key].double().view(N, c) if t else torch.zeros_like(mine)
                 acc = before + mine
-                sent = acc - rec["residuals"][t][key].double().view(N, c)
+                sent = acc - rec.residuals[t][key].double().view(N, c)
                 sent_rows[local::L] += sent
                 # not fp32 rounding of the node sum and the accumulation (the sum may cancel: relative to the terms)
                 used[local::L] |= sent.abs() > 1e-6 * (before.abs() + mine.abs())
-            got = ranks[0]["grads"][t][i].double().reshape(-1)
+            got = ranks[0].grads[t][i].double().reshape(-1)
             total = sent_rows.reshape(-1)[:n]
             torch.testing.assert_close(got, total, rtol=1e-5, atol=1e-6 * float(total.abs().max()))
             for o in range(W):
@@ -357,7 +364,7 @@ def test_shared_mask_on_the_hierarchical_topology_sends_the_owners_coordinates_o
                     assert int(used[o].sum()) <= k_mask, (t, key, o, int(used[o].sum()), k_mask)
                     masked_slices += 1
     assert masked_slices >= (steps - 1) * W * len(keys)
-    stats = ranks[0]["stats"]  # between nodes: dense INT4 at step 1, then 10% of the values and the masks
+    stats = ranks[0].stats  # between nodes: dense INT4 at step 1, then 10% of the values and the masks
     assert 0 < stats["grad_inter_node_wire_bytes_total"] < stats["grad_inter_node_dense_fp32_bytes_total"] / 3
 
 
@@ -370,17 +377,18 @@ def test_decoupled_momentum_on_the_hierarchical_topology_against_a_float64_repla
     the momentum and its extraction are the same (DeMo's step, not signSGD)."""
     lr, wd, decay = 1e-2, 0.1, 0.9
     N = W // L
-    ranks = run_engine(world=W, timeout_s=400, steps=4, local_grads=True, config=dict(ADAMW, dgc={
+    ranks = run_scenario(Train(steps=4, local_grads=True, config=dict(ADAMW, dgc={
         "enabled": True, "topology": "hierarchical", "ranks_per_node": L,
-        "decoupled_momentum": {"chunk": 16, "topk": 3, "decay": decay, "quantization": "none"}}))
-    keys = ranks[0]["keys"]
-    shapes = [p.shape for p in ranks[0]["params"][0]]
+        "decoupled_momentum": {"chunk": 16, "topk": 3, "decay": decay, "quantization": "none"}})),
+        world=W, timeout_s=400)
+    keys = ranks[0].keys
+    shapes = [p.shape for p in ranks[0].params[0]]
     delta = {}
     for t in range(4):
         for i, key in enumerate(keys):
             n = math.prod(shapes[i])
             c = -(-n // W)
-            owner_rows = [torch.nn.functional.pad(ranks[r]["local_grads"][t][i].double().reshape(-1) / W,
+            owner_rows = [torch.nn.functional.pad(ranks[r].local_grads[t][i].double().reshape(-1) / W,
                                                   (0, W * c - n)).view(W, c) for r in range(W)]
             node_sum = [sum(owner_rows[k * L + j] for j in range(L)) for k in range(N)]  # (W, c) per node
             u = torch.zeros(W, c, dtype=torch.float64)
@@ -394,19 +402,19 @@ def test_decoupled_momentum_on_the_hierarchical_topology_against_a_float64_repla
                     for j in range(N):  # what the momentum keeps past an owner's real elements (padding) is 0
                         rest[j, max(0, min(c, n - (j * L + lr_) * c)):] = 0
                     delta[(r, i)] = rest.reshape(-1)
-                    got = ranks[r]["momenta"][t][key].double()
+                    got = ranks[r].momenta[t][key].double()
                     assert got.numel() == N * c  # 1/L of the parameter (plus padding)
                     torch.testing.assert_close(got, delta[(r, i)], rtol=1e-4, atol=1e-5 * float(pre.abs().max()))
                     for j in range(N):
                         u[j * L + lr_] += sent[j]
             u = u.reshape(-1)[:n]
-            before = ranks[0]["params"][t][i].double().reshape(-1)
-            after = ranks[0]["params"][t + 1][i].double().reshape(-1)
+            before = ranks[0].params[t][i].double().reshape(-1)
+            after = ranks[0].params[t + 1][i].double().reshape(-1)
             clear = u.abs() > 1e-4 * float(u.abs().max())
             want = before * (1 - lr * wd) - lr * torch.sign(u)
             torch.testing.assert_close(after[clear], want[clear], rtol=1e-6, atol=1e-6)
             assert int(clear.sum()) > 0.9 * n
-    assert (ranks[0]["stats"]["grad_inter_node_wire_bytes_total"] > 0) == (N > 1)
+    assert (ranks[0].stats["grad_inter_node_wire_bytes_total"] > 0) == (N > 1)
 
 
 def _node_rows(flat: torch.Tensor, W: int, L: int, local: int) -> torch.Tensor:
@@ -424,14 +432,14 @@ def test_momentum_correction_on_the_hierarchical_topology_against_a_float64_repl
     element its residual and velocity are 0; every parameter moves by -lr (sum over nodes of what was sent + b)."""
     W, L, lr, m, wd = 4, 2, 0.05, 0.9, 0.01
     N = W // L
-    ranks = run_engine(world=W, timeout_s=400, steps=4, local_grads=True, config=dict(
+    ranks = run_scenario(Train(steps=4, local_grads=True, config=dict(
         SGD, gradient_clipping=0.0, dgc=dict(SPARSE, quantization="none", momentum_correction=True,
-                                             topology="hierarchical", ranks_per_node=L)))
-    keys = ranks[0]["keys"]
-    shapes = [p.shape for p in ranks[0]["params"][0]]
+                                             topology="hierarchical", ranks_per_node=L))), world=W, timeout_s=400)
+    keys = ranks[0].keys
+    shapes = [p.shape for p in ranks[0].params[0]]
     wd_buf, kept_total = None, 0
     for t in range(4):
-        before = [p.double().reshape(-1) for p in ranks[0]["params"][t]]
+        before = [p.double().reshape(-1) for p in ranks[0].params[t]]
         wd_buf = [wd * p for p in before] if wd_buf is None else [m * b + wd * p for b, p in zip(wd_buf, before)]
         for i, key in enumerate(keys):
             n = math.prod(shapes[i])
@@ -439,16 +447,16 @@ def test_momentum_correction_on_the_hierarchical_topology_against_a_float64_repl
             sent_rows = torch.zeros(W, c, dtype=torch.float64)
             for r in range(W):
                 k, local = divmod(r, L)
-                mine = sum(_node_rows(ranks[s]["local_grads"][t][i], W, L, local) for s in range(k * L, k * L + L)) / W
+                mine = sum(_node_rows(ranks[s].local_grads[t][i], W, L, local) for s in range(k * L, k * L + L)) / W
                 rec = ranks[r]
-                u_prev = rec["momenta"][t - 1][key].double().view(N, c) if t else torch.zeros_like(mine)
-                e_prev = (rec["residuals"][t - 1][key].double().view(N, c) if t and key in rec["residuals"][t - 1]
+                u_prev = rec.momenta[t - 1][key].double().view(N, c) if t else torch.zeros_like(mine)
+                e_prev = (rec.residuals[t - 1][key].double().view(N, c) if t and key in rec.residuals[t - 1]
                           else torch.zeros_like(mine))
                 u_pre = m * u_prev + mine
                 acc = u_pre + e_prev
-                e = rec["residuals"][t][key].double().view(N, c)
-                u = rec["momenta"][t][key].double().view(N, c)
-                assert rec["momenta"][t][key].numel() == N * c  # 1/L of the parameter (plus padding)
+                e = rec.residuals[t][key].double().view(N, c)
+                u = rec.momenta[t][key].double().view(N, c)
+                assert rec.momenta[t][key].numel() == N * c  # 1/L of the parameter (plus padding)
                 if n >= 256:  # sparsified: masked where sent
                     kept = (e == 0) & (acc != 0)
                     assert 0 < int(kept.sum()) < kept.numel() // 2, (t, r, i)
@@ -460,11 +468,11 @@ def test_momentum_correction_on_the_hierarchical_topology_against_a_float64_repl
                     torch.testing.assert_close(u, u_pre, rtol=1e-5, atol=1e-7)
                     assert torch.all(e == 0)
                 sent_rows[local::L] += acc - e
-            after = ranks[0]["params"][t + 1][i].double().reshape(-1)
+            after = ranks[0].params[t + 1][i].double().reshape(-1)
             want = before[i] - lr * (sent_rows.reshape(-1)[:n] + wd_buf[i])
             torch.testing.assert_close(after, want, rtol=1e-5, atol=2e-6)
     assert kept_total > 0
-    assert ranks[0]["stats"]["grad_inter_node_wire_bytes_total"] > 0
+    assert ranks[0].stats["grad_inter_node_wire_bytes_total"] > 0
 
 
 def test_compressed_momentum_on_the_hierarchical_topology_uses_the_node_level_momenta():
@@ -474,31 +482,31 @@ def test_compressed_momentum_on_the_hierarchical_topology_uses_the_node_level_mo
     -lr (1/(sqrt(max(v_hat_2, floor)) + eps) in bf16) * (the momentum of the mean gradient), plus weight decay."""
     W, L = 4, 2
     N = W // L
-    ranks = run_engine(world=W, timeout_s=400, steps=4, local_grads=True, config={"dgc": dict(
+    ranks = run_scenario(Train(steps=4, local_grads=True, config={"dgc": dict(
         LOSSLESS, topology="hierarchical", ranks_per_node=L,
-        compressed_momentum={"freeze_step": 2, "quantization": "none", "precondition": True})})
-    opt = ranks[0]["optimizer"]
-    lr, (b1, b2), eps = opt["lr"], opt["betas"], opt["eps"]
-    wd = opt["weight_decay"] if opt["type"] == "AdamW" else 0.0
-    keys = ranks[0]["keys"]
-    params = [p.double() for p in ranks[0]["params"][0]]
+        compressed_momentum={"freeze_step": 2, "quantization": "none", "precondition": True})}), world=W, timeout_s=400)
+    opt = ranks[0].optimizer
+    lr, (b1, b2), eps = opt.lr, opt.betas, opt.eps
+    wd = opt.weight_decay if opt.type == "AdamW" else 0.0
+    keys = ranks[0].keys
+    params = [p.double() for p in ranks[0].params[0]]
     m = [torch.zeros_like(p) for p in params]
     v = [torch.zeros_like(p) for p in params]
     local_m = [torch.zeros_like(p).reshape(-1) for p in params]
     inv = None
     for t in range(1, 5):
-        grads = [sum(ranks[r]["local_grads"][t - 1][i].double() for r in range(W)) / W for i in range(len(params))]
+        grads = [sum(ranks[r].local_grads[t - 1][i].double() for r in range(W)) / W for i in range(len(params))]
         clip = 1.0
-        if t <= 2 and opt["gradient_clipping"] > 0:
+        if t <= 2 and opt.gradient_clipping > 0:
             norm = math.sqrt(sum(float(g.square().sum()) for g in grads))
-            clip = max(1.0, (norm + 1e-6) / opt["gradient_clipping"])
+            clip = max(1.0, (norm + 1e-6) / opt.gradient_clipping)
         for i, g in enumerate(grads):
             g = g.reshape(params[i].shape)
             local_m[i] = b1 * local_m[i] + (1 - b1) * g.reshape(-1)
             for r in range(W):  # each rank's momentum: of its node's sums, its owners' rows only
                 k, local = divmod(r, L)
-                node_g = sum(_node_rows(ranks[s]["local_grads"][t - 1][i], W, L, local) for s in range(k * L, k * L + L))
-                got = ranks[r]["momenta"][t - 1][keys[i]].double()
+                node_g = sum(_node_rows(ranks[s].local_grads[t - 1][i], W, L, local) for s in range(k * L, k * L + L))
+                got = ranks[r].momenta[t - 1][keys[i]].double()
                 assert got.numel() == N * -(-g.numel() // W)
                 if t == 1:
                     torch.testing.assert_close(got, (1 - b1) * node_g.reshape(-1) / W, rtol=1e-5, atol=1e-8)
@@ -519,7 +527,7 @@ def test_compressed_momentum_on_the_hierarchical_topology_uses_the_node_level_mo
                 update = (local_m[i] * inv[i]).view(params[i].shape)
             params[i] = params[i] * (1 - lr * wd) - lr * update
         for r in range(W):
-            for i, (got, want) in enumerate(zip(ranks[r]["params"][t], params)):
+            for i, (got, want) in enumerate(zip(ranks[r].params[t], params)):
                 torch.testing.assert_close(got.double(), want, rtol=2e-5, atol=2e-6, msg=f"rank {r} step {t} param {i}")
     # local momenta (4 B) and frozen preconditioner (2 B) of 1/L of each parameter, and the owner's nothing else
-    assert ranks[0]["stats"]["state_bytes_per_param"] == pytest.approx((4.0 + 2.0) / L, rel=0.05)
+    assert ranks[0].stats["state_bytes_per_param"] == pytest.approx((4.0 + 2.0) / L, rel=0.05)

@@ -5,7 +5,9 @@ import math
 
 import torch
 
-from .test_engine import run_engine
+from dist_launch import run_scenario
+from scenarios import ScriptedPolicy, Train
+
 from .test_momentum import _node_rows
 
 AUTO = {"enabled": True, "policy": "auto", "policy_interval": 2, "residual_dtype": "fp32",
@@ -14,15 +16,15 @@ AUTO = {"enabled": True, "policy": "auto", "policy_interval": 2, "residual_dtype
 
 def test_policy_auto_switches_buckets_and_conserves_what_was_not_sent():
     """6 steps, measured again every 2 applied steps, the agreed choices alternating compressed and stock while rank
-    1's own times say the opposite (tests/workers/engine_worker.py --policy-script; at the compressed rounds stock is
+    1's own times say the opposite (tests/workers/scenarios/policy.py; at the compressed rounds stock is
     timed only once, by the agreed times of the first run): every rank chose the same; both
     choices happened; checked in float64 from what each rank recorded, the averaged gradient of every parameter is
     the sum over ranks of residual + g / 2 - residual' (compressed: dense INT4 with error feedback; stock: the
     residual goes along and becomes exactly 0), and some bucket went stock right after a compressed step, so a
     non-zero residual was sent by stock."""
-    ranks = run_engine(steps=6, local_grads=True, policy_script="Cs", config={"dgc": AUTO})
-    keys = ranks[0]["keys"]
-    stats = [rec["stats"] for rec in ranks]
+    ranks = run_scenario(ScriptedPolicy(steps=6, local_grads=True, script="Cs", config={"dgc": AUTO}))
+    keys = ranks[0].keys
+    stats = [rec.stats for rec in ranks]
     assert stats[0]["policy"] == stats[1]["policy"] and stats[0]["policy"]
     assert {d["choice"] for d in stats[0]["policy"].values()} <= {"stock", "compressed"}
     buckets = [d for k, d in stats[0]["policy"].items() if not k.startswith("all-gather")]
@@ -37,16 +39,16 @@ def test_policy_auto_switches_buckets_and_conserves_what_was_not_sent():
         for i, key in enumerate(keys):
             total = 0
             # stock before anything was compressed leaves no residual at all
-            after = [rec["residuals"][t].get(key, torch.zeros(1)).double() for rec in ranks]
+            after = [rec.residuals[t].get(key, torch.zeros(1)).double() for rec in ranks]
             went_stock = all(bool((a == 0).all()) for a in after)
             for rec, a in zip(ranks, after):
-                g = rec["local_grads"][t][i].double().reshape(-1)
-                before = rec["residuals"][t - 1].get(key) if t else None
+                g = rec.local_grads[t][i].double().reshape(-1)
+                before = rec.residuals[t - 1].get(key) if t else None
                 before = torch.zeros_like(g) if before is None else before.double()
                 total = total + before + g / 2 - a
                 flushed += int(went_stock and bool((before != 0).any()))
             compressed += int(not went_stock)
-            got = ranks[0]["grads"][t][i].double().reshape(-1)
+            got = ranks[0].grads[t][i].double().reshape(-1)
             torch.testing.assert_close(got, total, rtol=1e-5, atol=1e-6 * float(total.abs().max()))
     assert flushed > 0 and compressed > 0
 
@@ -57,11 +59,11 @@ def test_policy_auto_on_the_hierarchical_topology_sends_the_node_level_residuals
     sent by stock added the residual to this rank's gradient at those owners' slices and left it exactly 0."""
     W, L = 4, 2
     N = W // L
-    ranks = run_engine(world=W, timeout_s=400, steps=6, local_grads=True, policy_script="cs", config={"dgc": dict(
-        AUTO, topology="hierarchical", ranks_per_node=L)})
-    keys = ranks[0]["keys"]
-    shapes = [p.shape for p in ranks[0]["params"][0]]
-    assert all(rec["stats"]["policy"] == ranks[0]["stats"]["policy"] for rec in ranks)
+    ranks = run_scenario(ScriptedPolicy(steps=6, local_grads=True, script="cs", config={"dgc": dict(
+        AUTO, topology="hierarchical", ranks_per_node=L)}), world=W, timeout_s=400)
+    keys = ranks[0].keys
+    shapes = [p.shape for p in ranks[0].params[0]]
+    assert all(rec.stats["policy"] == ranks[0].stats["policy"] for rec in ranks)
     flushed = 0
     for t in range(6):
         for i, key in enumerate(keys):
@@ -70,15 +72,16 @@ def test_policy_auto_on_the_hierarchical_topology_sends_the_node_level_residuals
             sent_rows = torch.zeros(W, c, dtype=torch.float64)
             for r, rec in enumerate(ranks):
                 node, local = divmod(r, L)
-                mine = sum(_node_rows(ranks[s]["local_grads"][t][i], W, L, local) for s in range(node * L, node * L + L)) / W
-                before = rec["residuals"][t - 1].get(key) if t else None
+                mine = sum(_node_rows(ranks[s].local_grads[t][i], W, L, local)
+                           for s in range(node * L, node * L + L)) / W
+                before = rec.residuals[t - 1].get(key) if t else None
                 before = torch.zeros_like(mine) if before is None else before.double().view(N, c)
-                after = rec["residuals"][t].get(key)
+                after = rec.residuals[t].get(key)
                 after = torch.zeros_like(mine) if after is None else after.double().view(N, c)
                 flushed += int(bool((after == 0).all()) and bool((before != 0).any()))
                 sent_rows[local::L] += before + mine - after
             total = sent_rows.reshape(-1)[:n]
-            got = ranks[0]["grads"][t][i].double().reshape(-1)
+            got = ranks[0].grads[t][i].double().reshape(-1)
             torch.testing.assert_close(got, total, rtol=1e-5, atol=1e-6 * float(total.abs().max()))
     assert flushed > 0
 
@@ -87,15 +90,15 @@ def test_policy_auto_that_always_chooses_stock_is_stock_bit_for_bit():
     """Every measurement agrees on stock (rank 1's own times say compressed), of the buckets and of the INT4 weight
     gathers: 4 steps with the same losses, full gradients and parameters as stock ZeRO-3, bit for bit, and the
     telemetry counts every bucket as stock's."""
-    stock = run_engine(steps=4)
-    ours = run_engine(steps=4, policy_script="s", config={"dgc": AUTO})
+    stock = run_scenario(Train(steps=4))
+    ours = run_scenario(ScriptedPolicy(steps=4, script="s", config={"dgc": AUTO}))
     for r in range(2):
-        assert ours[r]["losses"] == stock[r]["losses"]
-        for a, b in zip(ours[r]["grads"], stock[r]["grads"]):
+        assert ours[r].losses == stock[r].losses
+        for a, b in zip(ours[r].grads, stock[r].grads):
             assert all(torch.equal(x, y) for x, y in zip(a, b))
-        for a, b in zip(ours[r]["params"], stock[r]["params"]):
+        for a, b in zip(ours[r].params, stock[r].params):
             assert all(torch.equal(x, y) for x, y in zip(a, b))
-        stats = ours[r]["stats"]
+        stats = ours[r].stats
         assert stats["stock_buckets_total"] > 0 and all(d["choice"] == "stock" for d in stats["policy"].values())
         assert any(k.startswith("all-gather") for k in stats["policy"])
         assert stats["param_wire_bytes_total"] >= stats["param_dense_fp32_bytes_total"] * 0.99  # stock's bytes

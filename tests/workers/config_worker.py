@@ -1,7 +1,7 @@
 """Worker: initialize (and take one step) with each config of a list; record the error each raised, or None.
 
 Usage: config_worker.py --out DIR --cases FILE. FILE is JSON: ``{name: case}`` where a case holds
-  "config"          merged into engine_worker.BASE (a ``null`` removes a key);
+  "config"          merged into scenarios.model.BASE (a ``null`` removes a key);
   "rank1_config"    merged on top on rank 1 only (ranks that disagree);
   "rank1_version"   the deepspeed_dgc version rank 1 reports;
   "hide_mpi4py"     ``import mpi4py`` fails, as if not installed;
@@ -21,7 +21,7 @@ from deepspeed.accelerator import get_accelerator
 
 import deepspeed_dgc._version
 from common import finish, init
-from engine_worker import BASE, batches, make_engine, merge
+from scenarios.model import BASE, batches, make_engine, merge
 
 
 def hide_fused_op():

@@ -1,6 +1,6 @@
 """Worker: a training script that never imports deepspeed_dgc, with a "dgc" section in its config.
 
-Usage: no_import_worker.py --out DIR. Trains engine_worker's model 3 steps (DGC at density 0.1, INT4) with only
+Usage: no_import_worker.py --out DIR. Trains scenarios.model's Net 3 steps (DGC at density 0.1, INT4) with only
 ``deepspeed`` imported, then records whether deepspeed_dgc was loaded (by the start-up hook that installing the
 package adds) and, if so, its telemetry. Writes DIR/rank<r>.pt.
 """

@@ -20,7 +20,7 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_local_fp32_param
 
 import deepspeed_dgc
 from common import finish, init
-from engine_worker import BASE, Net, batches
+from scenarios.model import BASE, Net, batches
 
 STEPS = 3
 

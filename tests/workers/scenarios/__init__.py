@@ -1,0 +1,56 @@
+"""Scenarios of the multi-process tests: named functions that run inside every rank and return a typed record.
+
+A scenario is a job (a dataclass saying what to run) and a function registered for its type with :func:`scenario`;
+the function runs in each rank of a launch and returns a record (a dataclass of what happened). One module per kind:
+
+- :mod:`.model`: the small ZeRO-3 models, the base ds_config and the inputs every scenario shares;
+- :mod:`.training`: :class:`~.training.Train` -> :class:`~.training.TrainRecord` (steps, gradient accumulation,
+  an Inf in one rank's input, local gradients, a frozen parameter, poisoned padding, host syncs counted);
+- :mod:`.checkpoint`: :class:`~.checkpoint.SaveMidway` and :class:`~.checkpoint.Resume`;
+- :mod:`.faults`: :class:`~.faults.PeerFault` (rank 1 dies, hangs or stops inside its reduce-scatter);
+- :mod:`.policy`: :class:`~.policy.ScriptedPolicy` (``"policy": "auto"`` with scripted measurements);
+- :mod:`.evaluation`: :class:`~.evaluation.Evaluate` -> :class:`~.evaluation.EvalRecord` (forward passes only).
+
+``tests/workers/scenario_worker.py`` runs a list of jobs in turn in one launch; the tests start it with
+``dist_launch.run_scenarios`` and read back the records of every rank.
+"""
+
+from typing import Callable, Dict, Type
+
+SCENARIOS: Dict[type, Callable] = {}
+
+
+def scenario(job_type: Type) -> Callable[[Callable], Callable]:
+    """Register the decorated ``fn(job, rank) -> record`` as the scenario that runs jobs of ``job_type``."""
+
+    def register(fn: Callable) -> Callable:
+        if job_type in SCENARIOS:
+            raise ValueError(f"{job_type.__name__} already runs {SCENARIOS[job_type].__name__}")
+        SCENARIOS[job_type] = fn
+        return fn
+
+    return register
+
+
+def run_job(job, rank: int):
+    """The record of ``job`` on this rank, from the scenario registered for its type.
+
+    Raises:
+        TypeError: no scenario runs jobs of this type.
+    """
+    fn = SCENARIOS.get(type(job))
+    if fn is None:
+        raise TypeError(f"no scenario runs a {type(job).__name__}; registered: {sorted(t.__name__ for t in SCENARIOS)}")
+    return fn(job, rank)
+
+
+# the scenario modules register themselves; the jobs are importable from here
+from .model import BASE, MODELS  # noqa: E402
+from .training import OptimizerSettings, Train, TrainRecord  # noqa: E402
+from .checkpoint import Resume, SaveMidway  # noqa: E402
+from .evaluation import EvalRecord, Evaluate  # noqa: E402
+from .faults import PeerError, PeerFault  # noqa: E402
+from .policy import ScriptedPolicy  # noqa: E402
+
+__all__ = ["BASE", "MODELS", "EvalRecord", "Evaluate", "OptimizerSettings", "PeerError", "PeerFault", "Resume",
+           "SaveMidway", "ScriptedPolicy", "Train", "TrainRecord", "run_job", "scenario"]

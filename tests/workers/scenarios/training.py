@@ -1,0 +1,235 @@
+"""Training scenarios: ZeRO-3 through ``deepspeed.initialize`` for a few steps, every step recorded."""
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import torch
+from deepspeed.accelerator import get_accelerator
+from deepspeed.utils import safe_get_full_grad
+
+import deepspeed_dgc
+from deepspeed_dgc.syncs import HostSyncCounter
+
+from . import scenario
+from .model import BASE, check_model, dtype_of, full_params, make_engine, merge, batches
+
+
+@dataclass
+class Train:
+    """Train a small model with ZeRO-3 for ``steps`` optimizer steps on every rank.
+
+    Attributes:
+        config: merged into :data:`~.model.BASE` (nested objects key by key, ``"optimizer"`` replaced whole; a
+            ``None`` removes the key). The inputs are in the engine's dtype (fp16 or bf16 when enabled).
+        model: ``"net"`` (Net, odd sizes) or ``"embed"`` (EmbedNet: an embedding of which a quarter of the rows is
+            used).
+        steps, gas: optimizer steps, and micro-steps per step.
+        inf_at: rank 1's input holds Inf at that step (0-based), in every micro-step or in micro-step ``inf_micro``.
+        allow_fp16: let DeepSpeed's CPU accelerator run fp16 (torch computes fp16 on any CPU).
+        local_grads: record each rank's own full local gradients (hooks on the parameters).
+        lr_scheduler: wrap the owners' optimizer in a torch LambdaLR after initialize and at the end.
+        models_before: build that many stock ZeRO-3 engines first in this process (ZeRO-3 numbers the parameters of
+            every model a process builds, ``ds_id``).
+        freeze_at: after that many steps, ``l1.weight`` stops training (``requires_grad`` False).
+        poison_padding: fill the padding of the fp32 master partitions with 1e30 after initialize (DeepSpeed copies
+            it into the parameter shards at every step and checkpoint load, and saves it).
+        count_syncs: count the host syncs of deepspeed_dgc's tensor calls per step (:mod:`deepspeed_dgc.syncs`).
+    """
+    config: dict = field(default_factory=dict)
+    model: str = "net"
+    steps: int = 4
+    gas: int = 1
+    inf_at: Optional[int] = None
+    inf_micro: Optional[int] = None
+    allow_fp16: bool = False
+    local_grads: bool = False
+    lr_scheduler: bool = False
+    models_before: int = 0
+    freeze_at: Optional[int] = None
+    poison_padding: bool = False
+    count_syncs: bool = False
+
+    def __post_init__(self):
+        check_model(self.model)
+        if self.steps < 1 or self.gas < 1:
+            raise ValueError(f"steps {self.steps} and gas {self.gas} must be at least 1")
+
+
+@dataclass
+class OptimizerSettings:
+    """The basic optimizer DeepSpeed built (its class name) and its first parameter group's settings (None where the
+    optimizer has no such setting)."""
+    type: str
+    gradient_clipping: float
+    lr: Optional[float] = None
+    betas: Optional[tuple] = None
+    eps: Optional[float] = None
+    weight_decay: Optional[float] = None
+    momentum: Optional[float] = None
+
+
+@dataclass
+class TrainRecord:
+    """What one rank saw in a training scenario.
+
+    Attributes:
+        losses: the loss of every micro-step, in order (``steps * gas``; a resumed run only its own).
+        params: every parameter's full fp32 master copy before the first step, then after each step
+            (``params[t][i]``: fp32, parameter i's shape; None for a frozen parameter).
+        grads: DeepSpeed's full fp32 gradient of every parameter after the last micro-step of each step.
+        skipped: ``engine.skipped_steps`` after each step; loss_scale: the loss scale after each step.
+        optimizer: the basic optimizer's settings.
+        keys: the extension's stable key of every parameter (empty without it).
+        residuals, momenta: the extension's committed residuals and momenta after each step, key -> fp32 or the
+            residual dtype (its own shape: full size flat, the node's sums hierarchical).
+        state_bytes: the extension's state in bytes after each step; density: the last bucket's density.
+        local_grads: this rank's own full local gradient of every parameter (fp32) at the last micro-step of each
+            step; local_grads_micro: the same for every micro-step (``[step][micro][param]``).
+        host_syncs: per step, the host syncs of deepspeed_dgc's tensor calls, ``"site name" -> count``.
+        stats: the telemetry's dictionary at the end (``deepspeed_dgc.get_stats(engine).to_dict()``) or None.
+        frozen: compressed momentum froze; residual_storage: where residuals live; timeout_s: the extension's
+            collective timeout in seconds (each None without the extension).
+        loaded_residuals: the residuals a checkpoint load restored (resumed runs only).
+    """
+    losses: List[float]
+    params: List[list]
+    optimizer: OptimizerSettings
+    grads: List[list] = field(default_factory=list)
+    skipped: List[int] = field(default_factory=list)
+    loss_scale: List[float] = field(default_factory=list)
+    keys: List[str] = field(default_factory=list)
+    residuals: List[Dict[str, torch.Tensor]] = field(default_factory=list)
+    momenta: List[Dict[str, torch.Tensor]] = field(default_factory=list)
+    state_bytes: List[int] = field(default_factory=list)
+    density: List[float] = field(default_factory=list)
+    local_grads: List[list] = field(default_factory=list)
+    local_grads_micro: List[List[list]] = field(default_factory=list)
+    host_syncs: List[Dict[str, int]] = field(default_factory=list)
+    stats: Optional[dict] = None
+    frozen: Optional[bool] = None
+    residual_storage: Optional[str] = None
+    timeout_s: Optional[float] = None
+    loaded_residuals: Optional[Dict[str, torch.Tensor]] = None
+
+
+def build(job: Train, rank: int):
+    """The engine of ``job`` (after its ``models_before`` stock engines), with its lr scheduler and poisoned padding."""
+    cfg = merge(BASE, job.config)
+    cfg["gradient_accumulation_steps"] = job.gas
+    if job.allow_fp16:
+        get_accelerator().is_fp16_supported = lambda: True
+    for _ in range(job.models_before):  # e.g. a reference or EMA model, an evaluation copy
+        make_engine(merge(BASE, {"dgc": None}))
+    engine = make_engine(cfg, job.model)
+    if job.lr_scheduler:  # a torch LR scheduler wraps the owners' optimizer.step (needs a bound method)
+        torch.optim.lr_scheduler.LambdaLR(engine.optimizer.optimizer, lambda s: 1.0)
+    if job.poison_padding:
+        poison_padding(engine, rank)
+    return engine, cfg
+
+
+def poison_padding(engine, rank: int) -> None:
+    """1e30 in the padding of every parameter's fp32 master partition (which DeepSpeed allocates uninitialised):
+    what a quantized all-gather must never take for a weight."""
+    opt = engine.optimizer
+    with torch.no_grad():
+        for flat, params in zip(opt.fp32_partitioned_groups_flat, opt.fp16_groups):
+            col = 0
+            for p in params:
+                shard = p.ds_tensor.ds_numel
+                real = max(0, min(p.ds_numel - rank * shard, shard))
+                flat[col + real:col + shard] = 1e30
+                col += shard
+
+
+def new_record(engine) -> TrainRecord:
+    """A record holding the parameters before training, the optimizer's settings and the extension's keys."""
+    basic = getattr(engine.optimizer, "optimizer", None) or torch.optim.SGD([torch.zeros(1)], lr=0.0)
+    group = basic.param_groups[0]
+    optimizer = OptimizerSettings(type(basic).__name__, engine.gradient_clipping(),
+                                  **{k: group.get(k) for k in ("lr", "betas", "eps", "weight_decay", "momentum")})
+    record = TrainRecord(losses=[], params=[full_params(engine)], optimizer=optimizer)
+    state = getattr(engine, "_dgc_state", None)
+    if state is not None:
+        record.keys = [state.key_of(p) for p in engine.module.parameters()]
+    return record
+
+
+AfterStep = Callable[[object, int], None]
+
+
+def run_steps(job: Train, rank: int, engine, cfg: dict, record: TrainRecord, first: int = 0,
+              after_step: Optional[AfterStep] = None) -> TrainRecord:
+    """Steps ``first .. job.steps - 1`` of ``job`` on ``engine``, each recorded into ``record``; ``after_step(engine,
+    step)`` runs after each step's records (a checkpoint save). Returns ``record``, finished."""
+    state = getattr(engine, "_dgc_state", None)
+    local = {}
+    if job.local_grads:  # this rank's full local gradient of every parameter
+        for i, p in enumerate(engine.module.parameters()):
+            p.register_hook(lambda g, i=i: local.__setitem__(i, g.detach().float().clone()))
+    all_batches = batches(rank, job.steps, job.gas, dtype_of(cfg), job.model)
+    syncs = HostSyncCounter().__enter__() if job.count_syncs else None
+    for step in range(first, job.steps):
+        for m, (x, y) in enumerate(all_batches[step]):
+            if step == job.inf_at and rank == 1 and job.inf_micro in (None, m):
+                x = x.clone()
+                x[0, 0] = float("inf")
+            loss = engine(x, y)
+            engine.backward(loss)
+            record.losses.append(float(loss))
+            if job.local_grads:  # every micro-step's (the hooks fire in each backward)
+                if m == 0:
+                    record.local_grads_micro.append([])
+                record.local_grads_micro[-1].append([local[i].clone() for i in range(len(local))])
+            if m == job.gas - 1:
+                grads = [safe_get_full_grad(p) for p in engine.module.parameters()]
+                record.grads.append([None if g is None else g.float().clone() for g in grads])
+                if job.local_grads:
+                    record.local_grads.append([local[i] for i in range(len(local))])
+            engine.step()
+        if syncs is not None:  # before this scenario's own read-backs below
+            record.host_syncs.append({f"{site} {name}": n for (site, name), n in syncs.take_sites().items()})
+        record_step(record, engine, state)
+        if job.freeze_at is not None and step + 1 == job.freeze_at:
+            engine.module.l1.weight.requires_grad_(False)
+        if after_step is not None:
+            after_step(engine, step)
+        if syncs is not None:
+            syncs.take()  # the read-backs of the records above are not the training step's
+    if syncs is not None:
+        syncs.__exit__(None, None, None)
+    finish_record(record, job, engine, state)
+    return record
+
+
+def record_step(record: TrainRecord, engine, state) -> None:
+    """Append what one step left: parameters, skipped steps, loss scale, the extension's state."""
+    record.params.append(full_params(engine))
+    record.skipped.append(engine.skipped_steps)
+    record.loss_scale.append(float(engine.optimizer.loss_scale))
+    if state is not None:
+        record.state_bytes.append(state.stats.state_bytes)
+        record.density.append(state.stats.last.density)
+        record.residuals.append(state.memory.residuals())
+        if state.momentum is not None:
+            record.momenta.append({k: v.clone() for k, v in state.momentum.momenta().items()})
+
+
+def finish_record(record: TrainRecord, job: Train, engine, state) -> None:
+    """The end of a run: the telemetry and the extension's settings."""
+    if job.lr_scheduler:  # after a freeze of compressed momentum the owners' step is replaced: still bound
+        torch.optim.lr_scheduler.LambdaLR(engine.optimizer.optimizer, lambda s: 1.0)
+    stats = deepspeed_dgc.get_stats(engine)
+    record.stats = None if stats is None else stats.to_dict()
+    if state is not None:
+        if state.momentum is not None:
+            record.frozen = bool(getattr(state.momentum, "frozen", False))
+        record.residual_storage = state.memory.storage
+        record.timeout_s = state.cfg.timeout_s
+
+
+@scenario(Train)
+def train(job: Train, rank: int) -> TrainRecord:
+    """Train ``job.steps`` steps from a fresh engine and record every one."""
+    engine, cfg = build(job, rank)
+    return run_steps(job, rank, engine, cfg, new_record(engine))
