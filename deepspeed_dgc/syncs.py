@@ -9,7 +9,10 @@ run would wait for; on a GPU, ``torch.cuda.set_sync_debug_mode("error")`` is the
 
 - launches: ops that run a kernel on a GPU (views, metadata and empty allocations left out);
 - syncs: ``_local_scalar_dense`` (``item``, ``int``, ``float``, ``bool``, indexing with a 0-d tensor), ``nonzero``,
-  ``masked_select``, ``unique``, indexing with a boolean mask, ``repeat_interleave`` without ``output_size``.
+  ``masked_select``, ``unique``, indexing with a boolean mask, ``repeat_interleave`` without ``output_size``;
+- bytes (``track_bytes=True``): the storage of every tensor an op of the package makes that is not the storage of one
+  of its inputs (so in-place ops, views and writes into ZeRO-3's memory are not new), ``empty`` allocations included,
+  from its creation until it is freed: the bytes alive now and the most alive at once since :meth:`mark`.
 
 Example::
 
@@ -19,14 +22,17 @@ Example::
             print(step, sum(ops.take().values()), ops.launches)
 """
 
+import contextlib
 import os
 import sys
 import threading
+import weakref
 from collections import Counter
 from typing import Dict
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 DEEPSPEED_DIR = os.sep + "deepspeed" + os.sep
@@ -64,18 +70,30 @@ class HostSyncCounter(TorchDispatchMode):
 
     Only one per thread at a time (it is a dispatch mode: pushed on entry, popped on exit).
 
+    Args:
+        package_dir: the directory whose files count as the package's (default: deepspeed_dgc's).
+        track_bytes: also account the bytes of the tensors the package's ops make (see the module's docstring).
+
     Attributes:
         counts: sync kind -> syncs since the last :meth:`take`; sites: ``(file:line, kind)`` -> syncs.
         launches: launching ops since the last :meth:`take`; syncs: syncs since then (the sum of ``counts``).
+        live_bytes: bytes of the package's tensors alive now (made while counting, not yet freed).
+        peak_bytes: the most of ``live_bytes`` above its value at the last :meth:`mark`, since that mark.
     """
 
-    def __init__(self, package_dir: str = PACKAGE_DIR):
+    def __init__(self, package_dir: str = PACKAGE_DIR, track_bytes: bool = False):
         super().__init__()
         self.package_dir = package_dir
+        self.track_bytes = track_bytes
         self.counts: Counter = Counter()
         self.sites: Counter = Counter()
         self.launches = 0
-        self._lock = threading.Lock()
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._base = 0
+        self._alive: Dict[int, int] = {}
+        self._paused = False
+        self._lock = threading.RLock()  # a finalizer may free a storage while an op is being counted
 
     def _site(self):
         """The innermost frame of the package on the stack (file relative to the package, line), or None where a
@@ -93,7 +111,7 @@ class HostSyncCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        site = self._site()
+        site = None if self._paused else self._site()
         if site is None:
             return out
         name = _name(func)
@@ -103,7 +121,45 @@ class HostSyncCounter(TorchDispatchMode):
             if is_sync(name, args, kwargs):
                 self.counts[name] += 1
                 self.sites[(f"{site[0]}:{site[1]}", name)] += 1
+            if self.track_bytes:
+                self._count_new(args, kwargs, out)
         return out
+
+    def _count_new(self, args, kwargs, out) -> None:
+        """Account the storages of ``out`` that are new (not an input's), until each is freed."""
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            storage = t.untyped_storage()
+            key, nbytes = storage.data_ptr(), storage.nbytes()
+            if nbytes == 0 or key in inputs or key in self._alive:
+                continue
+            self._alive[key] = nbytes
+            self.live_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes - self._base)
+            weakref.finalize(storage, self._free, key, nbytes)  # the storage's Python object lives as long as it
+
+    def _free(self, key: int, nbytes: int) -> None:
+        with self._lock:
+            if self._alive.pop(key, None) is not None:
+                self.live_bytes -= nbytes
+
+    def mark(self) -> int:
+        """Start a new peak from the bytes alive now; returns them."""
+        with self._lock:
+            self._base, self.peak_bytes = self.live_bytes, 0
+        return self._base
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Count nothing inside (a test's own read-backs through the package between steps, say)."""
+        self._paused = True
+        try:
+            yield self
+        finally:
+            self._paused = False
 
     @property
     def syncs(self) -> int:

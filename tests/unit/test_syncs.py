@@ -39,3 +39,30 @@ def test_counts_each_kind_and_every_launch():
         counts = ops.take()
     assert counts == {"_local_scalar_dense": 4, "index": 1, "nonzero": 1, "repeat_interleave": 1}, counts
     assert launches >= 8
+
+
+def test_tracks_the_bytes_the_package_makes_until_they_are_freed():
+    """With ``track_bytes``: a tensor made in package code counts from its creation (``empty`` included) until it is
+    freed; in-place ops, views and the caller's own tensors do not; the peak is taken above the last mark."""
+    import deepspeed_dgc
+    code = compile("def make(n):\n    return torch.empty(n, dtype=torch.float32)\n"
+                   "def touch(t):\n    t.add_(1); t.view(-1); return t[:2]\n", deepspeed_dgc.__file__, "exec")
+    scope = {"torch": torch}
+    exec(code, scope)
+    n = int(torch.randint(100, 1000, ()).item())
+    with HostSyncCounter(track_bytes=True) as ops:
+        kept = scope["make"](n)
+        assert ops.live_bytes == 4 * n and ops.peak_bytes == 4 * n
+        assert ops.mark() == 4 * n
+        tmp = scope["make"](2 * n)
+        scope["touch"](tmp)
+        own = torch.empty(5 * n)  # this test's own: not counted, nor when the package writes into it or views it
+        scope["touch"](own)
+        assert ops.live_bytes == 12 * n and ops.peak_bytes == 8 * n
+        del tmp
+        assert ops.live_bytes == 4 * n and ops.peak_bytes == 8 * n
+        with ops.paused():
+            extra = scope["make"](n)
+        assert ops.live_bytes == 4 * n
+    del kept, extra
+    assert ops.live_bytes == 0

@@ -36,21 +36,22 @@ class Resume(Train):
 @scenario(SaveMidway)
 def save_midway(job: SaveMidway, rank: int) -> TrainRecord:
     """Train every step, saving a checkpoint after step ``save_at``."""
-    engine, cfg = build(job, rank)
+    built = build(job, rank)
 
     def save(engine, step):
         if step + 1 == job.save_at:
             engine.save_checkpoint(job.ckpt)
 
-    return run_steps(job, rank, engine, cfg, new_record(engine), after_step=save)
+    return run_steps(job, rank, built, new_record(built.engine), after_step=save)
 
 
 @scenario(Resume)
 def resume(job: Resume, rank: int) -> TrainRecord:
     """Load the checkpoint, record the residuals it restored, and train the remaining steps."""
-    engine, cfg = build(job, rank)
+    built = build(job, rank)
+    engine = built.engine
     engine.load_checkpoint(job.ckpt)
     record = new_record(engine)
     state = getattr(engine, "_dgc_state", None)
     record.loaded_residuals = None if state is None else state.memory.residuals()
-    return run_steps(job, rank, engine, cfg, record, first=job.resume_at)
+    return run_steps(job, rank, built, record, first=job.resume_at)

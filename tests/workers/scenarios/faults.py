@@ -41,11 +41,12 @@ class PeerError:
 @scenario(PeerFault)
 def peer_fault(job: PeerFault, rank: int) -> TrainRecord:
     """Train with the fault injected on rank 1; rank 0 saves the error it meets, then re-raises it."""
-    engine, cfg = build(job, rank)
+    built = build(job, rank)
+    engine = built.engine
     if rank == 1:
-        inject_fault(engine, job, cfg["dgc"]["timeout_s"])
+        inject_fault(engine, job, built.cfg["dgc"]["timeout_s"])
     try:
-        return run_steps(job, rank, engine, cfg, new_record(engine))
+        return run_steps(job, rank, built, new_record(engine))
     except Exception as err:
         torch.save(PeerError(f"{type(err).__name__}: {err}", time.time()), f"{job.out}/rank{rank}_error.pt")
         if os.path.exists(f"{job.out}/stopped_pid"):  # the stopped peer never ends by itself

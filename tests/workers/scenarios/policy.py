@@ -29,9 +29,9 @@ class ScriptedPolicy(Train):
 @scenario(ScriptedPolicy)
 def scripted_policy(job: ScriptedPolicy, rank: int) -> TrainRecord:
     """Train with the policy's measurements replaced by the script's times after each real exchange."""
-    engine, cfg = build(job, rank)
-    script_policy(engine._dgc_state, job.script, rank)
-    return run_steps(job, rank, engine, cfg, new_record(engine))
+    built = build(job, rank)
+    script_policy(built.engine._dgc_state, job.script, rank)
+    return run_steps(job, rank, built, new_record(built.engine))
 
 
 def script_policy(state, script: str, rank: int) -> None:

@@ -1,5 +1,6 @@
 """Training scenarios: ZeRO-3 through ``deepspeed.initialize`` for a few steps, every step recorded."""
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
@@ -34,6 +35,9 @@ class Train:
         poison_padding: fill the padding of the fp32 master partitions with 1e30 after initialize (DeepSpeed copies
             it into the parameter shards at every step and checkpoint load, and saves it).
         count_syncs: count the host syncs of deepspeed_dgc's tensor calls per step (:mod:`deepspeed_dgc.syncs`).
+        count_memory: measure the bytes of the tensors deepspeed_dgc's ops make, from before initialize on
+            (:class:`~deepspeed_dgc.syncs.HostSyncCounter` with ``track_bytes``): per step, those alive at its start
+            and the most alive at once during it above that.
     """
     config: dict = field(default_factory=dict)
     model: str = "net"
@@ -48,6 +52,7 @@ class Train:
     freeze_at: Optional[int] = None
     poison_padding: bool = False
     count_syncs: bool = False
+    count_memory: bool = False
 
     def __post_init__(self):
         check_model(self.model)
@@ -69,6 +74,14 @@ class OptimizerSettings:
 
 
 @dataclass
+class MemoryStep:
+    """Bytes of deepspeed_dgc's tensors in one step: alive when it started (the state carried between steps), and
+    the most alive at once during it above that (temporaries and new state)."""
+    live_at_start: int
+    peak_new: int
+
+
+@dataclass
 class TrainRecord:
     """What one rank saw in a training scenario.
 
@@ -86,6 +99,7 @@ class TrainRecord:
         local_grads: this rank's own full local gradient of every parameter (fp32) at the last micro-step of each
             step; local_grads_micro: the same for every micro-step (``[step][micro][param]``).
         host_syncs: per step, the host syncs of deepspeed_dgc's tensor calls, ``"site name" -> count``.
+        memory: per step, deepspeed_dgc's bytes (``count_memory``); n_params: the model's parameters.
         stats: the telemetry's dictionary at the end (``deepspeed_dgc.get_stats(engine).to_dict()``) or None.
         frozen: compressed momentum froze; residual_storage: where residuals live; timeout_s: the extension's
             collective timeout in seconds (each None without the extension).
@@ -105,6 +119,8 @@ class TrainRecord:
     local_grads: List[list] = field(default_factory=list)
     local_grads_micro: List[List[list]] = field(default_factory=list)
     host_syncs: List[Dict[str, int]] = field(default_factory=list)
+    memory: List[MemoryStep] = field(default_factory=list)
+    n_params: int = 0
     stats: Optional[dict] = None
     frozen: Optional[bool] = None
     residual_storage: Optional[str] = None
@@ -112,8 +128,21 @@ class TrainRecord:
     loaded_residuals: Optional[Dict[str, torch.Tensor]] = None
 
 
-def build(job: Train, rank: int):
-    """The engine of ``job`` (after its ``models_before`` stock engines), with its lr scheduler and poisoned padding."""
+@dataclass
+class Built:
+    """An engine :func:`build` made, its ds_config, and the counter of deepspeed_dgc's ops (None unless
+    ``count_syncs`` or ``count_memory``; entered before ``deepspeed.initialize``, so the state it allocates counts)."""
+    engine: object
+    cfg: dict
+    counter: Optional[HostSyncCounter]
+
+
+def build(job: Train, rank: int) -> Built:
+    """The engine of ``job`` (after its ``models_before`` stock engines), with its lr scheduler and poisoned
+    padding."""
+    counter = None
+    if job.count_syncs or job.count_memory:
+        counter = HostSyncCounter(track_bytes=job.count_memory).__enter__()
     cfg = merge(BASE, job.config)
     cfg["gradient_accumulation_steps"] = job.gas
     if job.allow_fp16:
@@ -125,7 +154,7 @@ def build(job: Train, rank: int):
         torch.optim.lr_scheduler.LambdaLR(engine.optimizer.optimizer, lambda s: 1.0)
     if job.poison_padding:
         poison_padding(engine, rank)
-    return engine, cfg
+    return Built(engine, cfg, counter)
 
 
 def poison_padding(engine, rank: int) -> None:
@@ -158,18 +187,22 @@ def new_record(engine) -> TrainRecord:
 AfterStep = Callable[[object, int], None]
 
 
-def run_steps(job: Train, rank: int, engine, cfg: dict, record: TrainRecord, first: int = 0,
+def run_steps(job: Train, rank: int, built: Built, record: TrainRecord, first: int = 0,
               after_step: Optional[AfterStep] = None) -> TrainRecord:
-    """Steps ``first .. job.steps - 1`` of ``job`` on ``engine``, each recorded into ``record``; ``after_step(engine,
-    step)`` runs after each step's records (a checkpoint save). Returns ``record``, finished."""
+    """Steps ``first .. job.steps - 1`` of ``job`` on the engine :func:`build` made, each recorded into ``record``;
+    ``after_step(engine, step)`` runs after each step's records (a checkpoint save). Returns ``record``, finished."""
+    engine, cfg, syncs = built.engine, built.cfg, built.counter
     state = getattr(engine, "_dgc_state", None)
     local = {}
     if job.local_grads:  # this rank's full local gradient of every parameter
         for i, p in enumerate(engine.module.parameters()):
             p.register_hook(lambda g, i=i: local.__setitem__(i, g.detach().float().clone()))
     all_batches = batches(rank, job.steps, job.gas, dtype_of(cfg), job.model)
-    syncs = HostSyncCounter().__enter__() if job.count_syncs else None
+    record.n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in engine.module.parameters())
+    if syncs is not None:
+        syncs.take()  # initialize's ops are not a step's
     for step in range(first, job.steps):
+        live_at_start = syncs.mark() if syncs is not None else 0
         for m, (x, y) in enumerate(all_batches[step]):
             if step == job.inf_at and rank == 1 and job.inf_micro in (None, m):
                 x = x.clone()
@@ -187,15 +220,17 @@ def run_steps(job: Train, rank: int, engine, cfg: dict, record: TrainRecord, fir
                 if job.local_grads:
                     record.local_grads.append([local[i] for i in range(len(local))])
             engine.step()
-        if syncs is not None:  # before this scenario's own read-backs below
+        if syncs is not None:  # before this scenario's own read-backs below, which are not counted
             record.host_syncs.append({f"{site} {name}": n for (site, name), n in syncs.take_sites().items()})
-        record_step(record, engine, state)
+            record.memory.append(MemoryStep(live_at_start, syncs.peak_bytes))
+        with syncs.paused() if syncs is not None else contextlib.nullcontext():
+            record_step(record, engine, state)
         if job.freeze_at is not None and step + 1 == job.freeze_at:
             engine.module.l1.weight.requires_grad_(False)
         if after_step is not None:
             after_step(engine, step)
         if syncs is not None:
-            syncs.take()  # the read-backs of the records above are not the training step's
+            syncs.take()
     if syncs is not None:
         syncs.__exit__(None, None, None)
     finish_record(record, job, engine, state)
@@ -231,5 +266,5 @@ def finish_record(record: TrainRecord, job: Train, engine, state) -> None:
 @scenario(Train)
 def train(job: Train, rank: int) -> TrainRecord:
     """Train ``job.steps`` steps from a fresh engine and record every one."""
-    engine, cfg = build(job, rank)
-    return run_steps(job, rank, engine, cfg, new_record(engine))
+    built = build(job, rank)
+    return run_steps(job, rank, built, new_record(built.engine))
