@@ -4,7 +4,8 @@ Sorted positions are sent as gaps (position minus previous position minus 1; the
 first position) in LEB128 varints: 7 bits per byte, high bit set on all but the last byte of a value.
 At density d the mean gap is about 1/d, so a kept element costs 8 bits of index for d >= 1/128 and
 16 bits down to d = 1/16384, instead of 32. Above density 1/8 a bitmap (one bit per real element of
-the sparse tensors) is smaller. Tensors sent whole carry no positions: theirs are implied.
+the sparse tensors) is smaller. Tensors sent whole carry no positions: theirs are implied; so does a
+payload that keeps every real element of its row (no index bytes: every position is implied).
 """
 
 from typing import List, Sequence, Tuple
@@ -115,8 +116,8 @@ def decode_positions(row_numel: int, index_bytes: torch.Tensor, kept: int, n_ind
     Args:
         row_numel: columns of the row (``sum(chunks)``).
         index_bytes: the payload's index section: varint gaps, or a bitmap over the real elements of
-            the sparse tensors.
-        kept: values in the payload; n_indexed: how many of them carry an index.
+            the sparse tensors; empty with ``kept == sum(seg_real)``: every real element, all implied.
+        kept: values in the payload; n_indexed: how many of them carry an index (ignored where all are implied).
         seg_real: real elements of each tensor in this row; chunks: columns per tensor; sparse: per tensor.
         index_coding: ``"varint"`` or ``"bitmap"``.
 
@@ -127,6 +128,8 @@ def decode_positions(row_numel: int, index_bytes: torch.Tensor, kept: int, n_ind
         ValueError: the index bytes are malformed, point past the row, or do not add up to ``kept``.
     """
     device = index_bytes.device
+    if index_bytes.numel() == 0 and kept == sum(seg_real):  # a row sent whole: every position implied
+        sparse, n_indexed = [False] * len(sparse), 0
     implied = torch.cat([
         torch.arange(col, col + r, device=device) for col, r, s in zip(starts(chunks), seg_real, sparse) if not s
     ] or [torch.empty(0, dtype=torch.long, device=device)])
