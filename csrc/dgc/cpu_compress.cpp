@@ -35,6 +35,7 @@ struct BucketPlan {
   std::vector<float> thr;                    // stage 1: each tensor's threshold (-1: every real element kept)
   std::vector<std::vector<Kept>> kept;       // stage 2-3: kept[i][r]
   std::vector<at::Tensor> early;             // payloads allocated before the dense pass (rows sent whole)
+  std::vector<uint8_t> whole;                // stage 3b: row r keeps every real element (no positions sent)
 };
 
 // Stage 0: the inputs checked, each tensor's Spec (where its rows are, its real elements per row), the residuals.
@@ -120,6 +121,7 @@ BucketPlan plan_bucket(std::vector<at::Tensor>& srcs, const std::vector<int64_t>
   b.thr.assign(T, -1.0f);
   b.kept.assign(T, std::vector<Kept>(R));
   b.early.resize(R);
+  b.whole.assign(R, 0);
   return b;
 }
 
@@ -144,10 +146,10 @@ void estimate_thresholds(BucketPlan& b) {
   }
 }
 
-// Buckets of FP8 or INT4 (no zero bitmap) with no sparse tensor (one keeping all its elements, k >= m, still sends
-// its positions): every tensor is sent whole, the payloads' sizes are known before the dense pass, so they are
-// allocated here and the dense pass writes its codes straight into their value bytes (stage 4 then copies nothing),
-// each tensor's whose codes start a byte (INT4: at an even value of the row).
+// Buckets of FP8 or INT4 (no zero bitmap) with no sparse tensor (what a sparse one keeps is known after the dense
+// pass only): every tensor is sent whole, the payloads' sizes are known before the dense pass, so they are allocated
+// here and the dense pass writes its codes straight into their value bytes (stage 4 then copies nothing), each
+// tensor's whose codes start a byte (INT4: at an even value of the row).
 void allocate_whole_payloads(BucketPlan& b) {
   const int64_t per_byte = 8 / dgc::format_bits(b.fmt);
   if (dgc::zero_masked(b.fmt) || std::any_of(b.specs.begin(), b.specs.end(), [](const Spec& t) { return t.sparse; }))
@@ -220,6 +222,54 @@ void correct_towards_k(BucketPlan& b) {
   }
 }
 
+// Varint bytes of row r's positions: the gaps between the kept columns of its sparse tensors (the first from -1).
+int64_t index_bytes_of(const BucketPlan& b, int64_t r) {
+  int64_t n = 0, prev = -1;
+  for (size_t i = 0; i < b.T; ++i) {
+    const Kept& kr = b.kept[i][r];
+    const int64_t cnt = kr.size();
+    if (!b.specs[i].sparse || cnt == 0) continue;
+    n += dgc::varint_length(static_cast<uint64_t>(b.specs[i].col + kr.col(0) - prev - 1));
+    n += kr.all ? cnt - 1 : kr.gap_bytes;  // (consecutive columns: a byte each)
+    prev = b.specs[i].col + kr.col(cnt - 1);
+  }
+  return n;
+}
+
+// Bytes of a payload's scales, values and positions for count(i) values kept of tensor i and index_bytes of
+// positions, as wire.RowLayout.sections_bytes (no header, padding or INT2/INT1 zero-bitmap words).
+template <typename Count>
+int64_t sections_bytes(const BucketPlan& b, Count&& count, int64_t index_bytes) {
+  int64_t n = 0, groups = 0;
+  for (size_t i = 0; i < b.T; ++i) {
+    const int64_t c = count(i);
+    n += c;
+    groups += (c + b.group_size - 1) / b.group_size;
+  }
+  return 4 * groups + dgc::packed_bytes(n, static_cast<int>(b.fmt)) + index_bytes;
+}
+
+// Stage 3b: rows whose sparse payload would not be smaller than the row sent whole (every real element, no
+// positions) go whole, as wire.RowLayout.sends_whole decides: their sparse tensors' elements are collected again, all
+// of them (a dense pass over those rows alone, acc only: encode_segment writes their new residual). Marks every row
+// keeping all its real elements in b.whole.
+void send_whole_rows(BucketPlan& b) {
+  std::vector<Task> tasks;
+  for (int64_t r = 0; r < b.R; ++r) {
+    const int64_t sparse = sections_bytes(b, [&](size_t i) { return b.kept[i][r].size(); }, index_bytes_of(b, r));
+    if (sparse < sections_bytes(b, [&](size_t i) { return b.specs[i].real[r]; }, 0)) continue;
+    b.whole[r] = 1;
+    for (size_t i = 0; i < b.T; ++i) {
+      const Spec& t = b.specs[i];
+      if (b.kept[i][r].size() == t.real[r]) continue;  // (tensors sent whole, and sparse ones keeping all)
+      b.kept[i][r] = Kept();
+      for (int64_t j0 = 0; j0 < t.real[r]; j0 += kTask)
+        tasks.push_back({static_cast<int64_t>(i), r, j0, std::min(j0 + kTask, t.real[r])});
+    }
+  }
+  if (!tasks.empty()) dense_pass(b.specs, b.p, tasks, std::vector<float>(b.T, -1.0f), b.kept, false);
+}
+
 // Stage 4's map of the payloads: per row its values, scale groups, index bytes and zero-bitmap bits; the kept values
 // of tensor i in row r are segment s = r T + i, whose groups start at group seg_start[s] and value seg_v0[s] of the
 // row; where each payload's parts are.
@@ -273,12 +323,12 @@ struct PayloadMap {
   uint8_t* values_of(int64_t r) const { return bases[r] + 4 * dgc::kHeaderInt32 + 4 * scale_words[r]; }
 };
 
-// Stage 4a: per row, its segments' groups (serially: where each starts), values and varint index bytes.
+// Stage 4a: per row, its segments' groups (serially: where each starts), values and varint index bytes (none for a
+// row keeping every real element).
 void count_segments(PayloadMap& pm) {
   BucketPlan& b = pm.b;
   for (int64_t r = 0; r < b.R; ++r) {
     pm.first_group[r] = pm.total_groups;
-    int64_t prev = -1;
     for (size_t i = 0; i < b.T; ++i) {
       const Kept& kr = b.kept[i][r];
       const int64_t cnt = kr.size();
@@ -286,12 +336,8 @@ void count_segments(PayloadMap& pm) {
       pm.seg_v0[r * b.T + i] = pm.n_kept[r];
       pm.total_groups += (cnt + b.group_size - 1) / b.group_size;
       pm.n_kept[r] += cnt;
-      if (b.specs[i].sparse && cnt > 0) {  // varint bytes of the gaps: the first from the row's previous position
-        pm.n_index[r] += dgc::varint_length(static_cast<uint64_t>(b.specs[i].col + kr.col(0) - prev - 1));
-        pm.n_index[r] += kr.all ? cnt - 1 : kr.gap_bytes;  // (consecutive columns: a byte each)
-        prev = b.specs[i].col + kr.col(cnt - 1);
-      }
     }
+    pm.n_index[r] = b.whole[r] ? 0 : index_bytes_of(b, r);
     pm.n_groups[r] = pm.total_groups - pm.first_group[r];
     TORCH_CHECK(pm.n_kept[r] <= INT32_MAX && pm.n_index[r] <= INT32_MAX, "compress_bucket: row ", r,
                 " does not fit the int32 header (", pm.n_kept[r], " values)");
@@ -409,7 +455,7 @@ void write_bitmaps_and_positions(const PayloadMap& pm) {
           const float* acc = kr.values();
           for (int64_t x = x0; x < x1; ++x, ++mb) mask[mb >> 3] |= static_cast<uint8_t>((acc[x] != 0.0f) << (mb & 7));
         });
-      write_positions(pm, r, pm.values_of(r) + dgc::packed_bytes(pm.n_kept[r], b.fmt));
+      if (!b.whole[r]) write_positions(pm, r, pm.values_of(r) + dgc::packed_bytes(pm.n_kept[r], b.fmt));
     }
   });
 }
@@ -529,8 +575,8 @@ std::pair<std::vector<at::Tensor>, int64_t> write_payloads(BucketPlan& b) {
 // that selected it (-1: every real element was kept).
 //
 // One bucket compressed: plan_bucket, estimate_thresholds (1), accumulate_and_collect (2, the dense pass),
-// correct_towards_k (3), write_payloads (4). Returns the payloads (one per row), the new residuals, whether every
-// accumulated value was finite, the kept count and each tensor's threshold (-1: none).
+// correct_towards_k (3), send_whole_rows (3b), write_payloads (4). Returns the payloads (one per row), the new
+// residuals, whether every accumulated value was finite, the kept count and each tensor's threshold (-1: none).
 std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std::vector<double>> compress_bucket(
     std::vector<at::Tensor> srcs, std::vector<int64_t> offsets, std::vector<int64_t> strides,
     std::vector<at::Tensor> residuals, std::vector<int64_t> residual_numels, std::vector<int64_t> numels,
@@ -546,6 +592,7 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, bool, int64_t, std:
     return {payloads, {}, false, 0, std::vector<double>(b.T, -1.0)};
   }
   correct_towards_k(b);
+  send_whole_rows(b);
   auto [payloads, total_kept] = write_payloads(b);
   std::vector<double> used(b.T, -1.0);
   for (size_t i = 0; i < b.T; ++i)

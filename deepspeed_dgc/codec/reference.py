@@ -7,6 +7,7 @@ residuals, and adds a parsed payload body into a dense row. The fused ops
 code to this class.
 """
 
+from dataclasses import replace
 from typing import List, Tuple
 
 import torch
@@ -81,7 +82,12 @@ class ReferenceOps:
         return CompressOutput(payloads, residuals, finite, int(mask_m.sum()) if finite else 0, thresholds)
 
     def _encode_rows(self, job: CompressJob, acc_m, mask_m, real_m) -> Tuple[List[torch.Tensor], torch.Tensor]:
-        """Payload of every row, and what was sent (decoded) as an fp32 ``(R, C)`` matrix."""
+        """Payload of every row, and what was sent (decoded) as an fp32 ``(R, C)`` matrix.
+
+        A row whose sparse payload would not be smaller than the row sent whole
+        (:meth:`~deepspeed_dgc.codec.wire.RowLayout.sends_whole`) keeps every real element: its row of the bool
+        ``(R, C)`` ``mask_m`` becomes ``real_m``'s (in place), and its payload carries no positions.
+        """
         device = acc_m.device
         implied_m = real_m.clone()  # positions sent without an index
         col = 0
@@ -93,6 +99,7 @@ class ReferenceOps:
         seg_ends = torch.cumsum(torch.tensor(job.chunks, dtype=torch.long, device=device), 0)
         payloads = []
         sparse_cols = ~implied_m & real_m  # bitmap coding: one bit per real element of a sparse tensor
+        layout, real = job.row_layout(0), [job.real_counts(i) for i in range(len(job.chunks))]
         for o in range(acc_m.shape[0]):
             pos = mask_m[o].nonzero().squeeze(1)
             if job.index_coding == "bitmap":
@@ -100,9 +107,16 @@ class ReferenceOps:
             else:
                 indexed = pos[~implied_m[o][pos]]
                 index_bytes = encode_indices(indexed, torch.tensor([indexed.numel()], device=device))
+            counts = segment_counts(pos, seg_ends)
+            row = replace(layout, seg_real=[r[o] for r in real])
+            if row.sends_whole(counts.tolist(), index_bytes.numel()):
+                mask_m[o] = real_m[o]
+                pos = mask_m[o].nonzero().squeeze(1)
+                counts = segment_counts(pos, seg_ends)
+                index_bytes = index_bytes.new_empty(0)
             vals = acc_m[o][pos]
             if job.quantize:
-                values, scales, sent_m[o][pos] = self._quantize(vals, job, segment_counts(pos, seg_ends))
+                values, scales, sent_m[o][pos] = self._quantize(vals, job, counts)
             else:
                 values = wire.raw_encode(vals, job.value_dtype, job.raw_scale)
                 scales = torch.empty(0, dtype=torch.float32, device=device)

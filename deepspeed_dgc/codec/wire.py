@@ -12,8 +12,13 @@ This module owns the bytes. One payload per owner row, aligned to 4 bytes::
               in the communication dtype, multiplied by the row's ``raw_scale`` (the fp16 loss scale)
     uint8[]   positions of the kept values of sparsified tensors (the others are implied): varint
               gaps, or with ``index_coding`` "bitmap" one bit per real element of those tensors
-              (:mod:`~deepspeed_dgc.codec.indices`)
+              (:mod:`~deepspeed_dgc.codec.indices`); none (index bytes 0) where the payload keeps every
+              real element of the row, sparsified tensors' too: every position is implied
     zeros     padding to a multiple of 4 bytes
+
+A row whose sparse payload would not be smaller than the row sent whole goes whole: it keeps every real
+element and sends no positions (:meth:`RowLayout.sends_whole`; with ties, an all-equal gradient keeps
+everything at any density and then costs what a dense row does).
 
 The fused ops (``csrc/dgc``) write the same bytes; the reference encoder calls :func:`pack`. A receiver
 checks every header against what it expects (:class:`RowLayout`) before decoding, so ranks whose config
@@ -117,6 +122,28 @@ class RowLayout:
         if self.quantize:
             return packed_bytes(kept, self.value_format)
         return kept * torch.empty(0, dtype=self.value_dtype).element_size()
+
+    def sections_bytes(self, counts: Sequence[int], index_bytes: int) -> int:
+        """Bytes of a payload's scales, values and positions, the cost :meth:`sends_whole` compares.
+
+        Args:
+            counts: values kept of each tensor of the row (``T`` ints).
+            index_bytes: bytes of the index section.
+
+        Returns:
+            ``4 * groups + value_bytes(sum(counts)) + index_bytes``, groups restarting at each tensor (none
+            without quantization). Header and padding are left out (every payload has them), and so are the
+            extra words of INT2/INT1 zero bitmaps (they depend on the values, not on how many are kept).
+        """
+        groups = sum(-(-n // self.group_size) for n in counts) if self.quantize else 0
+        return 4 * groups + self.value_bytes(sum(counts)) + index_bytes
+
+    def sends_whole(self, counts: Sequence[int], index_bytes: int) -> bool:
+        """Whether a row whose sparse selection keeps ``counts[i]`` values of tensor i with ``index_bytes`` of
+        positions goes whole instead (every real element kept, no positions sent): where the sparse payload would
+        not be smaller, by :meth:`sections_bytes` (the fused CPU op's send_whole_rows computes the same). True
+        where ``counts`` already is every real element (``seg_real``)."""
+        return self.sections_bytes(counts, index_bytes) >= self.sections_bytes(self.seg_real, 0)
 
 
 @dataclass

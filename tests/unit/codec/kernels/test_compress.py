@@ -59,14 +59,15 @@ def test_every_value_format_equals_reference(fused, fmt, hierarchical, numels):
 @pytest.mark.parametrize("fmt", ["int4", "int2", "int1", "fp8_e4m3", "fp8_e5m2"])
 def test_sparse_tensors_keeping_every_element_match(fused, fmt):
     """A bucket whose every tensor keeps all its elements though some are sparse (k >= m at a density near 1): the
-    sparse ones still send their positions, so the payload is not the size of a bucket sent whole (the op allocated
-    an FP8 or INT4 bucket's payloads before its dense pass by that size and raised)."""
+    rows keep every real element, so they send no positions (the op allocates an FP8 or INT4 bucket's payloads
+    before its dense pass only where no tensor is sparse)."""
     for numels, min_numel in (([24], 0), ([24, 5], 10), ([3000, 70], 0)):
         job = make_job(numels, 2, density=0.9999, min_numel=min_numel, value_format=fmt,
                        seed=int(torch.randint(0, 1 << 30, ())))
         assert all(k >= m for k, m in zip(job.targets(), job.real_totals()))
         ref = REFERENCE.compress(job)
         assert ref.kept == sum(numels)
+        assert all(int(p[12:16].view(torch.int32)) == 0 for p in ref.payloads)  # the header's index bytes
         assert_same(ref, fused.compress(job))
 
 
