@@ -195,11 +195,27 @@ def launch_scenarios(jobs: Sequence[object], world: int = 2, timeout_s: float = 
     Raises:
         TimeoutError: some rank was still running after ``timeout_s`` seconds (a hang).
     """
+    out = save_jobs(jobs, out)
+    return launch(world, "scenario_worker.py", ["--out", out], timeout_s=timeout_s, extra_env=extra_env)
+
+
+def save_jobs(jobs: Sequence[object], out: Optional[str] = None) -> str:
+    """Save ``jobs`` as ``out/jobs.pt`` for ``scenario_worker.py --out out`` (``out``: a new temporary directory by
+    default); returns ``out``."""
     import torch
 
     out = out or tempfile.mkdtemp()
     torch.save(list(jobs), os.path.join(out, "jobs.pt"))
-    return launch(world, "scenario_worker.py", ["--out", out], timeout_s=timeout_s, extra_env=extra_env)
+    return out
+
+
+def load_records(out: str, names: Sequence[str], world: int) -> Dict[str, list]:
+    """name -> the record of every rank (in rank order) that ``scenario_worker.py`` saved in ``out`` for the jobs
+    ``names`` (in the order they ran)."""
+    import torch
+
+    return {name: [torch.load(os.path.join(out, f"rank{r}_{i}.pt"), weights_only=False) for r in range(world)]
+            for i, name in enumerate(names)}
 
 
 def run_scenarios(jobs: Dict[str, object], world: int = 2, timeout_s: float = 300.0, out: Optional[str] = None,
@@ -219,14 +235,11 @@ def run_scenarios(jobs: Dict[str, object], world: int = 2, timeout_s: float = 30
         AssertionError: a rank exited with an error (its stderr's tail in the message).
         TimeoutError: some rank was still running after ``timeout_s`` seconds.
     """
-    import torch
-
     out = out or tempfile.mkdtemp()
     names = list(jobs)
     ranks = launch_scenarios([jobs[name] for name in names], world, timeout_s, out, extra_env)
     check_ok(ranks)
-    records = {name: [torch.load(os.path.join(out, f"rank{r}_{i}.pt"), weights_only=False) for r in range(world)]
-               for i, name in enumerate(names)}
+    records = load_records(out, names, world)
     return (records, ranks) if logs else records
 
 
@@ -287,3 +300,23 @@ def launch_mpirun(world: int, argv: Sequence[str], timeout_s: float = 180.0, env
     finally:
         if env_to_ranks and "MASTER_PORT" in env_to_ranks:
             remove_shm_buffers(int(env_to_ranks["MASTER_PORT"]))
+
+
+def run_scenarios_mpirun(jobs: Dict[str, object], world: int, timeout_s: float = 240.0, env_to_ranks=None,
+                         mpirun_args: Sequence[str] = ()) -> Dict[str, list]:
+    """:func:`run_scenarios` with the ranks started by ``mpirun`` (:func:`launch_mpirun`; ``scenario_worker.py`` then
+    takes its rank from Open MPI's variables): one launch running every job in turn.
+
+    Returns:
+        name -> the record of every rank, in rank order.
+
+    Raises:
+        AssertionError: mpirun exited with an error (the tails of its output in the message).
+        TimeoutError: mpirun was still running after ``timeout_s`` seconds.
+    """
+    names = list(jobs)
+    out = save_jobs([jobs[name] for name in names])
+    res = launch_mpirun(world, [sys.executable, "tests/workers/scenario_worker.py", "--out", out], timeout_s,
+                        env_to_ranks, mpirun_args)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return load_records(out, names, world)

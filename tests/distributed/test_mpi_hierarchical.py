@@ -10,15 +10,14 @@
 """
 
 import math
-import sys
-import tempfile
 
 import pytest
 import torch
 
-from dist_launch import free_port, launch_mpirun
+from dist_launch import free_port, run_scenarios_mpirun
 from deepspeed_dgc.codec.selection import target_count
-from workers.reduce_worker import CASES as ALL_CASES, SIZES, STEPS
+from scenarios import ReduceCases
+from scenarios.reduce import CASES as ALL_CASES, SIZES, STEPS
 
 from .test_reduce_scatter import assert_threshold_schedule
 
@@ -31,30 +30,29 @@ L = 2  # ranks per node in the hierarchical run
 
 
 def _run_mpirun(world, runs, topology, layout="auto", **env):
-    out = tempfile.mkdtemp()
-    res = launch_mpirun(world, [sys.executable, "tests/workers/reduce_worker.py", "--out", out, "--runs", runs,
-                                "--topology", topology, "--layout", layout],
-                        timeout_s=240,
-                        env_to_ranks=dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), **env))
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return out
+    """Every run of ``runs`` (``BACKEND[:KERNELS],...``) in turn under one mpirun: run -> per rank, case name -> its
+    :class:`~scenarios.reduce.ReduceCase`."""
+    jobs = {run: ReduceCases.of_run(run, topology=topology, layout=layout) for run in runs.split(",")}
+    records = run_scenarios_mpirun(jobs, world, timeout_s=240,
+                                   env_to_ranks=dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), **env))
+    return {run: [rec.cases for rec in recs] for run, recs in records.items()}
 
 
-def _assert_backends_equal(out, world, run_a="torch", run_b="mpi"):
+def _assert_backends_equal(runs, world, run_a="torch", run_b="mpi"):
     for rank in range(world):
-        a = torch.load(f"{out}/rank{rank}_{run_a}.pt")
-        b = torch.load(f"{out}/rank{rank}_{run_b}.pt")
+        a = runs[run_a][rank]
+        b = runs[run_b][rank]
         assert a.keys() == b.keys() and set(CASES) <= a.keys() <= set(ALL_CASES)
         for case in a:
-            for sa, sb in zip(a[case]["steps"], b[case]["steps"], strict=True):
-                for x, y in zip(sa["outputs"], sb["outputs"], strict=True):
+            for sa, sb in zip(a[case].steps, b[case].steps, strict=True):
+                for x, y in zip(sa.outputs, sb.outputs, strict=True):
                     # bits, so that the NaN of a poisoned (skipped) micro-step compares too
                     assert x.dtype == y.dtype and torch.equal(x.view(torch.int32), y.view(torch.int32)), \
                         f"rank {rank} {case}: outputs differ"
-                assert sa["residuals"].keys() == sb["residuals"].keys()
-                assert all(torch.equal(sa["residuals"][k].view(torch.int32), sb["residuals"][k].view(torch.int32))
-                           for k in sa["residuals"])  # bits: the fixed layout stages NaN residuals of a skipped step
-                assert (sa["wire_bytes"], sa["kept"]) == (sb["wire_bytes"], sb["kept"])
+                assert sa.residuals.keys() == sb.residuals.keys()
+                assert all(torch.equal(sa.residuals[k].view(torch.int32), sb.residuals[k].view(torch.int32))
+                           for k in sa.residuals)  # bits: the fixed layout stages NaN residuals of a skipped step
+                assert (sa.wire_bytes, sa.kept) == (sb.wire_bytes, sb.kept)
 
 
 def test_mpi_backend_bit_identical_to_torch_flat_in_the_fixed_layout():
@@ -65,19 +63,19 @@ def test_mpi_backend_bit_identical_to_torch_flat_in_the_fixed_layout():
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_mpi_backend_bit_identical_to_torch_flat(world):
-    out = _run_mpirun(world, "torch,mpi,torch:reference" if world == 3 else "torch,mpi", "flat")
-    _assert_backends_equal(out, world)
+    runs = _run_mpirun(world, "torch,mpi,torch:reference" if world == 3 else "torch,mpi", "flat")
+    _assert_backends_equal(runs, world)
     if world == 3:
-        _assert_backends_equal(out, world, "torch", "torch:reference")  # fused op == reference
-        _assert_ops(out, world)
+        _assert_backends_equal(runs, world, "torch", "torch:reference")  # fused op == reference
+        _assert_ops(runs, world)
 
 
 @pytest.fixture(scope="module")
 def hier():
     # no dgc.ranks_per_node: the node size comes from the launcher variable LOCAL_SIZE (here 2
     # instead of mpirun's OMPI_COMM_WORLD_LOCAL_SIZE of 4), as the deepspeed launcher would set it
-    out = _run_mpirun(4, "torch,mpi,torch:reference", "hierarchical", LOCAL_SIZE=str(L))
-    return out, [torch.load(f"{out}/rank{r}_torch.pt") for r in range(4)]
+    runs = _run_mpirun(4, "torch,mpi,torch:reference", "hierarchical", LOCAL_SIZE=str(L))
+    return runs, runs["torch"]
 
 
 def test_mpi_backend_bit_identical_to_torch_hierarchical(hier):
@@ -89,14 +87,14 @@ def test_fused_op_bit_identical_to_reference_hierarchical(hier):
     _assert_ops(hier[0], 4)
 
 
-def _assert_ops(out, world):
+def _assert_ops(runs, world):
     """The default run used the fused op for INT4 cases; the reference run did not."""
     for rank in range(world):
-        fused = torch.load(f"{out}/rank{rank}_torch.pt")
-        ref = torch.load(f"{out}/rank{rank}_torch:reference.pt")
+        fused = runs["torch"][rank]
+        ref = runs["torch:reference"][rank]
         for case, kw in CASES.items():  # the fused op takes every quantized job (and hands what it cannot code on)
-            assert fused[case]["ops"] == ("fused-cpu" if kw["quantization"] != "none" else "reference"), case
-            assert ref[case]["ops"] == "reference"
+            assert fused[case].ops == ("fused-cpu" if kw["quantization"] != "none" else "reference"), case
+            assert ref[case].ops == "reference"
 
 
 W = 4
@@ -112,15 +110,15 @@ def _block(flat: torch.Tensor, n: int, local: int) -> torch.Tensor:
 
 def _residual(ranks, case, r, step, i):
     c = math.ceil(SIZES[i] / W)
-    if step < 0 or i not in ranks[r][case]["steps"][step]["residuals"]:
+    if step < 0 or i not in ranks[r][case].steps[step].residuals:
         return torch.zeros(N, c, dtype=torch.float64)
-    return ranks[r][case]["steps"][step]["residuals"][i].double().view(N, c)
+    return ranks[r][case].steps[step].residuals[i].double().view(N, c)
 
 
 def _node_acc(ranks, case, r, step, i):
     """What rank r compresses: its node's sum of g/W over its owners' slices, plus its residual."""
     node = r // L
-    g = sum(ranks[s][case]["steps"][step]["inputs"][i].reshape(-1).double() for s in range(node * L, node * L + L))
+    g = sum(ranks[s][case].steps[step].inputs[i].reshape(-1).double() for s in range(node * L, node * L + L))
     return _block(g / W, SIZES[i], r % L) + _residual(ranks, case, r, step - 1, i)
 
 
@@ -129,7 +127,7 @@ def _output(ranks, case, step, i):
     c = math.ceil(n / W)
     parts = []
     for r in range(W):
-        o = ranks[r][case]["steps"][step]["outputs"][i]
+        o = ranks[r][case].steps[step].outputs[i]
         assert o.numel() == max(0, min(c, n - r * c))
         parts.append(o.double())
     return torch.nn.functional.pad(torch.cat(parts), (0, W * c - n)).view(W, c)
@@ -140,7 +138,7 @@ def test_hierarchical_delivers_what_was_sent_and_conserves(hier, case):
     _, ranks = hier
     rel = STORAGE_REL_ERROR[CASES[case].get("residual_dtype", "fp32")]
     for i, n in enumerate(SIZES):
-        grad_sum = sum(ranks[r][case]["steps"][t]["inputs"][i].reshape(-1).double() for r in range(W)
+        grad_sum = sum(ranks[r][case].steps[t].inputs[i].reshape(-1).double() for r in range(W)
                        for t in range(STEPS)) / W
         delivered = torch.zeros(W, math.ceil(n / W), dtype=torch.float64)
         lost_total = 0.0
@@ -185,14 +183,14 @@ def test_hierarchical_lossless_is_the_two_level_sum(hier):
     _, ranks = hier
     for t in range(STEPS):
         for i, n in enumerate(SIZES):
-            g = [ranks[r]["lossless"]["steps"][t]["inputs"][i].reshape(-1).div(W) for r in range(W)]
+            g = [ranks[r]["lossless"].steps[t].inputs[i].reshape(-1).div(W) for r in range(W)]
             two_level = (g[0] + g[1]) + (g[2] + g[3])
             out = _output(ranks, "lossless", t, i).reshape(-1)[:n].float()
             assert torch.equal(out, two_level)
             flat = ((g[0] + g[1]) + g[2]) + g[3]
             # two reorderings of a 4-term fp32 sum differ by at most a few ulps of sum |g|
             assert bool(((out - flat).abs() <= 3 * 2.0**-24 * sum(x.abs() for x in g)).all())
-            assert all(not ranks[r]["lossless"]["steps"][t]["residuals"] for r in range(W))
+            assert all(not ranks[r]["lossless"].steps[t].residuals for r in range(W))
 
 
 def test_hierarchical_selection_count_and_byte_split(hier):
@@ -200,15 +198,15 @@ def test_hierarchical_selection_count_and_byte_split(hier):
     C = sum(math.ceil(n / W) for n in SIZES)
     for r in range(W):
         for t in range(STEPS):
-            step = ranks[r]["sparse_int4"]["steps"][t]
+            step = ranks[r]["sparse_int4"].steps[t]
             real = [int((_block(torch.ones(n), n, r % L) != 0).sum()) for n in SIZES]
-            assert step["kept"] == sum(target_count(k, CASES["sparse_int4"]["density"]) for k in real)
+            assert step.kept == sum(target_count(k, CASES["sparse_int4"]["density"]) for k in real)
             # hop 1 is dense fp32: to the one node-mate, N rows of C values, plus its size word
-            assert step["intra_node_wire_bytes"] == (L - 1) * (N * C * 4 + 8)
-            assert step["inter_node_wire_bytes"] > 0
-            dense = ranks[r]["lossless"]["steps"][t]
-            assert step["inter_node_wire_bytes"] < dense["inter_node_wire_bytes"]
-            assert step["wire_bytes"] == step["intra_node_wire_bytes"] + step["inter_node_wire_bytes"]
+            assert step.intra_node_wire_bytes == (L - 1) * (N * C * 4 + 8)
+            assert step.inter_node_wire_bytes > 0
+            dense = ranks[r]["lossless"].steps[t]
+            assert step.inter_node_wire_bytes < dense.inter_node_wire_bytes
+            assert step.wire_bytes == step.intra_node_wire_bytes + step.inter_node_wire_bytes
 
 
 def test_hierarchical_density_auto_agrees_between_nodes_and_sets_the_count(hier):
@@ -219,14 +217,14 @@ def test_hierarchical_density_auto_agrees_between_nodes_and_sets_the_count(hier)
     cfg = CASES["auto_scales"]
     for local in range(L):
         peers = range(local, W, L)
-        densities = [[ranks[r]["auto_scales"]["steps"][t]["density"] for t in range(STEPS)] for r in peers]
+        densities = [[ranks[r]["auto_scales"].steps[t].density for t in range(STEPS)] for r in peers]
         assert all(d == densities[0] for d in densities), densities
         assert all(cfg["density_min"] <= d <= cfg["density_max"] for d in densities[0])
         assert any(d < cfg["density_max"] for d in densities[0])  # it chose, not the cap every time
         for r in peers:
             for t in range(STEPS):
                 real = [int((_block(torch.ones(n), n, local) != 0).sum()) for n in SIZES]
-                assert ranks[r]["auto_scales"]["steps"][t]["kept"] == sum(target_count(k, densities[0][t]) for k in real)
+                assert ranks[r]["auto_scales"].steps[t].kept == sum(target_count(k, densities[0][t]) for k in real)
 
 
 def test_hierarchical_threshold_reuse_estimates_every_n_steps(hier):
@@ -234,13 +232,13 @@ def test_hierarchical_threshold_reuse_estimates_every_n_steps(hier):
     steps 1 and 2, on the node-level sums as on the flat topology."""
     _, ranks = hier
     for r in range(W):
-        steps = ranks[r]["reuse_threshold"]["steps"]
+        steps = ranks[r]["reuse_threshold"].steps
         reused = 0
         for t, step in enumerate(steps):
             for i, n in enumerate(SIZES):
                 real = int((_block(torch.ones(n), n, r % L) != 0).sum())
                 if target_count(real, 0.1) >= real:
-                    assert i not in step["thresholds"]
+                    assert i not in step.thresholds
                     continue
                 assert_threshold_schedule(steps, t, i)
                 reused += t % 3 != 0

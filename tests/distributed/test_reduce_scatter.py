@@ -1,36 +1,35 @@
 """The compressed reduce-scatter in 2 and 3 real processes against float64 references, in both payload layouts.
 
 Sizes 1, 7, 42, 1001: with 3 ranks the last ranks own only part of a 1- or 7-element tensor, or nothing; residual
-bookkeeping must still conserve every gradient. Every case of tests/workers/reduce_worker.py is checked for
+bookkeeping must still conserve every gradient. Every case of tests/workers/scenarios/reduce.py is checked for
 conservation, for the accuracy of what each sender sent in its format, and for how many elements it sent.
 """
 
 import math
-import tempfile
 
 import pytest
 import torch
 
-from dist_launch import check_ok, launch
+from dist_launch import run_scenario
 from deepspeed_dgc.codec.fixed import FixedPlan
 from deepspeed_dgc.codec.formats import dequantize_weights, quantize_weights
 from deepspeed_dgc.codec.selection import target_count
-from workers.reduce_worker import CASES, SIZES, STEPS
+from scenarios import MismatchedBucket, ReduceCases
+from scenarios.reduce import CASES, SIZES, STEPS
 
 
 @pytest.fixture(scope="module", params=[(2, "exact"), (3, "exact"), (2, "fixed"), (3, "fixed")],
                 ids=["w2", "w3", "w2-fixed", "w3-fixed"])
 def run(request):
     """Every case on 2 or 3 ranks, in the exact or the fixed layout (the cases that need the exact layout, such as
-    density "auto", run in it in both: each case records its ``layout``)."""
+    density "auto", run in it in both: each case records its ``layout``). Returns the world size and, per rank, case
+    name -> its :class:`~scenarios.reduce.ReduceCase`."""
     world, layout = request.param
-    out = tempfile.mkdtemp()
-    check_ok(launch(world, "reduce_worker.py", ["--out", out, "--layout", layout], timeout_s=180))
-    return world, [torch.load(f"{out}/rank{r}_torch.pt") for r in range(world)]
+    return world, [rec.cases for rec in run_scenario(ReduceCases(layout=layout), world, timeout_s=180)]
 
 
 def _layout(ranks, case):
-    return ranks[0][case]["layout"]
+    return ranks[0][case].layout
 
 
 def _slots(n, world, density, cfg):
@@ -62,7 +61,7 @@ def _gather(ranks, case, step, i, world):
     c = math.ceil(n / world)
     parts = []
     for r in range(world):
-        out = ranks[r][case]["steps"][step]["outputs"][i]
+        out = ranks[r][case].steps[step].outputs[i]
         assert out.dtype == torch.float32
         assert out.numel() == max(0, min(c, n - r * c)), f"rank {r} slice of tensor {i} has wrong length"
         parts.append(out.double())
@@ -72,12 +71,12 @@ def _gather(ranks, case, step, i, world):
 def _residual(ranks, case, r, step, i):
     if step < 0:
         return torch.zeros(SIZES[i], dtype=torch.float64)
-    res = ranks[r][case]["steps"][step]["residuals"].get(i)
+    res = ranks[r][case].steps[step].residuals.get(i)
     return torch.zeros(SIZES[i], dtype=torch.float64) if res is None else res.double()
 
 
 def _acc(ranks, case, r, step, i, world):
-    g = ranks[r][case]["steps"][step]["inputs"][i].reshape(-1).double()
+    g = ranks[r][case].steps[step].inputs[i].reshape(-1).double()
     return g / world + _residual(ranks, case, r, step - 1, i)
 
 
@@ -97,7 +96,7 @@ GENERIC = [c for c in CASES if not c.endswith("_overflow")]  # every record a fi
 
 def _calls(ranks, case):
     """Reduce-scatter calls (micro-steps) recorded for a case."""
-    return len(ranks[0][case]["steps"])
+    return len(ranks[0][case].steps)
 
 
 @pytest.mark.parametrize("case", GENERIC)
@@ -118,7 +117,7 @@ def test_delivered_equals_sent_and_conserves_gradients(run, case):
             torch.testing.assert_close(out, sent, rtol=0, atol=1e-5 * scale + 1.01 * step_lost)
             lost += step_lost
             delivered += out
-            grad_sum += sum(ranks[r][case]["steps"][t]["inputs"][i].reshape(-1).double() for r in range(world)) / world
+            grad_sum += sum(ranks[r][case].steps[t].inputs[i].reshape(-1).double() for r in range(world)) / world
         final_res = sum(_residual(ranks, case, r, _calls(ranks, case) - 1, i) for r in range(world))
         torch.testing.assert_close(delivered + final_res, grad_sum, rtol=0,
                                    atol=1e-4 * float(grad_sum.abs().max()) + 1.01 * lost)
@@ -175,14 +174,14 @@ def test_each_sender_sends_its_share_in_its_format(run, case):
     checked = 0
     for r in range(world):
         for t in range(_calls(ranks, case)):
-            density = ranks[r][case]["steps"][t]["density"]
+            density = ranks[r][case].steps[t].density
             for i, n in enumerate(SIZES):
                 acc = _acc(ranks, case, r, t, i, world)
                 res = _residual(ranks, case, r, t, i)
                 sent = acc - res
                 # the reducer's fp32 sums (of terms larger than acc where they cancel) against float64 here, and the
                 # rounding of the stored residual
-                g = ranks[r][case]["steps"][t]["inputs"][i].reshape(-1).double() / world
+                g = ranks[r][case].steps[t].inputs[i].reshape(-1).double() / world
                 tol = 1e-6 * (g.abs() + _residual(ranks, case, r, t - 1, i).abs() + res.abs()) + storage_rel * res.abs() \
                     + 1e-12
                 kept = sent.abs() > tol
@@ -222,25 +221,25 @@ def test_an_overflow_in_the_second_of_four_micro_steps_rolls_back_the_whole_wind
     world, ranks = run
     case = "sparse_int4_gas4_overflow"
     for r in range(world):
-        recs = ranks[r][case]["steps"]
-        ends = {rec["step"]: rec for rec in recs if "applied" in rec}
-        assert [ends[s]["applied"] for s in range(STEPS)] == [True, False, True, True]
-        assert ends[1]["committed"].keys() == ends[0]["committed"].keys()
-        assert all(torch.equal(ends[1]["committed"][k], ends[0]["committed"][k]) for k in ends[0]["committed"])
-        staged = [rec for rec in recs if rec["step"] == 1 and rec["micro"] in (2, 3)]
-        assert any(not torch.equal(rec["residuals"][k], ends[0]["committed"][k]) for rec in staged for k in rec["residuals"])
-        bad = [rec for rec in recs if (rec["step"], rec["micro"]) == (1, 1)][0]
+        recs = ranks[r][case].steps
+        ends = {rec.step: rec for rec in recs if rec.applied is not None}
+        assert [ends[s].applied for s in range(STEPS)] == [True, False, True, True]
+        assert ends[1].committed.keys() == ends[0].committed.keys()
+        assert all(torch.equal(ends[1].committed[k], ends[0].committed[k]) for k in ends[0].committed)
+        staged = [rec for rec in recs if rec.step == 1 and rec.micro in (2, 3)]
+        assert any(not torch.equal(rec.residuals[k], ends[0].committed[k]) for rec in staged for k in rec.residuals)
+        bad = [rec for rec in recs if (rec.step, rec.micro) == (1, 1)][0]
         poisoned = r == 1 or _layout(ranks, case) == "fixed"
-        assert all(bool(torch.isnan(o).all()) for o in bad["outputs"] if o.numel()) == poisoned
-        assert all(bool(torch.isfinite(v).all()) for e in ends.values() for v in e["committed"].values())
+        assert all(bool(torch.isnan(o).all()) for o in bad.outputs if o.numel()) == poisoned
+        assert all(bool(torch.isfinite(v).all()) for e in ends.values() for v in e.committed.values())
     for i, n in enumerate(SIZES):  # the applied windows (steps 0, 2, 3) against float64
         delivered = torch.zeros(n, dtype=torch.float64)
         grads = torch.zeros(n, dtype=torch.float64)
-        for t, rec in enumerate(ranks[0][case]["steps"]):
-            if rec["step"] != 1:
+        for t, rec in enumerate(ranks[0][case].steps):
+            if rec.step != 1:
                 delivered += _gather(ranks, case, t, i, world)
-                grads += sum(ranks[r][case]["steps"][t]["inputs"][i].reshape(-1).double() for r in range(world)) / world
-        final = sum(ranks[r][case]["steps"][-1]["committed"].get(i, torch.zeros(n)).double() for r in range(world))
+                grads += sum(ranks[r][case].steps[t].inputs[i].reshape(-1).double() for r in range(world)) / world
+        final = sum(ranks[r][case].steps[-1].committed.get(i, torch.zeros(n)).double() for r in range(world))
         torch.testing.assert_close(delivered + final, grads, rtol=0, atol=1e-4 * float(grads.abs().max()))
 
 
@@ -265,9 +264,9 @@ def test_residuals_are_stored_in_their_dtype(run, case, storage):
     assert {k: v for k, v in CASES[case].items() if k != "residual_dtype"} == CASES[twin]
     for r in range(world):
         for t in range(STEPS):
-            for i, res in ranks[r][case]["steps"][t]["residuals"].items():
+            for i, res in ranks[r][case].steps[t].residuals.items():
                 assert res.dtype == torch.float32 and representable(res, i), (r, t, i)
-        big = ranks[r][twin]["steps"][-1]["residuals"][len(SIZES) - 1]
+        big = ranks[r][twin].steps[-1].residuals[len(SIZES) - 1]
         assert bool((big != 0).any()) and not representable(big, len(SIZES) - 1)
 
 
@@ -281,12 +280,12 @@ def test_entropy_coding_is_lossless_and_changes_only_the_bytes(run, case):
         assert _layout(ranks, case) == "exact"
         return
     for r in range(world):
-        for a, b in zip(ranks[r][case]["steps"], ranks[r][twin]["steps"]):
-            assert all(torch.equal(x, y) for x, y in zip(a["inputs"], b["inputs"]))
-            assert all(torch.equal(x, y) for x, y in zip(a["outputs"], b["outputs"]))
-            assert a["residuals"].keys() == b["residuals"].keys()
-            assert all(torch.equal(a["residuals"][k], b["residuals"][k]) for k in a["residuals"])
-            assert a["kept"] == b["kept"] and a["wire_bytes"] != b["wire_bytes"]
+        for a, b in zip(ranks[r][case].steps, ranks[r][twin].steps):
+            assert all(torch.equal(x, y) for x, y in zip(a.inputs, b.inputs))
+            assert all(torch.equal(x, y) for x, y in zip(a.outputs, b.outputs))
+            assert a.residuals.keys() == b.residuals.keys()
+            assert all(torch.equal(a.residuals[k], b.residuals[k]) for k in a.residuals)
+            assert a.kept == b.kept and a.wire_bytes != b.wire_bytes
 
 
 def test_auto_density_stays_in_bounds_and_ranks_agree(run):
@@ -294,13 +293,13 @@ def test_auto_density_stays_in_bounds_and_ranks_agree(run):
     density, inside [density_min, density_max], and kept that fraction of each tensor."""
     world, ranks = run
     cfg = CASES["auto_scales"]
-    densities = [[ranks[r]["auto_scales"]["steps"][t]["density"] for t in range(STEPS)] for r in range(world)]
+    densities = [[ranks[r]["auto_scales"].steps[t].density for t in range(STEPS)] for r in range(world)]
     assert all(d == densities[0] for d in densities), densities
     assert all(cfg["density_min"] <= d <= cfg["density_max"] for d in densities[0])
     for r in range(world):
         for t in range(STEPS):
             d = densities[r][t]
-            assert ranks[r]["auto_scales"]["steps"][t]["kept"] == sum(target_count(n, d) for n in SIZES)
+            assert ranks[r]["auto_scales"].steps[t].kept == sum(target_count(n, d) for n in SIZES)
 
 
 def test_fixed_threshold_keeps_exactly_what_exceeds_it(run):
@@ -313,7 +312,7 @@ def test_fixed_threshold_keeps_exactly_what_exceeds_it(run):
                 acc = _acc(ranks, "fixed_threshold", r, t, i, world)
                 res = _residual(ranks, "fixed_threshold", r, t, i)
                 below = acc.abs() < thr * (1 - 1e-6)
-                g = ranks[r]["fixed_threshold"]["steps"][t]["inputs"][i].reshape(-1).double() / world
+                g = ranks[r]["fixed_threshold"].steps[t].inputs[i].reshape(-1).double() / world
                 tol = 1e-6 * (g.abs() + _residual(ranks, "fixed_threshold", r, t - 1, i).abs()) + 1e-12  # fp32 sums
                 assert bool(((res - acc).abs() <= tol)[below].all())
                 above = acc.abs() >= thr * (1 + 1e-6)
@@ -325,12 +324,12 @@ def test_fixed_threshold_keeps_exactly_what_exceeds_it(run):
 def assert_threshold_schedule(steps, t: int, i: int, period: int = 3, density: float = 0.1) -> float:
     """Tensor i's stored threshold after step t of ``reuse_threshold`` (``threshold_reuse_steps`` = period): estimated
     for ``density`` at steps 0, period, ..., served unchanged in between, of gradients; returns it."""
-    thr, stored_density, age, of_momentum = steps[t]["thresholds"][i]
+    thr, stored_density, age, of_momentum = steps[t].thresholds[i]
     assert stored_density == density and age == t % period + 1 and not of_momentum
     if t % period:
-        assert thr == steps[t - t % period]["thresholds"][i][0]
+        assert thr == steps[t - t % period].thresholds[i][0]
     else:
-        assert t == 0 or thr != steps[t - 1]["thresholds"][i][0]  # estimated afresh
+        assert t == 0 or thr != steps[t - 1].thresholds[i][0]  # estimated afresh
     return thr
 
 
@@ -340,18 +339,18 @@ def test_threshold_reuse_estimates_every_n_steps(run):
     it); tensors with k >= n keep everything and store none. Conservation is checked with the other cases."""
     world, ranks = run
     for r in range(world):
-        steps = ranks[r]["reuse_threshold"]["steps"]
+        steps = ranks[r]["reuse_threshold"].steps
         reused_and_not_cut = 0
         for t, step in enumerate(steps):
             for i, n in enumerate(SIZES):
                 k = target_count(n, 0.1)
                 if k >= n:
-                    assert i not in step["thresholds"]
+                    assert i not in step.thresholds
                     continue
                 thr = assert_threshold_schedule(steps, t, i)
                 acc = _acc(ranks, "reuse_threshold", r, t, i, world)
                 res = _residual(ranks, "reuse_threshold", r, t, i)
-                g = step["inputs"][i].reshape(-1).double() / world
+                g = step.inputs[i].reshape(-1).double() / world
                 tol = 1e-6 * (g.abs() + _residual(ranks, "reuse_threshold", r, t - 1, i).abs()) + 1e-12
                 sent = (res - acc).abs() > tol
                 clear = (acc.abs() - thr).abs() > 1e-5 * thr  # not within fp32 rounding of the threshold
@@ -376,10 +375,10 @@ def test_lossless_equals_stock_summation(run):
         for i, n in enumerate(SIZES):
             ref = torch.zeros(n)
             for r in range(world):
-                ref = ref + ranks[r]["lossless"]["steps"][t]["inputs"][i].reshape(-1).div(world)
+                ref = ref + ranks[r]["lossless"].steps[t].inputs[i].reshape(-1).div(world)
             out = _gather(ranks, "lossless", t, i, world).float()
             assert torch.equal(out, ref)
-            assert all(not ranks[r]["lossless"]["steps"][t]["residuals"] for r in range(world))
+            assert all(not ranks[r]["lossless"].steps[t].residuals for r in range(world))
 
 
 def test_dense_int4_within_quantization_bound(run):
@@ -406,13 +405,13 @@ def test_sparse_selection_counts_and_residual_shape(run):
         return _check_fixed_selection(world, ranks, cfg["density"])
     for r in range(world):
         for t in range(STEPS):
-            step = ranks[r]["sparse_int4"]["steps"][t]
-            assert step["kept"] == sum(target_count(n, cfg["density"]) for n in SIZES)
+            step = ranks[r]["sparse_int4"].steps[t]
+            assert step.kept == sum(target_count(n, cfg["density"]) for n in SIZES)
             for i, n in enumerate(SIZES):
                 acc = _acc(ranks, "sparse_int4", r, t, i, world)
                 res = _residual(ranks, "sparse_int4", r, t, i)
                 # acc here is float64, the reducer's is fp32: allow its rounding
-                g = ranks[r]["sparse_int4"]["steps"][t]["inputs"][i].reshape(-1).double() / world
+                g = ranks[r]["sparse_int4"].steps[t].inputs[i].reshape(-1).double() / world
                 tol = 1e-6 * (g.abs() + _residual(ranks, "sparse_int4", r, t - 1, i).abs()) + 1e-12
                 unchanged = (res - acc).abs() <= tol
                 k = target_count(n, cfg["density"])
@@ -429,7 +428,7 @@ def test_all_zero_rank(run):
     for t in range(STEPS):
         for r in range(world):
             if r == 1:
-                assert all(float(g.abs().max()) == 0 for g in ranks[r]["zero_rank"]["steps"][t]["inputs"])
+                assert all(float(g.abs().max()) == 0 for g in ranks[r]["zero_rank"].steps[t].inputs)
         for i, n in enumerate(SIZES):
             out = _gather(ranks, "zero_rank", t, i, world)
             assert bool(torch.isfinite(out).all())
@@ -446,7 +445,7 @@ def _check_fixed_selection(world, ranks, density):
             for i, n in enumerate(SIZES):
                 acc = _acc(ranks, "sparse_int4", r, t, i, world)
                 res = _residual(ranks, "sparse_int4", r, t, i)
-                g = ranks[r]["sparse_int4"]["steps"][t]["inputs"][i].reshape(-1).double() / world
+                g = ranks[r]["sparse_int4"].steps[t].inputs[i].reshape(-1).double() / world
                 tol = 1e-6 * (g.abs() + _residual(ranks, "sparse_int4", r, t - 1, i).abs()) + 1e-12
                 sent = (res - acc).abs() > tol
                 lo, hi = _fixed_bounds(n, world, density, CASES["sparse_int4"])
@@ -466,9 +465,6 @@ def test_ranks_with_different_buckets_fail_with_a_protocol_error(layout):
     at the first bucket (exact: from the headers; fixed: from the first step's check of the buckets' fingerprints),
     instead of hanging, summing garbage, or gloo aborting the process on payloads of different sizes (what the fixed
     layout's exchange does without the check)."""
-    out = tempfile.mkdtemp()
-    results = launch(2, "mismatch_worker.py", ["--out", out, "--layout", layout], timeout_s=120)
-    check_ok(results)
-    errors = [torch.load(f"{out}/rank{r}.pt")["error"] for r in range(2)]
+    errors = [rec.error for rec in run_scenario(MismatchedBucket(layout=layout), 2, timeout_s=120)]
     protocol = [e is not None and e.startswith("DGCProtocolError") for e in errors]
     assert all(protocol), errors

@@ -1,8 +1,9 @@
 """Worker: run a list of scenario jobs in turn in this rank and save each record.
 
 Usage: scenario_worker.py --out DIR. DIR/jobs.pt holds the jobs (dataclasses of :mod:`scenarios`, saved by
-``dist_launch.run_scenarios``); the record of job i on rank r goes to DIR/rank<r>_<i>.pt. One launch runs several
-cases, so the start-up of the ranks is paid once.
+``dist_launch.run_scenarios``, or ``dist_launch.save_jobs``); the record of job i on rank r goes to DIR/rank<r>_<i>.pt.
+One launch runs several cases, so the start-up of the ranks is paid once. Started by ``mpirun`` (as
+``dist_launch.run_scenarios_mpirun`` does), the ranks come from Open MPI's variables (``common.init``).
 """
 
 import argparse

@@ -9,10 +9,15 @@ the function runs in each rank of a launch and returns a record (a dataclass of 
 - :mod:`.checkpoint`: :class:`~.checkpoint.SaveMidway` and :class:`~.checkpoint.Resume`;
 - :mod:`.faults`: :class:`~.faults.PeerFault` (rank 1 dies, hangs or stops inside its reduce-scatter);
 - :mod:`.policy`: :class:`~.policy.ScriptedPolicy` (``"policy": "auto"`` with scripted measurements);
-- :mod:`.evaluation`: :class:`~.evaluation.Evaluate` -> :class:`~.evaluation.EvalRecord` (forward passes only).
+- :mod:`.evaluation`: :class:`~.evaluation.Evaluate` -> :class:`~.evaluation.EvalRecord` (forward passes only);
+- :mod:`.reduce`: :class:`~.reduce.ReduceCases` -> :class:`~.reduce.ReduceRecord` (the compressed reduce-scatter run
+  directly on random gradients, no engine);
+- :mod:`.mismatch`: :class:`~.mismatch.MismatchedBucket` -> :class:`~.mismatch.ErrorRecord` (ranks whose buckets
+  differ).
 
 ``tests/workers/scenario_worker.py`` runs a list of jobs in turn in one launch; the tests start it with
-``dist_launch.run_scenarios`` and read back the records of every rank.
+``dist_launch.run_scenarios`` (or, under ``mpirun``, ``dist_launch.run_scenarios_mpirun``) and read back the records
+of every rank.
 """
 
 from typing import Callable, Dict, Type
@@ -51,6 +56,9 @@ from .checkpoint import Resume, SaveMidway  # noqa: E402
 from .evaluation import EvalRecord, Evaluate  # noqa: E402
 from .faults import PeerError, PeerFault  # noqa: E402
 from .policy import ScriptedPolicy  # noqa: E402
+from .reduce import ReduceCase, ReduceCases, ReduceRecord, ReduceStep  # noqa: E402
+from .mismatch import ErrorRecord, MismatchedBucket  # noqa: E402
 
-__all__ = ["BASE", "MODELS", "EvalRecord", "Evaluate", "OptimizerSettings", "PeerError", "PeerFault", "Resume",
-           "SaveMidway", "ScriptedPolicy", "Train", "TrainRecord", "run_job", "scenario"]
+__all__ = ["BASE", "MODELS", "ErrorRecord", "EvalRecord", "Evaluate", "MismatchedBucket", "OptimizerSettings",
+           "PeerError", "PeerFault", "ReduceCase", "ReduceCases", "ReduceRecord", "ReduceStep", "Resume", "SaveMidway",
+           "ScriptedPolicy", "Train", "TrainRecord", "run_job", "scenario"]
