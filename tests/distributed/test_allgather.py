@@ -1,12 +1,11 @@
 """Quantized parameter all-gather in 2 and 4 real processes (parameters gathered in forward and backward)."""
 
-import tempfile
-
 import pytest
 import torch
 
-from dist_launch import check_ok, launch
-from workers.weights_worker import STEPS
+from dist_launch import run_scenario
+from scenarios import QuantizedGather
+from scenarios.allgather import STEPS
 
 # Largest error of a gathered weight, as a fraction of the absmax of its scale group.
 BOUND = {"none": 0.0, "int8": 0.5 / 127, "fp8_e4m3": 16.0 / 448, "int4": 0.5 / 7}
@@ -26,16 +25,14 @@ def test_gathered_weights(world, fmt, hpz, sequential, nodes, scale):
     of 2 the gradients take the hierarchical topology too. Each gathered parameter is within its format's bound of
     its own absmax, also when it is gathered together with a parameter 1000 times larger (l1.weight beside l1.bias):
     scale groups never span two parameters."""
-    out = tempfile.mkdtemp()
-    check_ok(launch(world, "weights_worker.py", ["--format", fmt, "--out", out, "--hpz", str(hpz), "--node-size",
-                                                 str(nodes), "--scale-l1-weight", str(scale)] + ["--sequential"] * sequential,
-                    timeout_s=300))
-    ranks = [torch.load(f"{out}/rank{r}.pt") for r in range(world)]
+    job = QuantizedGather(format=fmt, hpz=hpz, sequential=bool(sequential), node_size=nodes, scale_l1_weight=scale)
+    records = run_scenario(job, world, timeout_s=300)
+    ranks = [rec.steps for rec in records]
     for t in range(STEPS):
         rec = ranks[0][t]
-        exact = iter(rec["exact"])
+        exact = iter(rec.exact)
         for module, n in MODULES.items():
-            seen = rec["seen"][module]
+            seen = rec.seen[module]
             ref = [next(exact) for _ in range(n)]
             for i, (s, w) in enumerate(zip(seen, ref)):  # each parameter against its own absmax
                 absmax, err = float(w.abs().max()), float((s - w).abs().max())
@@ -43,26 +40,26 @@ def test_gathered_weights(world, fmt, hpz, sequential, nodes, scale):
             if fmt != "none" and module != "ln":
                 assert max(float((s - w).abs().max()) for s, w in zip(seen, ref)) > 0  # really quantized
             for r in range(1, world):  # every rank computes with the same weights
-                assert all(torch.equal(a, b) for a, b in zip(seen, ranks[r][t]["seen"][module]))
+                assert all(torch.equal(a, b) for a, b in zip(seen, ranks[r][t].seen[module]))
         for r in range(world):
-            assert ranks[r][t]["shards_unchanged"], "a gather changed the stored shards"
-            assert ranks[r][t]["master_equal"], "stored shards differ from the fp32 master partition"
+            assert ranks[r][t].shards_unchanged, "a gather changed the stored shards"
+            assert ranks[r][t].master_equal, "stored shards differ from the fp32 master partition"
             lo, hi = RATIO[fmt]
-            ratio = ranks[r][t]["param_wire"] / ranks[r][t]["param_dense"]
+            ratio = ranks[r][t].param_wire / ranks[r][t].param_dense
             assert lo <= ratio <= hi, f"rank {r} step {t}: all-gather bytes ratio {ratio}"
     for r in range(world):  # GatheredParameters is an exact path: never quantized
-        assert ranks[r][-1]["gathered_exact"], "GatheredParameters did not give the exact fp32 weights"
-    losses = [rec["loss"] for rec in ranks[0]]
+        assert records[r].gathered_exact, "GatheredParameters did not give the exact fp32 weights"
+    losses = [rec.loss for rec in ranks[0]]
     assert all(l == l for l in losses)  # finite
     if nodes:  # bytes crossing nodes: 2 of the 3 peers of a 4-rank gather are on the other node
         for r in range(world):
             for t in range(1, STEPS):  # (step 0's forward uses hpZ's secondary shards made at init)
                 rec = ranks[r][t]
-                share = rec["param_inter_dense"] / rec["param_dense"]
+                share = rec.param_inter_dense / rec.param_dense
                 # without hpZ every gather spans both nodes: 2/3 of the bytes cross; with hpZ the
                 # backward gather (n/2 from 1 peer) stays in the node and only forward's crosses:
                 # (2 * n/4) / (3 * n/4 + n/2) = 0.4
                 assert share == pytest.approx(0.4 if hpz == 2 else 2 / 3, abs=0.03), (r, t, share)
-                wire_share = rec["param_inter_wire"] / rec["param_wire"]
+                wire_share = rec.param_inter_wire / rec.param_wire
                 assert wire_share == pytest.approx(share, abs=0.03)
-                assert rec["grad_inter_wire"] > 0
+                assert rec.grad_inter_wire > 0
