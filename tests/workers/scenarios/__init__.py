@@ -10,6 +10,8 @@ the function runs in each rank of a launch and returns a record (a dataclass of 
 - :mod:`.faults`: :class:`~.faults.PeerFault` (rank 1 dies, hangs or stops inside its reduce-scatter);
 - :mod:`.policy`: :class:`~.policy.ScriptedPolicy` (``"policy": "auto"`` with scripted measurements);
 - :mod:`.evaluation`: :class:`~.evaluation.Evaluate` -> :class:`~.evaluation.EvalRecord` (forward passes only);
+- :mod:`.odd_models`: :class:`~.odd_models.OddModel` -> :class:`~.odd_models.OddModelRecord` (models that break naive
+  reducers, beside a float64 copy);
 - :mod:`.allgather`: :class:`~.allgather.QuantizedGather` -> :class:`~.allgather.GatherRecord` (the quantized
   parameter all-gather: the weights forward saw);
 - :mod:`.reduce`: :class:`~.reduce.ReduceCases` -> :class:`~.reduce.ReduceRecord` (the compressed reduce-scatter run
@@ -58,11 +60,12 @@ from .checkpoint import Resume, SaveMidway  # noqa: E402
 from .evaluation import EvalRecord, Evaluate  # noqa: E402
 from .faults import PeerError, PeerFault  # noqa: E402
 from .policy import ScriptedPolicy  # noqa: E402
+from .odd_models import OddModel, OddModelRecord, OddStep  # noqa: E402
 from .allgather import GatherRecord, GatherStep, QuantizedGather  # noqa: E402
 from .reduce import ReduceCase, ReduceCases, ReduceRecord, ReduceStep  # noqa: E402
 from .mismatch import ErrorRecord, MismatchedBucket  # noqa: E402
 
 __all__ = ["BASE", "MODELS", "ErrorRecord", "EvalRecord", "Evaluate", "GatherRecord", "GatherStep", "MismatchedBucket",
-           "OptimizerSettings", "PeerError", "PeerFault", "QuantizedGather", "ReduceCase", "ReduceCases",
-           "ReduceRecord", "ReduceStep", "Resume", "SaveMidway", "ScriptedPolicy", "Train", "TrainRecord", "run_job",
-           "scenario"]
+           "OddModel", "OddModelRecord", "OddStep", "OptimizerSettings", "PeerError", "PeerFault", "QuantizedGather",
+           "ReduceCase", "ReduceCases", "ReduceRecord", "ReduceStep", "Resume", "SaveMidway", "ScriptedPolicy", "Train",
+           "TrainRecord", "run_job", "scenario"]

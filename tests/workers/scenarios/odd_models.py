@@ -1,28 +1,28 @@
-"""Worker: models that break naive reducers, through ZeRO-3 with DGC (dense INT4, error feedback).
+"""Odd-model scenarios: models that break naive reducers, through ZeRO-3 with DGC (dense INT4, error feedback).
 
-Usage: odd_model_worker.py --cases CASE[,CASE...] --out DIR (a case name ending in ``_stock`` runs that case
-through stock ZeRO-3, for comparison; the cases run one after another in the same processes, each
-with its own engine). Every rank builds the same model (seed 0), keeps a float64
-copy, and runs STEPS steps on its own batch. For each step it records the gradient DeepSpeed hands
-the optimizer (``safe_get_full_grad``, the mean over ranks after our reduce-scatter) and this rank's
-float64 local gradient from the copy (same weights: the copy is refreshed from the engine's gathered
-weights before each step). The test checks the mean of the local float64 gradients against the
-DGC gradient within the INT4 bound, plus the case's own invariants. Writes OUT_DIR/rank<r>.pt.
+Every rank builds the same model (seed 0), keeps a float64 copy, and runs :data:`STEPS` steps on its own batch. For
+each step it records the gradient DeepSpeed hands the optimizer (``safe_get_full_grad``, the mean over ranks after our
+reduce-scatter) and this rank's float64 local gradient from the copy (same weights: the copy is refreshed from the
+engine's gathered weights before each step). The test checks the mean of the local float64 gradients against the DGC
+gradient within the INT4 bound, plus the case's own invariants. The cases of one launch run one after another in the
+same processes, each with its own engine.
 
-Cases: no_grad_some_steps, frozen, used_twice, moe, one_element, smaller_than_world, bf16_beyond_fp16,
+Cases (:data:`CASES`): no_grad_some_steps, frozen, used_twice, moe, one_element, smaller_than_world, bf16_beyond_fp16,
 bucket_padding.
 """
 
-import argparse
 import copy
-import sys
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
 
 import torch
 import deepspeed
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
 import deepspeed_dgc
-from common import finish, init
+
+from . import scenario
+from .model import BASE, merge
 
 STEPS = 3
 DGC = {"enabled": True, "density": 1.0, "quantization": "int4", "group_size": 16, "min_numel": 0, "timeout_s": 60.0}
@@ -148,14 +148,11 @@ CASES = {
 
 
 def config(case, stock=False):
-    cfg = {
-        "train_micro_batch_size_per_gpu": 6,
-        "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
-        "zero_optimization": {"stage": 3, "reduce_bucket_size": 4000, "stage3_param_persistence_threshold": 0},
-        "steps_per_print": 1000000,
-        "dgc": dict(DGC),
-    }
+    """The ds_config of ``case``: :data:`~.model.BASE` with batches of 6, lr 1e-3, buckets of 4000 and :data:`DGC`."""
+    cfg = merge(BASE, {"train_micro_batch_size_per_gpu": 6,
+                       "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+                       "zero_optimization": {"reduce_bucket_size": 4000},
+                       "dgc": dict(DGC)})
     if stock:  # the same case through stock ZeRO-3, for comparison
         del cfg["dgc"]
     if case == "bucket_padding":
@@ -179,29 +176,59 @@ def batch(case, rank, step, dtype):
     return x.to(dtype), y.to(dtype)
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", required=True)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args(argv)
-    cases, out_dir = args.cases, args.out
-    rank = init()
-    for name in cases.split(","):
-        case, stock = (name[:-len("_stock")], True) if name.endswith("_stock") else (name, False)
-        record = run_case(case, stock, rank)
-        torch.save(record, f"{out_dir}/{name}_rank{rank}.pt")
-    finish()
+@dataclass
+class OddModel:
+    """Train the model of ``CASES[case]`` :data:`STEPS` steps, through DGC or (``stock``) stock ZeRO-3 for
+    comparison."""
+    case: str = "frozen"
+    stock: bool = False
+
+    def __post_init__(self):
+        if self.case not in CASES:
+            raise ValueError(f"OddModel: case {self.case!r} must be one of {sorted(CASES)}")
 
 
-def run_case(case, stock, rank):
+@dataclass
+class OddStep:
+    """One step of one rank: this rank's float64 local gradients and the gradients DeepSpeed handed the optimizer
+    (parameter name -> tensor, None where there is none: unused here, or frozen), the loss and the global gradient
+    norm (None where DeepSpeed reports none)."""
+    local: Dict[str, Optional[torch.Tensor]]
+    grads: Dict[str, Optional[torch.Tensor]]
+    loss: float
+    grad_norm: Optional[float]
+
+
+@dataclass
+class OddModelRecord:
+    """One case on one rank.
+
+    Attributes:
+        names: the parameters' names, in order; world: the data-parallel world size.
+        steps: every step.
+        stats: the telemetry's dictionary at the end (None through stock ZeRO-3).
+        params_final: the trained parameters' full fp32 copies at the end, name -> tensor.
+        dtypes: name -> the module parameter's dtype (``"torch.bfloat16"``).
+    """
+    names: List[str]
+    world: int
+    steps: List[OddStep] = field(default_factory=list)
+    stats: Optional[dict] = None
+    params_final: Dict[str, torch.Tensor] = field(default_factory=dict)
+    dtypes: Dict[str, str] = field(default_factory=dict)
+
+
+@scenario(OddModel)
+def odd_model(job: OddModel, rank: int) -> OddModelRecord:
+    """Train the case's model beside its float64 copy, recording both gradients every step."""
+    case = job.case
     torch.manual_seed(0)
     model = CASES[case]()
     ref = copy.deepcopy(model).double()
     dtype = torch.bfloat16 if case == "bf16_beyond_fp16" else torch.float32
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                                           config=config(case, stock))
-    names = [n for n, _ in engine.module.named_parameters()]
-    record = dict(names=names, steps=[], world=engine.dp_world_size)
+                                           config=config(case, job.stock))
+    record = OddModelRecord(names=[n for n, _ in engine.module.named_parameters()], world=engine.dp_world_size)
     for step in range(STEPS):
         x, y = batch(case, rank, step, dtype)
         # the float64 copy takes the engine's current fp32 weights, then computes this rank's gradient
@@ -220,16 +247,12 @@ def run_case(case, stock, rank):
             grads[n] = None if g is None else g.clone()
         engine.step()
         norm = engine.get_global_grad_norm()
-        record["steps"].append(dict(local=local, grads=grads, loss=float(loss),
+        record.steps.append(OddStep(local=local, grads=grads, loss=float(loss),
                                     grad_norm=None if norm is None else float(norm)))
     stats = deepspeed_dgc.get_stats(engine)
-    record["stats"] = None if stats is None else stats.to_dict()
-    record["params_final"] = {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()
-                              if p.requires_grad}
-    record["dtypes"] = {n: str(p.dtype) for n, p in engine.module.named_parameters()}
+    record.stats = None if stats is None else stats.to_dict()
+    record.params_final = {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()
+                           if p.requires_grad}
+    record.dtypes = {n: str(p.dtype) for n, p in engine.module.named_parameters()}
     engine.destroy()
     return record
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])
