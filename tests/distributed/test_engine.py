@@ -1,9 +1,8 @@
 """ZeRO-3 through deepspeed.initialize in real processes: the seam against stock DeepSpeed, overflow, refused configs,
-ranks that disagree (tests/workers/scenarios and config_worker.py)."""
+ranks that disagree (tests/workers/scenarios)."""
 
 import csv
 import dataclasses
-import json
 import math
 import os
 import tempfile
@@ -13,7 +12,7 @@ import torch
 
 from deepspeed_dgc.codec.layout import padded_elements
 from dist_launch import check_ok, launch, run_scenario, run_scenarios
-from scenarios import Evaluate, Train
+from scenarios import ConfigCase, Evaluate, InitConfigs, Train
 
 LOSSLESS = {"enabled": True, "density": 1.0, "quantization": "none", "min_numel": 0}
 SPARSE = {"enabled": True, "density": 0.1, "quantization": "int4", "min_numel": 256, "stats_interval": 1}
@@ -326,18 +325,15 @@ SPECIAL = {"mpi4py_missing": {"hide_mpi4py": True}, "fused_missing_on_rank1": {"
 @pytest.fixture(scope="module")
 def config_errors():
     """Every refused config and every disagreement, in one launch of 2 ranks (each case in turn)."""
-    out = tempfile.mkdtemp()
     cases = {}
     for name, override in BAD.items():
         if name != "fused_missing_on_rank1":  # last: it hides the op on rank 1 for good
-            cases[name] = dict(config=override, **SPECIAL.get(name, {}))
+            cases[name] = ConfigCase(config=override, **SPECIAL.get(name, {}))
     for name, (difference, _, _, _) in MISMATCH.items():
-        cases[name] = dict(config={"dgc": dict(SPARSE)}, step=True, **difference)
-    cases["fused_missing_on_rank1"] = dict(config=BAD["fused_missing_on_rank1"], **SPECIAL["fused_missing_on_rank1"])
-    with open(f"{out}/cases.json", "w") as f:
-        json.dump(cases, f)
-    check_ok(launch(2, "config_worker.py", ["--out", out, "--cases", f"{out}/cases.json"], timeout_s=300))
-    return [torch.load(f"{out}/rank{r}.pt") for r in range(2)]
+        cases[name] = ConfigCase(config={"dgc": dict(SPARSE)}, step=True, **difference)
+    cases["fused_missing_on_rank1"] = ConfigCase(config=BAD["fused_missing_on_rank1"],
+                                                 **SPECIAL["fused_missing_on_rank1"])
+    return [rec.errors for rec in run_scenario(InitConfigs(cases), 2, timeout_s=300)]
 
 
 def test_bad_config_fails_on_every_rank_naming_the_key(config_errors):

@@ -10,6 +10,8 @@ the function runs in each rank of a launch and returns a record (a dataclass of 
 - :mod:`.faults`: :class:`~.faults.PeerFault` (rank 1 dies, hangs or stops inside its reduce-scatter);
 - :mod:`.policy`: :class:`~.policy.ScriptedPolicy` (``"policy": "auto"`` with scripted measurements);
 - :mod:`.evaluation`: :class:`~.evaluation.Evaluate` -> :class:`~.evaluation.EvalRecord` (forward passes only);
+- :mod:`.configs`: :class:`~.configs.InitConfigs` -> :class:`~.configs.ConfigErrors` (initialize with each config, the
+  error each raised);
 - :mod:`.odd_models`: :class:`~.odd_models.OddModel` -> :class:`~.odd_models.OddModelRecord` (models that break naive
   reducers, beside a float64 copy);
 - :mod:`.allgather`: :class:`~.allgather.QuantizedGather` -> :class:`~.allgather.GatherRecord` (the quantized
@@ -21,7 +23,7 @@ the function runs in each rank of a launch and returns a record (a dataclass of 
 
 ``tests/workers/scenario_worker.py`` runs a list of jobs in turn in one launch; the tests start it with
 ``dist_launch.run_scenarios`` (or, under ``mpirun``, ``dist_launch.run_scenarios_mpirun``) and read back the records
-of every rank.
+of every rank. The workers left beside it are scripts on purpose: they model a user's own script.
 """
 
 from typing import Callable, Dict, Type
@@ -60,12 +62,14 @@ from .checkpoint import Resume, SaveMidway  # noqa: E402
 from .evaluation import EvalRecord, Evaluate  # noqa: E402
 from .faults import PeerError, PeerFault  # noqa: E402
 from .policy import ScriptedPolicy  # noqa: E402
+from .configs import ConfigCase, ConfigErrors, InitConfigs  # noqa: E402
 from .odd_models import OddModel, OddModelRecord, OddStep  # noqa: E402
 from .allgather import GatherRecord, GatherStep, QuantizedGather  # noqa: E402
 from .reduce import ReduceCase, ReduceCases, ReduceRecord, ReduceStep  # noqa: E402
 from .mismatch import ErrorRecord, MismatchedBucket  # noqa: E402
 
-__all__ = ["BASE", "MODELS", "ErrorRecord", "EvalRecord", "Evaluate", "GatherRecord", "GatherStep", "MismatchedBucket",
-           "OddModel", "OddModelRecord", "OddStep", "OptimizerSettings", "PeerError", "PeerFault", "QuantizedGather",
-           "ReduceCase", "ReduceCases", "ReduceRecord", "ReduceStep", "Resume", "SaveMidway", "ScriptedPolicy", "Train",
-           "TrainRecord", "run_job", "scenario"]
+__all__ = ["BASE", "MODELS", "ConfigCase", "ConfigErrors", "ErrorRecord", "EvalRecord", "Evaluate", "GatherRecord",
+           "GatherStep", "InitConfigs", "MismatchedBucket", "OddModel", "OddModelRecord", "OddStep",
+           "OptimizerSettings", "PeerError", "PeerFault", "QuantizedGather", "ReduceCase", "ReduceCases",
+           "ReduceRecord", "ReduceStep", "Resume", "SaveMidway", "ScriptedPolicy", "Train", "TrainRecord", "run_job",
+           "scenario"]
