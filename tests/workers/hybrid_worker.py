@@ -2,6 +2,9 @@
 
 Usage: hybrid_worker.py --out DIR. 30 steps, 2 ranks; writes OUT_DIR/rank<r>.pt with the losses, the
 engine's "dgc" config and the telemetry totals.
+
+A standalone script, not a scenario of tests/workers/scenarios: it models a user's own script, training only through
+HybridTrainer's public API (``init_model``, ``train_step``), as the main job's script would.
 """
 
 import argparse

@@ -1,8 +1,11 @@
 """Worker: a training script that never imports deepspeed_dgc, with a "dgc" section in its config.
 
-Usage: no_import_worker.py --out DIR. Trains scenarios.model's Net 3 steps (DGC at density 0.1, INT4) with only
-``deepspeed`` imported, then records whether deepspeed_dgc was loaded (by the start-up hook that installing the
+Usage: no_import_worker.py --out DIR. Trains a copy of scenarios.model's Net 3 steps (DGC at density 0.1, INT4) with
+only ``deepspeed`` imported, then records whether deepspeed_dgc was loaded (by the start-up hook that installing the
 package adds) and, if so, its telemetry. Writes DIR/rank<r>.pt.
+
+A standalone script on purpose, not a scenario of tests/workers/scenarios: it models a user's own script, and must not
+import deepspeed_dgc at all (the scenarios package does).
 """
 
 import argparse

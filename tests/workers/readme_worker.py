@@ -2,6 +2,9 @@
 
 Usage: readme_worker.py --out DIR. Writes DIR/rank<r>.json with the losses, the gradients' compression ratio and
 what the README's ``print`` printed.
+
+A standalone script on purpose, not a scenario of tests/workers/scenarios: it models a user's own script, running the
+README's code as written, with nothing of the test scenarios around it.
 """
 
 import argparse
