@@ -460,6 +460,7 @@ def test_the_fixed_layout_reads_nothing_back_on_the_host(device_path_runs, case)
         assert not torch.equal(rec.params[0][0], rec.params[-1][0])
         assert rec.stats["wire_bytes_total"] < rec.stats["dense_fp32_bytes_total"]
 
+
 ONE_BUCKET = {"reduce_bucket_size": 500000000}  # DeepSpeed's default: the whole model in one bucket
 MEMORY = {  # case -> (the "dgc" section, bf16 engine); the device path: the fixed layout, the reference kernels
     "dense_int4": ({"enabled": True, "layout": "fixed"}, False),
