@@ -5,9 +5,18 @@ the parameters' names: committed residuals (in their storage form), the threshol
 the warm-up clock, local momenta and the telemetry totals. ``engine.load_checkpoint`` reads it back, so a
 resumed run continues exactly as an uninterrupted one. DeepSpeed's own files are untouched
 (``zero_to_fp32`` keeps working); the side-car loads with ``torch.load(weights_only=True)``.
+
+Crash safety: every rank writes its side-car before DeepSpeed writes anything of the checkpoint (so before rank 0
+writes ``latest``, which DeepSpeed does after a barrier of all ranks), under a temporary name that is flushed to disk
+and then renamed (:func:`write_sidecar`); a rank that cannot write it (a full disk) makes every rank raise before
+DeepSpeed starts. The file holds the SHA-256 of its payload, checked on load (:func:`read_sidecar`): a truncated,
+damaged or misplaced side-car raises :class:`DGCCheckpointError` naming it instead of loading.
 """
 
+import errno
 import glob
+import hashlib
+import io
 import os
 from typing import Dict, Optional
 
@@ -18,13 +27,16 @@ from ..memory.error_feedback import ErrorFeedback
 from ..memory.momentum import CompressedMomentum
 from .state import DGCState
 
-FORMAT = 2  # 2: state keyed by parameter name; 1: keyed by ZeRO-3's ds_id (read by mapping the ds_ids in order)
-READABLE_FORMATS = (1, 2)
+# 3: {"format", "sha256", "body"}, body the torch.save bytes of the payload (keyed by parameter name, with its tag);
+# 2: the payload itself; 1: keyed by ZeRO-3's ds_id (read by mapping the ds_ids in order)
+FORMAT = 3
+READABLE_FORMATS = (1, 2, 3)
 SIDECAR_GLOB = "dgc_state_dp_rank_*.pt"
 
 
 class DGCCheckpointError(RuntimeError):
-    """A side-car holds state that does not fit this model (another model, or parameters of other sizes)."""
+    """A side-car cannot be written, cannot be read (truncated, damaged, another checkpoint's), or holds state that
+    does not fit this model (another model, or parameters of other sizes)."""
 
 
 def sidecar_name(dp_rank: int) -> str:
@@ -45,13 +57,18 @@ def residual_layout(state: DGCState) -> str:
 
 
 def save_state(state: DGCState, ckpt_dir: str, tag: str, world_size: int) -> str:
-    """Write this rank's side-car; returns its path. Residuals are unscaled, in their storage form
-    (:meth:`~deepspeed_dgc.memory.error_feedback.ErrorFeedback.export`: fp32 or bf16 tensors, ``(codes, scales)``
-    for fp8), with ``residual_storage`` naming it."""
+    """Write this rank's side-car (:func:`write_sidecar`); returns its path. Residuals are unscaled, in their storage
+    form (:meth:`~deepspeed_dgc.memory.error_feedback.ErrorFeedback.export`: fp32 or bf16 tensors, ``(codes, scales)``
+    for fp8), with ``residual_storage`` naming it.
+
+    Raises:
+        DGCCheckpointError: the file could not be written (no space left, no permission); nothing is left behind.
+    """
     path = sidecar_path(ckpt_dir, tag, state.dp_rank)
     reducer = state.reducer.export_state()
     payload = {
         "format": FORMAT,
+        "tag": str(tag),
         "world_size": world_size,
         "dp_rank": state.dp_rank,
         "config": state.cfg.model_dump(mode="json"),
@@ -64,9 +81,93 @@ def save_state(state: DGCState, ckpt_dir: str, tag: str, world_size: int) -> str
         "stats": state.stats.totals(),
         "momentum": state.momentum.export() if state.momentum is not None else None,
     }
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    torch.save(payload, path)
+    write_sidecar(path, payload)
     return path
+
+
+def write_sidecar(path: str, payload: dict) -> None:
+    """Write ``payload`` to ``path`` as a format-3 side-car, atomically: into a temporary file of the same directory,
+    flushed and fsync'ed, then renamed over ``path`` (and the directory fsync'ed), so ``path`` is either the old file
+    or the whole new one, whatever moment a crash comes.
+
+    Raises:
+        DGCCheckpointError: writing failed (``ENOSPC``: no space left); the temporary file is removed.
+    """
+    buf = io.BytesIO()
+    torch.save(payload, buf)
+    body = buf.getvalue()
+    directory = os.path.dirname(path)
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp{os.getpid()}")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with open(tmp, "wb") as f:
+            torch.save({"format": FORMAT, "sha256": hashlib.sha256(body).hexdigest(), "body": body}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(directory)
+    except OSError as err:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        why = "no space left on the device" if err.errno == errno.ENOSPC else err.strerror or str(err)
+        raise DGCCheckpointError(f"deepspeed_dgc could not write its checkpoint side-car {path}: {why} ({err})") from err
+
+
+def _fsync_dir(directory: str) -> None:
+    """Make a rename in ``directory`` durable (where the platform allows opening a directory)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def read_sidecar(path: str, tag: Optional[str] = None) -> dict:
+    """The payload of the side-car at ``path``, checked: readable, its SHA-256 matching (format 3), and saved for
+    checkpoint ``tag`` where it records one. Side-cars of formats 1 and 2 (no checksum) load as they are.
+
+    Raises:
+        DGCCheckpointError: naming ``path`` and what is wrong: unreadable or truncated, damaged (checksum), not a
+            side-car, or another checkpoint's.
+    """
+    try:
+        outer = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # torch raises RuntimeError, pickle errors, EOFError, ... for a damaged file
+        raise DGCCheckpointError(f"deepspeed_dgc checkpoint side-car {path} cannot be read (truncated or damaged: "
+                                 f"{type(err).__name__}: {str(err)[:200]}); restore it from a copy, or resume from "
+                                 "another checkpoint") from None
+    if not isinstance(outer, dict) or outer.get("format") not in READABLE_FORMATS:
+        found = outer.get("format") if isinstance(outer, dict) else type(outer).__name__
+        raise DGCCheckpointError(f"{path} is not a deepspeed_dgc side-car this version reads (format {found!r}, "
+                                 f"readable: {READABLE_FORMATS})")
+    if outer["format"] < 3:
+        return outer
+    body = outer.get("body")
+    if not isinstance(body, bytes) or hashlib.sha256(body).hexdigest() != outer.get("sha256"):
+        raise DGCCheckpointError(f"deepspeed_dgc checkpoint side-car {path} is damaged: its content does not match "
+                                 "the checksum written with it; restore it from a copy, or resume from another "
+                                 "checkpoint")
+    try:
+        payload = torch.load(io.BytesIO(body), map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise DGCCheckpointError(f"deepspeed_dgc checkpoint side-car {path} holds an unreadable payload "
+                                 f"({type(err).__name__}: {str(err)[:200]})") from None
+    if tag is not None and str(payload.get("tag")) != str(tag) and not _universal_source(str(tag), payload.get("tag")):
+        raise DGCCheckpointError(f"{path} was saved for checkpoint {payload.get('tag')!r}, not {str(tag)!r}: it was "
+                                 "copied or moved from another checkpoint")
+    return payload
+
+
+def _universal_source(tag: str, saved_tag) -> bool:
+    """Whether ``tag`` is DeepSpeed's universal conversion of checkpoint ``saved_tag`` (``<tag>_universal``)."""
+    return tag.endswith("_universal") and tag[:-len("_universal")] == str(saved_tag)
 
 
 def sidecar_dir(ckpt_dir: str, tag: str) -> str:
@@ -122,7 +223,8 @@ def _settings_note(state: DGCState, saved: Optional[dict]) -> str:
 NOT_ROUTINE = ("IGNORED", "rounded once", "restarts at zero", "differ from this run's")
 
 
-def load_state(state: DGCState, ckpt_dir: str, tag: str, world_size: int, device: torch.device) -> str:
+def load_state(state: DGCState, ckpt_dir: str, tag: str, world_size: int, device: torch.device,
+               expect_sidecars: bool = False) -> str:
     """Restore this rank's side-car into ``state``; returns what was done, for the log.
 
     Same data-parallel world size: residuals, sampling generators, thresholds and telemetry come back as saved.
@@ -132,30 +234,44 @@ def load_state(state: DGCState, ckpt_dir: str, tag: str, world_size: int, device
     generators restart from this rank's seed. Another world size with the hierarchical topology (residuals live
     on node-level slices), a checkpoint without side-cars (saved without DGC) or one whose side-cars disagree:
     the residuals restart at zero and the message says why. Nothing is half-loaded.
+
+    Args:
+        expect_sidecars: DeepSpeed's files say the checkpoint was saved with side-cars (DGC on): missing ones are an
+            error, not a checkpoint saved without DGC.
+
+    Raises:
+        DGCCheckpointError: a side-car is missing where ``expect_sidecars``, unreadable, damaged, another
+            checkpoint's or another rank's (:func:`read_sidecar`), or its state does not fit this model.
     """
     sdir = sidecar_dir(ckpt_dir, tag)
     first = os.path.join(sdir, sidecar_name(0))
+    if not os.path.isfile(first) and expect_sidecars:
+        raise DGCCheckpointError(f"checkpoint {os.path.join(ckpt_dir, str(tag))} was saved with deepspeed_dgc state, "
+                                 f"but its side-car {first} is missing (deleted, or not copied with the checkpoint): "
+                                 "restore it, or resume from another checkpoint")
     if not os.path.isfile(first):
         _clear(state)
         return f"no deepspeed_dgc state in {sdir} (checkpoint saved without DGC?): error-feedback residuals start at zero"
-    head = torch.load(first, map_location="cpu", weights_only=True)
-    if head.get("format") not in READABLE_FORMATS:
-        _clear(state)
-        return (f"deepspeed_dgc state in {first} has format {head.get('format')}, this version reads "
-                f"{READABLE_FORMATS}: residuals restart at zero")
+    head = read_sidecar(first, tag)
     if head.get("world_size") == world_size:
-        return _load_same_world(state, sdir, head, device)
-    return _load_resharded(state, sdir, head, world_size, device)
+        return _load_same_world(state, sdir, head, device, tag)
+    return _load_resharded(state, sdir, head, world_size, device, tag)
 
 
-def _load_same_world(state: DGCState, sdir: str, head: dict, device) -> str:
+def _load_same_world(state: DGCState, sdir: str, head: dict, device, tag: str) -> str:
     path = os.path.join(sdir, sidecar_name(state.dp_rank))
+    if not os.path.isfile(path):
+        raise DGCCheckpointError(f"{path} is missing, though rank 0's side-car in {sdir} is there (saved at the same "
+                                 f"world size, {head.get('world_size')}): restore it, or resume from another checkpoint")
     saved_layout = head.get("residual_layout", "flat")
     if saved_layout != residual_layout(state):
         _clear(state)
         return (f"deepspeed_dgc state in {path} holds residuals of the {saved_layout} topology, this run uses "
                 f"{residual_layout(state)}: they do not fit, so they are dropped and restart at zero")
-    payload = torch.load(path, map_location="cpu", weights_only=True)
+    payload = read_sidecar(path, tag)
+    if payload.get("dp_rank", state.dp_rank) != state.dp_rank:
+        raise DGCCheckpointError(f"{path} holds the state of data-parallel rank {payload.get('dp_rank')}, read by rank "
+                                 f"{state.dp_rank}: the side-cars were renamed or mixed up")
     saved_storage = payload.get("residual_storage", "fp32")  # side-cars without it hold fp32
     rename = _key_map(state, payload, path)
     payload["residuals"] = _checked(state, {rename(k): v for k, v in payload["residuals"].items()}, "residual", path)
@@ -180,7 +296,7 @@ def _load_same_world(state: DGCState, sdir: str, head: dict, device) -> str:
     return f"restored deepspeed_dgc state from {path}: {len(state.memory)} residuals, step {state.stats.steps}{note}"
 
 
-def _load_resharded(state: DGCState, sdir: str, head: dict, world_size: int, device) -> str:
+def _load_resharded(state: DGCState, sdir: str, head: dict, world_size: int, device, tag: str) -> str:
     saved_world = head.get("world_size")
     where = f"deepspeed_dgc state in {sdir} was saved at data-parallel world size {saved_world}, this run has {world_size}"
     if head.get("residual_layout", "flat") != "flat" or residual_layout(state) != "flat":
@@ -193,7 +309,7 @@ def _load_resharded(state: DGCState, sdir: str, head: dict, world_size: int, dev
         if not os.path.isfile(p):
             _clear(state)
             return f"{where} but {p} is missing: residuals cannot be re-sharded and restart at zero"
-        side = torch.load(p, map_location="cpu", weights_only=True)
+        side = read_sidecar(p, tag)
         rename = _key_map(state, side, p)
         side["residuals"] = {rename(k): v for k, v in side["residuals"].items()}
         if side.get("momentum"):

@@ -483,15 +483,36 @@ def _install_allgather(cfg: DGCConfig, state: DGCState) -> None:
                                                                  clock=lambda: state.reducer.steps_applied)
 
 
+SIDECAR_MARK = "deepspeed_dgc_sidecars"  # in DeepSpeed's client_state: the checkpoint has side-cars (how many)
+
+
+def _agree(ok: bool, what: str, state: DGCState, err: Optional[Exception]) -> None:
+    """Every rank raises if any rank failed ``what`` (its own error on that rank, one naming it elsewhere)."""
+    bad = ranks_failing(ok, what, state.cfg.timeout_s)
+    if err is not None:
+        raise err
+    if bad:
+        raise checkpoint.DGCCheckpointError(f"deepspeed_dgc: {what} failed on rank(s) {bad} (their own error says "
+                                            "why); every rank stops here")
+
+
 def _save_checkpoint(engine, state: DGCState) -> Callable:
+    """``save_checkpoint`` writing the side-cars first: every rank's side-car is on disk (or every rank has raised)
+    before DeepSpeed writes any file of the checkpoint, so ``latest`` never names a tag without them; DeepSpeed's
+    ``client_state`` records that the checkpoint has them (:data:`SIDECAR_MARK`)."""
     save = engine.save_checkpoint
 
     @functools.wraps(save)
-    def save_checkpoint(save_dir, tag=None, *args, **kwargs):
+    def save_checkpoint(save_dir, tag=None, client_state=None, *args, **kwargs):
         tag_used = str(tag) if tag is not None else f"global_step{engine.global_steps}"
-        out = save(save_dir, tag, *args, **kwargs)
-        checkpoint.save_state(state, save_dir, tag_used, engine.dp_world_size)
-        return out
+        err = None
+        try:
+            checkpoint.save_state(state, save_dir, tag_used, engine.dp_world_size)
+        except checkpoint.DGCCheckpointError as e:
+            err = e
+        _agree(err is None, f"writing the side-cars of checkpoint {tag_used!r}", state, err)
+        client_state = dict(client_state or {}, **{SIDECAR_MARK: engine.dp_world_size})
+        return save(save_dir, tag, client_state, *args, **kwargs)
 
     return save_checkpoint
 
@@ -509,9 +530,15 @@ def _load_checkpoint(engine, state: DGCState) -> Callable:
         load_path, client_state = load(load_dir, tag, *args, **kwargs)
         if load_path is None:
             return load_path, client_state
+        marked = (client_state or {}).pop(SIDECAR_MARK, None) if isinstance(client_state, dict) else None
         _method(state).before_load(engine.optimizer, state)  # e.g. Adam unfrozen: the loaded state decides afresh
-        msg = checkpoint.load_state(state, load_dir, _loaded_tag(engine, load_dir, tag), engine.dp_world_size,
-                                    engine.device)
+        msg, err = None, None
+        try:
+            msg = checkpoint.load_state(state, load_dir, _loaded_tag(engine, load_dir, tag), engine.dp_world_size,
+                                        engine.device, expect_sidecars=marked is not None)
+        except checkpoint.DGCCheckpointError as e:
+            err = e
+        _agree(err is None, f"loading the side-cars of checkpoint {load_path}", state, err)
         state.reducer.masks = {}
         _method(state).after_load(engine.optimizer, state)  # every rank loads: collective where the method says
         routine = msg.startswith("restored") and not any(mark in msg for mark in checkpoint.NOT_ROUTINE)
@@ -532,6 +559,8 @@ def _patch_plain_loading(engine) -> None:
     @functools.wraps(load)
     def load_checkpoint(load_dir, tag=None, *args, **kwargs):
         load_path, client_state = load(load_dir, tag, *args, **kwargs)
+        if isinstance(client_state, dict):
+            client_state.pop(SIDECAR_MARK, None)  # the extension's, not the user's
         if load_path is not None:
             sdir, found = checkpoint.sidecars_in(load_dir, _loaded_tag(engine, load_dir, tag))
             if found:

@@ -15,8 +15,9 @@ import torch
 
 from dist_launch import launch_scenarios, run_scenario, run_scenarios
 from deepspeed_dgc.memory.error_feedback import ErrorFeedback
+from deepspeed_dgc.zero3.checkpoint import read_sidecar
 
-from scenarios import Resume, SaveMidway, Train
+from scenarios import CrashWhileSaving, Resume, SaveMidway, Train
 
 from .test_engine import SPARSE
 
@@ -66,7 +67,8 @@ def test_resume_is_bit_identical():
     out = saved_at_step_5()
     sidecars = sorted(glob.glob(f"{out}/ckpt/*/dgc_state_dp_rank_*.pt"))
     assert len(sidecars) == 2
-    saved = torch.load(sidecars[0], weights_only=True)  # plain tensors and containers only
+    torch.load(sidecars[0], weights_only=True)  # plain tensors and containers only
+    saved = read_sidecar(sidecars[0])  # its checksum checked
     assert saved["world_size"] == 2 and saved["residuals"]
     second, _ = resume(out, {"dgc": SPARSE})
     for r in range(2):
@@ -121,16 +123,47 @@ def test_resume_with_int8_weights_and_padded_shards_is_bit_identical():
         assert full[r].stats["param_wire_bytes_total"] < 0.3 * full[r].stats["param_dense_fp32_bytes_total"]
 
 
-def test_checkpoint_without_dgc_state_says_residuals_restart():
-    _, full = uninterrupted()
-    out = saved_at_step_5()
-    for path in glob.glob(f"{out}/ckpt/*/dgc_state_dp_rank_*.pt"):
-        os.unlink(path)
+def test_a_stock_checkpoint_into_a_dgc_run_starts_the_residuals_at_zero():
+    """Saved by stock ZeRO-3 (no side-cars), resumed with DGC on: every rank says the residuals start at zero and
+    training goes on, building new ones."""
+    out = tempfile.mkdtemp()
+    run_scenario(SaveMidway(steps=STEPS, ckpt=f"{out}/ckpt", save_at=5), out=tempfile.mkdtemp())
     second, results = resume(out, {"dgc": SPARSE})
     for r in range(2):
         assert "error-feedback residuals start at zero" in results[r].stderr + results[r].stdout
         assert second[r].residuals[-1]  # training went on and built new residuals
-        assert second[r].losses != full[r].losses[5:]  # the side-car is what makes resume exact
+
+
+def _resume_fails(out, config):
+    """Resume from ``out/ckpt`` expecting every rank to fail (no hang): the ranks' stderr."""
+    ranks = launch_scenarios([Resume(steps=STEPS, ckpt=f"{out}/ckpt", resume_at=5, config=config)], timeout_s=240,
+                             out=tempfile.mkdtemp())
+    assert all(r.returncode != 0 for r in ranks), [r.stderr[-1500:] for r in ranks]
+    return [r.stderr for r in ranks]
+
+
+def test_a_dgc_checkpoint_whose_sidecars_are_gone_fails_on_every_rank():
+    """Saved with DGC, its side-cars deleted: DeepSpeed's files say it had them, so the resume fails on every rank
+    with DGCCheckpointError naming the missing file, instead of restarting the residuals (and a method's momentum)
+    at zero unnoticed."""
+    out = saved_at_step_5()
+    for path in glob.glob(f"{out}/ckpt/*/dgc_state_dp_rank_*.pt"):
+        os.unlink(path)
+    for err in _resume_fails(out, {"dgc": SPARSE}):
+        assert "DGCCheckpointError" in err and "dgc_state_dp_rank_00000.pt is missing" in err, err[-1500:]
+
+
+def test_a_damaged_sidecar_fails_on_every_rank_naming_it():
+    """Rank 1's side-car cut to half its length: rank 1 raises DGCCheckpointError naming the file, rank 0 one saying
+    that rank 1 failed; neither hangs or loads anything."""
+    out = saved_at_step_5()
+    (path,) = glob.glob(f"{out}/ckpt/*/dgc_state_dp_rank_00001.pt")
+    data = open(path, "rb").read()
+    with open(path, "wb") as f:
+        f.write(data[:len(data) // 2])
+    errs = _resume_fails(out, {"dgc": SPARSE})
+    assert "DGCCheckpointError" in errs[1] and "dgc_state_dp_rank_00001.pt cannot be read" in errs[1], errs[1][-1500:]
+    assert "DGCCheckpointError" in errs[0] and "failed on rank(s) [1]" in errs[0], errs[0][-1500:]
 
 
 def test_dgc_checkpoint_into_a_run_without_dgc_says_what_is_ignored():
@@ -167,7 +200,7 @@ def test_world_size_2_saved_loaded_at_3():
                           capture_output=True, text=True, timeout=300)
     assert conv.returncode == 0, conv.stderr[-3000:]
     third, results = resume(out, {"dgc": SPARSE, "checkpoint": {"load_universal": True}}, world=3)
-    sides = [torch.load(f"{out}/ckpt/{tag}/dgc_state_dp_rank_{r:05d}.pt", weights_only=True) for r in range(2)]
+    sides = [read_sidecar(f"{out}/ckpt/{tag}/dgc_state_dp_rank_{r:05d}.pt", tag) for r in range(2)]
     assert all(s["residual_storage"] == "fp8" for s in sides)  # "auto" on the flat topology
     saved = [{k: ErrorFeedback.decode(v) for k, v in s["residuals"].items()} for s in sides]
     for r in range(3):
@@ -240,3 +273,24 @@ def test_resume_with_local_momentum_is_bit_identical(local_momentum_runs, case):
             assert second[r].frozen and full[r].frozen
         elif config in (MC, MC_HIER):  # momentum factor masking happened
             assert any(bool((v == 0).any()) for v in mom_b.values())
+
+
+@pytest.mark.parametrize("point, victim", [("sidecar", 0), ("sidecar", 1), ("deepspeed", 0)])
+def test_killed_while_saving_latest_names_the_last_complete_checkpoint(point, victim):
+    """Saved at step 5, then killed saving at step 8: rank ``victim`` dies (SIGKILL) inside its side-car write (before
+    the rename) or inside DeepSpeed's own files (after every side-car is written). Every rank ends (none hangs),
+    ``latest`` still names step 5, no step-8 side-car of the victim exists under its final name, and resuming from
+    ``latest`` is bit-identical to the uninterrupted run."""
+    _, full = uninterrupted()
+    out = tempfile.mkdtemp()
+    ranks = launch_scenarios([CrashWhileSaving(steps=STEPS, ckpt=f"{out}/ckpt", save_at=5, crash_at=8, point=point,
+                                               victim=victim, config={"dgc": SPARSE})], timeout_s=240,
+                             out=tempfile.mkdtemp())
+    assert ranks[victim].returncode == -9 and ranks[1 - victim].returncode != 0
+    assert open(f"{out}/ckpt/latest").read().strip() == "global_step5"
+    if point == "sidecar":
+        assert not os.path.exists(f"{out}/ckpt/global_step8/dgc_state_dp_rank_{victim:05d}.pt")
+    second, _ = resume(out, {"dgc": SPARSE})
+    for r in range(2):
+        assert second[r].losses == full[r].losses[5:]
+        assert all(torch.equal(a, b) for a, b in zip(second[r].params[-1], full[r].params[-1]))

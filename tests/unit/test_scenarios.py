@@ -5,8 +5,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from scenarios import (SCENARIOS, ConfigCase, Evaluate, InitConfigs, MismatchedBucket, OddModel, PeerFault,
-                       QuantizedGather, ReduceCases, Resume, SaveMidway, ScriptedPolicy, Train, run_job, scenario)
+from scenarios import (SCENARIOS, ConfigCase, CrashWhileSaving, Evaluate, InitConfigs, MismatchedBucket, OddModel,
+                       PeerFault, QuantizedGather, ReduceCases, Resume, SaveMidway, ScriptedPolicy, Train, run_job,
+                       scenario)
 
 # job type, the keyword arguments of a bad job, the field its error must name
 BAD_JOBS = [
@@ -16,6 +17,8 @@ BAD_JOBS = [
     (SaveMidway, dict(ckpt="/tmp/ckpt", steps=4, save_at=5), "save_at"),
     (SaveMidway, dict(save_at=1), "ckpt"),
     (Resume, dict(ckpt="/tmp/ckpt", steps=4, resume_at=4), "resume_at"),
+    (CrashWhileSaving, dict(ckpt="/tmp/ckpt", point="anywhere"), "point"),
+    (CrashWhileSaving, dict(ckpt="/tmp/ckpt", save_at=2, crash_at=2), "crash_at"),
     (PeerFault, dict(kind="explode", out="/tmp/out"), "kind"),
     (PeerFault, dict(kind="die"), "out"),
     (ScriptedPolicy, dict(script="cx"), "script"),
@@ -48,6 +51,7 @@ def test_every_job_type_is_checked_above_and_its_defaults_are_accepted():
     """Each registered job type has a bad case in BAD_JOBS, and its defaults (with what it requires) make a job."""
     assert set(SCENARIOS) <= {t for t, _, _ in BAD_JOBS}
     required = {SaveMidway: dict(ckpt="/tmp/ckpt"), Resume: dict(ckpt="/tmp/ckpt"), PeerFault: dict(out="/tmp/out"),
+                CrashWhileSaving: dict(ckpt="/tmp/ckpt"),
                 InitConfigs: dict(cases={"ok": ConfigCase()})}
     for job_type in SCENARIOS:
         job_type(**required.get(job_type, {}))

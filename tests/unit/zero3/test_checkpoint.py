@@ -1,13 +1,17 @@
 """The checkpoint side-car on its own: same world size, re-sharded to another, dropped where it cannot fit, refused
-where it does not fit this model, and side-cars of an earlier version."""
+where it does not fit this model, damaged, another checkpoint's or missing, written atomically (a full disk), and
+side-cars of an earlier version."""
 
+import errno
 import os
+import shutil
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from deepspeed_dgc.config import DGCConfig
-from deepspeed_dgc.zero3.checkpoint import NOT_ROUTINE, DGCCheckpointError, load_state, save_state
+from deepspeed_dgc.zero3.checkpoint import NOT_ROUTINE, DGCCheckpointError, load_state, read_sidecar, save_state
 from deepspeed_dgc.zero3.state import DGCState
 
 CPU = torch.device("cpu")
@@ -124,3 +128,96 @@ def test_a_run_resumed_with_other_dgc_settings_is_told_which(tmp_path, world):
     same = _state(saved_cfg, world=world)
     msg = load_state(same, str(tmp_path), "tag", world_size=world, device=CPU)
     assert "differ" not in msg and not any(mark in msg for mark in NOT_ROUTINE), msg
+
+
+def _saved(tmp_path, rank=0, world=2, tag="tag", n_a=10, n_b=5):
+    """A side-car of fresh random residuals saved by ``rank``; returns (state, its path)."""
+    state = _state(rank=rank, world=world, module=TwoParams(n_a, n_b))
+    state.memory.load({"a": torch.randn(n_a), "b": torch.randn(n_b)})
+    return state, save_state(state, str(tmp_path), tag, world_size=world)
+
+
+def test_a_truncated_sidecar_is_refused_naming_it(tmp_path):
+    """Cut at any length, a side-car raises DGCCheckpointError naming the file (not torch's zip error), and loads
+    nothing; whole, it loads."""
+    state, path = _saved(tmp_path)
+    data = open(path, "rb").read()
+    for cut in sorted(set(int(x) for x in torch.randint(0, len(data), (6,)))) + [len(data) - 1]:
+        with open(path, "wb") as f:
+            f.write(data[:cut])
+        fresh = _state()
+        with pytest.raises(DGCCheckpointError, match=r"dgc_state_dp_rank_00000\.pt"):
+            load_state(fresh, str(tmp_path), "tag", world_size=2, device=CPU)
+        assert len(fresh.memory) == 0
+    with open(path, "wb") as f:
+        f.write(data)
+    fresh = _state()
+    assert load_state(fresh, str(tmp_path), "tag", world_size=2, device=CPU).startswith("restored")
+    assert torch.equal(fresh.memory.get("a"), state.memory.get("a"))
+
+
+@settings(max_examples=60, deadline=None)
+@given(flips=st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.integers(0, 7)), min_size=1, max_size=4))
+def test_random_damage_is_refused_or_harmless(tmp_path_factory, flips):
+    """Bits flipped anywhere in a side-car (most of it residual values): reading it raises DGCCheckpointError (nothing
+    else), or, where the flips hit bytes no reader looks at, returns exactly what was saved; never other residuals."""
+    tmp_path = tmp_path_factory.mktemp("damage")
+    state, path = _saved(tmp_path, n_a=3000, n_b=1000)
+    clean = read_sidecar(path, "tag")
+    data = bytearray(open(path, "rb").read())
+    for where, bit in flips:
+        data[int(where * len(data))] ^= 1 << bit
+    with open(path, "wb") as f:
+        f.write(bytes(data))
+    try:
+        got = read_sidecar(path, "tag")
+    except DGCCheckpointError as err:
+        assert path in str(err)
+        return
+    assert got.keys() == clean.keys()
+    for k in ("a", "b"):
+        assert torch.equal(got["residuals"][k], clean["residuals"][k])
+
+
+def test_a_sidecar_of_another_checkpoint_or_rank_is_refused(tmp_path):
+    """A side-car copied from another tag, or rank 1's renamed as rank 0's, raises DGCCheckpointError saying so."""
+    _, path = _saved(tmp_path, tag="step5")
+    (tmp_path / "step9").mkdir()
+    shutil.copy(path, tmp_path / "step9" / "dgc_state_dp_rank_00000.pt")
+    with pytest.raises(DGCCheckpointError, match=r"saved for checkpoint 'step5', not 'step9'"):
+        load_state(_state(), str(tmp_path), "step9", world_size=2, device=CPU)
+    _, p1 = _saved(tmp_path, rank=1, tag="mixed")
+    _saved(tmp_path, rank=0, tag="mixed")
+    os.replace(p1, tmp_path / "mixed" / "dgc_state_dp_rank_00000.pt")
+    with pytest.raises(DGCCheckpointError, match=r"state of data-parallel rank 1, read by rank 0"):
+        load_state(_state(), str(tmp_path), "mixed", world_size=2, device=CPU)
+    with pytest.raises(DGCCheckpointError, match=r"dgc_state_dp_rank_00001\.pt is missing"):
+        load_state(_state(rank=1), str(tmp_path), "mixed", world_size=2, device=CPU)
+
+
+def test_missing_sidecars_fail_where_the_checkpoint_says_it_has_them(tmp_path):
+    """No side-car in the tag: a checkpoint DeepSpeed's files mark as saved with DGC (``expect_sidecars``) raises
+    naming the missing file; one saved without DGC restarts the residuals at zero, as before."""
+    (tmp_path / "tag").mkdir()
+    with pytest.raises(DGCCheckpointError, match=r"saved with deepspeed_dgc state, but its side-car .* is missing"):
+        load_state(_state(), str(tmp_path), "tag", world_size=2, device=CPU, expect_sidecars=True)
+    msg = load_state(_state(), str(tmp_path), "tag", world_size=2, device=CPU)
+    assert "saved without DGC" in msg
+
+
+def test_a_full_disk_raises_naming_the_file_and_keeps_the_old_sidecar(tmp_path, monkeypatch):
+    """Writing fails with ENOSPC (at the fsync, after bytes went to a temporary file): DGCCheckpointError says no
+    space is left and names the side-car; the temporary file is gone and the side-car written before is untouched."""
+    state, path = _saved(tmp_path)
+    before = open(path, "rb").read()
+    state.memory.load({"a": torch.randn(10), "b": torch.randn(5)})
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(DGCCheckpointError, match=r"could not write its checkpoint side-car .*00000\.pt: no space left"):
+        save_state(state, str(tmp_path), "tag", world_size=2)
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path / "tag")) == ["dgc_state_dp_rank_00000.pt"]
+    assert open(path, "rb").read() == before

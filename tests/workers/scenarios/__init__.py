@@ -6,7 +6,8 @@ the function runs in each rank of a launch and returns a record (a dataclass of 
 - :mod:`.model`: the small ZeRO-3 models, the base ds_config and the inputs every scenario shares;
 - :mod:`.training`: :class:`~.training.Train` -> :class:`~.training.TrainRecord` (steps, gradient accumulation,
   an Inf in one rank's input, local gradients, a frozen parameter, poisoned padding, host syncs counted);
-- :mod:`.checkpoint`: :class:`~.checkpoint.SaveMidway` and :class:`~.checkpoint.Resume`;
+- :mod:`.checkpoint`: :class:`~.checkpoint.SaveMidway`, :class:`~.checkpoint.Resume` and
+  :class:`~.checkpoint.CrashWhileSaving`;
 - :mod:`.faults`: :class:`~.faults.PeerFault` (rank 1 dies, hangs or stops inside its reduce-scatter);
 - :mod:`.policy`: :class:`~.policy.ScriptedPolicy` (``"policy": "auto"`` with scripted measurements);
 - :mod:`.evaluation`: :class:`~.evaluation.Evaluate` -> :class:`~.evaluation.EvalRecord` (forward passes only);
@@ -58,7 +59,7 @@ def run_job(job, rank: int):
 # the scenario modules register themselves; the jobs are importable from here
 from .model import BASE, MODELS  # noqa: E402
 from .training import OptimizerSettings, Train, TrainRecord  # noqa: E402
-from .checkpoint import Resume, SaveMidway  # noqa: E402
+from .checkpoint import CrashWhileSaving, Resume, SaveMidway  # noqa: E402
 from .evaluation import EvalRecord, Evaluate  # noqa: E402
 from .faults import PeerError, PeerFault  # noqa: E402
 from .policy import ScriptedPolicy  # noqa: E402
@@ -68,8 +69,8 @@ from .allgather import GatherRecord, GatherStep, QuantizedGather  # noqa: E402
 from .reduce import ReduceCase, ReduceCases, ReduceRecord, ReduceStep  # noqa: E402
 from .mismatch import ErrorRecord, MismatchedBucket  # noqa: E402
 
-__all__ = ["BASE", "MODELS", "ConfigCase", "ConfigErrors", "ErrorRecord", "EvalRecord", "Evaluate", "GatherRecord",
-           "GatherStep", "InitConfigs", "MismatchedBucket", "OddModel", "OddModelRecord", "OddStep",
+__all__ = ["BASE", "MODELS", "ConfigCase", "ConfigErrors", "CrashWhileSaving", "ErrorRecord", "EvalRecord", "Evaluate",
+           "GatherRecord", "GatherStep", "InitConfigs", "MismatchedBucket", "OddModel", "OddModelRecord", "OddStep",
            "OptimizerSettings", "PeerError", "PeerFault", "QuantizedGather", "ReduceCase", "ReduceCases",
            "ReduceRecord", "ReduceStep", "Resume", "SaveMidway", "ScriptedPolicy", "Train", "TrainRecord", "run_job",
            "scenario"]

@@ -1,9 +1,15 @@
-"""Checkpoint scenarios: a run that saves midway and goes on, and a run that resumes from that checkpoint."""
+"""Checkpoint scenarios: a run that saves midway and goes on, a run that resumes from that checkpoint, and a run killed
+while it saves."""
 
+import os
+import signal
 from dataclasses import dataclass
+from typing import Optional
+
+import deepspeed_dgc.zero3.checkpoint as ckpt
 
 from . import scenario
-from .training import Train, TrainRecord, build, new_record, run_steps
+from .training import AfterStep, Train, TrainRecord, build, new_record, run_steps
 
 
 @dataclass
@@ -34,13 +40,15 @@ class Resume(Train):
 
 
 @scenario(SaveMidway)
-def save_midway(job: SaveMidway, rank: int) -> TrainRecord:
-    """Train every step, saving a checkpoint after step ``save_at``."""
+def save_midway(job: SaveMidway, rank: int, crash: Optional[AfterStep] = None) -> TrainRecord:
+    """Train every step, saving a checkpoint after step ``save_at`` (then ``crash(engine, step)`` after each step)."""
     built = build(job, rank)
 
     def save(engine, step):
         if step + 1 == job.save_at:
             engine.save_checkpoint(job.ckpt)
+        if crash is not None:
+            crash(engine, step)
 
     return run_steps(job, rank, built, new_record(built.engine), after_step=save)
 
@@ -55,3 +63,50 @@ def resume(job: Resume, rank: int) -> TrainRecord:
     state = getattr(engine, "_dgc_state", None)
     record.loaded_residuals = None if state is None else state.memory.residuals()
     return run_steps(job, rank, built, record, first=job.resume_at)
+
+
+CRASH_POINTS = ("sidecar", "deepspeed")
+
+
+@dataclass
+class CrashWhileSaving(SaveMidway):
+    """:class:`SaveMidway`, then a second save after ``crash_at`` steps during which rank ``victim`` is killed
+    (SIGKILL) at ``point``: ``"sidecar"``, inside the extension's side-car write (its bytes written to the temporary
+    file, before the rename); ``"deepspeed"``, inside DeepSpeed's own files (its ZeRO optimizer states), after every
+    side-car is written. The run ends there (every rank fails)."""
+    crash_at: int = 2
+    point: str = "sidecar"
+    victim: int = 0
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.point not in CRASH_POINTS:
+            raise ValueError(f"CrashWhileSaving: point {self.point!r} must be one of {CRASH_POINTS}")
+        if not self.save_at < self.crash_at <= self.steps:
+            raise ValueError(f"CrashWhileSaving needs save_at < crash_at <= steps (got {self.save_at}, {self.crash_at}, "
+                             f"{self.steps})")
+
+
+def _kill_at(engine, point: str) -> None:
+    """Make this process die (SIGKILL) when the next save reaches ``point``."""
+    def die(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if point == "sidecar":  # the side-car's rename is the save's first (this process dies at it)
+        real_replace = os.replace
+        os.replace = lambda src, dst: die() if dst.endswith(ckpt.sidecar_name(0)[-3:]) else real_replace(src, dst)
+    else:
+        engine._save_zero_checkpoint = die
+
+
+@scenario(CrashWhileSaving)
+def crash_while_saving(job: CrashWhileSaving, rank: int) -> TrainRecord:
+    """Train, save after ``save_at`` steps, and be killed (the victim) or fail (the others) saving after ``crash_at``."""
+
+    def crash(engine, step):
+        if step + 1 == job.crash_at:
+            if rank == job.victim:
+                _kill_at(engine, job.point)
+            engine.save_checkpoint(job.ckpt)
+
+    return save_midway(job, rank, crash)
