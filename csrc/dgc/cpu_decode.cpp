@@ -206,32 +206,17 @@ std::vector<DecodeGroup> decode_groups(const std::vector<Run>& runs, const float
   return groups;
 }
 
-// A payload's positions (decode_positions) and runs (segment_runs). A payload keeping every real element of the row
-// (kept = the sum of seg_real) without index bytes was sent whole: every position is implied, sparse tensors' too
-// (n_indexed is then not read, and no position is returned).
-std::vector<Run> payload_runs(const at::Tensor& index_bytes, int64_t row, int64_t kept, int64_t n_indexed,
-                              const std::vector<int64_t>& seg_real, const std::vector<int64_t>& seg_chunks,
-                              const std::vector<bool>& sparse, Positions& pos) {
-  int64_t real = 0;
-  for (int64_t n : seg_real) real += n;
-  if (index_bytes.numel() == 0 && kept == real)
-    return segment_runs(pos, seg_real, seg_chunks, std::vector<bool>(sparse.size(), false), kept);
-  pos = decode_positions(index_bytes.data_ptr<uint8_t>(), index_bytes.numel(), row, n_indexed);
-  return segment_runs(pos, seg_real, seg_chunks, sparse, kept);
-}
-
 }  // namespace
 
-// One sender's payload decoded and added into an owner's row: check_decode_args, payload_runs (decode_positions,
-// segment_runs), decode_groups, then its groups' values added (the loop as one lambda per code width, in parallel
-// over groups).
+// One sender's payload decoded and added into an owner's row: check_decode_args, decode_positions, segment_runs,
+// decode_groups, then its groups' values added (the loop as one lambda per code width, in parallel over groups).
 void decode_add(at::Tensor out, at::Tensor values, at::Tensor scales, at::Tensor index_bytes, int64_t kept,
                 int64_t n_indexed, std::vector<int64_t> seg_real, std::vector<int64_t> seg_chunks,
                 std::vector<bool> sparse, int64_t group_size, int64_t fmt) {
   const int64_t row = check_decode_args(out, fmt, seg_real, seg_chunks, sparse, group_size, kept, n_indexed);
   const float* sc = scales.data_ptr<float>();
-  Positions pos;
-  const std::vector<Run> runs = payload_runs(index_bytes, row, kept, n_indexed, seg_real, seg_chunks, sparse, pos);
+  const Positions pos = decode_positions(index_bytes.data_ptr<uint8_t>(), index_bytes.numel(), row, n_indexed);
+  const std::vector<Run> runs = segment_runs(pos, seg_real, seg_chunks, sparse, kept);
   const std::vector<DecodeGroup> groups = decode_groups(runs, sc, scales.numel(), group_size, fmt);
   if (values.numel() < dgc::packed_bytes(kept, fmt)) throw std::invalid_argument("too few value bytes");
   const bool masked = dgc::zero_masked(fmt);

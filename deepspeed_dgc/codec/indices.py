@@ -116,8 +116,9 @@ def decode_positions(row_numel: int, index_bytes: torch.Tensor, kept: int, n_ind
     Args:
         row_numel: columns of the row (``sum(chunks)``).
         index_bytes: the payload's index section: varint gaps, or a bitmap over the real elements of
-            the sparse tensors; empty with ``kept == sum(seg_real)``: every real element, all implied.
-        kept: values in the payload; n_indexed: how many of them carry an index (ignored where all are implied).
+            the sparse tensors (a payload sent whole is read with every tensor implied:
+            :func:`~deepspeed_dgc.codec.wire.implied_view`).
+        kept: values in the payload; n_indexed: how many of them carry an index.
         seg_real: real elements of each tensor in this row; chunks: columns per tensor; sparse: per tensor.
         index_coding: ``"varint"`` or ``"bitmap"``.
 
@@ -128,8 +129,6 @@ def decode_positions(row_numel: int, index_bytes: torch.Tensor, kept: int, n_ind
         ValueError: the index bytes are malformed, point past the row, or do not add up to ``kept``.
     """
     device = index_bytes.device
-    if index_bytes.numel() == 0 and kept == sum(seg_real):  # a row sent whole: every position implied
-        sparse, n_indexed = [False] * len(sparse), 0
     implied = torch.cat([
         torch.arange(col, col + r, device=device) for col, r, s in zip(starts(chunks), seg_real, sparse) if not s
     ] or [torch.empty(0, dtype=torch.long, device=device)])

@@ -88,6 +88,7 @@ class FusedCPUOps(ReferenceOps):
     def decode_add(self, out: torch.Tensor, body: wire.Body, row: wire.RowLayout) -> None:
         if not _row_decodable(row):
             return ReferenceOps.decode_add(self, out, body, row)
+        body, row = wire.implied_view(body, row)
         self.op.decode_add(out, body.values.contiguous(), body.scales.contiguous(), body.index_bytes.contiguous(),
                            body.kept, body.n_indexed, list(row.seg_real), list(row.chunks), list(row.sparse),
                            row.group_size, VALUE_FORMAT_CODES[row.value_format])
@@ -202,6 +203,7 @@ class FusedCUDAOps(ReferenceOps):
     def decode_add(self, out: torch.Tensor, body: wire.Body, row: wire.RowLayout) -> None:
         if not _row_decodable(row):
             return ReferenceOps.decode_add(self, out, body, row)
+        body, row = wire.implied_view(body, row)
         pos, counts = decode_positions(out.numel(), body.index_bytes, body.kept, body.n_indexed, row.seg_real,
                                        row.chunks, row.sparse)
         gid, n_groups = int4_group_ids(counts, row.group_size)

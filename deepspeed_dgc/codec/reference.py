@@ -139,6 +139,7 @@ class ReferenceOps:
         Raises:
             ValueError: the body does not decode to ``kept`` positions inside the row.
         """
+        body, row = wire.implied_view(body, row)
         pos, counts = decode_positions(out.numel(), body.index_bytes, body.kept, body.n_indexed, row.seg_real,
                                        row.chunks, row.sparse, row.index_coding)
         if row.quantize:

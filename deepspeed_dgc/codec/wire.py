@@ -27,7 +27,7 @@ or bucket differ fail with :class:`DGCProtocolError` instead of summing garbage.
 
 import json
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence, Tuple
 
 import torch
@@ -196,6 +196,15 @@ def parse(buf: torch.Tensor, src: int, row: RowLayout) -> Body:
     if buf.numel() - off >= 4:
         raise DGCProtocolError(f"rank {src} sent {buf.numel()} bytes, expected {off} plus padding")
     return Body(kept, n_indexed, scales, values, index_bytes)
+
+
+def implied_view(body: Body, row: RowLayout) -> Tuple[Body, RowLayout]:
+    """``(body, row)`` as a decoder reads them: a payload that keeps every real element of its row without index
+    bytes was sent whole (:meth:`RowLayout.sends_whole`), so it is read as a row whose tensors are all sent whole
+    (every position implied, none indexed); any other payload as it is."""
+    if body.index_bytes.numel() == 0 and body.kept == sum(row.seg_real) and any(row.sparse):
+        return replace(body, n_indexed=0), replace(row, sparse=[False] * len(row.sparse))
+    return body, row
 
 
 DecodeAdd = Callable[[torch.Tensor, Body, RowLayout], None]
