@@ -6,10 +6,10 @@ the warm-up clock, local momenta and the telemetry totals. ``engine.load_checkpo
 resumed run continues exactly as an uninterrupted one. DeepSpeed's own files are untouched
 (``zero_to_fp32`` keeps working); the side-car loads with ``torch.load(weights_only=True)``.
 
-Crash safety: every rank writes its side-car before DeepSpeed writes anything of the checkpoint (so before rank 0
-writes ``latest``, which DeepSpeed does after a barrier of all ranks), under a temporary name that is flushed to disk
-and then renamed (:func:`write_sidecar`); a rank that cannot write it (a full disk) makes every rank raise before
-DeepSpeed starts. The file holds the SHA-256 of its payload, checked on load (:func:`read_sidecar`): a truncated,
+Crash safety: every rank writes its side-car before DeepSpeed writes anything of the checkpoint, and ``latest`` is
+written after every rank's DeepSpeed files (``zero3/patches.py``), each under a temporary name that is flushed to
+disk and then renamed (:func:`write_sidecar`, :func:`write_latest`); a rank that cannot write its side-car (a full
+disk) makes every rank raise before DeepSpeed starts. The file holds the SHA-256 of its payload, checked on load (:func:`read_sidecar`): a truncated,
 damaged or misplaced side-car raises :class:`DGCCheckpointError` naming it instead of loading.
 """
 
@@ -96,12 +96,33 @@ def write_sidecar(path: str, payload: dict) -> None:
     buf = io.BytesIO()
     torch.save(payload, buf)
     body = buf.getvalue()
+    outer = io.BytesIO()
+    torch.save({"format": FORMAT, "sha256": hashlib.sha256(body).hexdigest(), "body": body}, outer)
+    _write_atomically(path, outer.getvalue())
+
+
+def write_latest(ckpt_dir: str, tag: str) -> None:
+    """Write ``ckpt_dir/latest`` naming ``tag`` (what DeepSpeed's ``load_checkpoint`` reads without a tag),
+    atomically as :func:`write_sidecar` writes.
+
+    Raises:
+        DGCCheckpointError: writing failed; ``latest`` still names the checkpoint it named before.
+    """
+    _write_atomically(os.path.join(ckpt_dir, "latest"), str(tag).encode())
+
+
+def _write_atomically(path: str, data: bytes) -> None:
+    """``data`` to ``path`` through a temporary file of its directory, flushed, fsync'ed and renamed over it.
+
+    Raises:
+        DGCCheckpointError: writing failed (``ENOSPC``: no space left); the temporary file is removed.
+    """
     directory = os.path.dirname(path)
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp{os.getpid()}")
     try:
         os.makedirs(directory, exist_ok=True)
         with open(tmp, "wb") as f:
-            torch.save({"format": FORMAT, "sha256": hashlib.sha256(body).hexdigest(), "body": body}, f)
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -112,7 +133,7 @@ def write_sidecar(path: str, payload: dict) -> None:
         except OSError:
             pass
         why = "no space left on the device" if err.errno == errno.ENOSPC else err.strerror or str(err)
-        raise DGCCheckpointError(f"deepspeed_dgc could not write its checkpoint side-car {path}: {why} ({err})") from err
+        raise DGCCheckpointError(f"deepspeed_dgc could not write {path}: {why} ({err})") from err
 
 
 def _fsync_dir(directory: str) -> None:

@@ -497,13 +497,21 @@ def _agree(ok: bool, what: str, state: DGCState, err: Optional[Exception]) -> No
 
 
 def _save_checkpoint(engine, state: DGCState) -> Callable:
-    """``save_checkpoint`` writing the side-cars first: every rank's side-car is on disk (or every rank has raised)
-    before DeepSpeed writes any file of the checkpoint, so ``latest`` never names a tag without them; DeepSpeed's
-    ``client_state`` records that the checkpoint has them (:data:`SIDECAR_MARK`)."""
+    """``save_checkpoint`` that ``latest`` names only complete checkpoints.
+
+    1. Every rank writes its side-car (:func:`checkpoint.save_state`, atomic) before DeepSpeed writes any file; a
+       rank that cannot makes every rank raise.
+    2. DeepSpeed writes its files, with ``client_state`` recording that the checkpoint has side-cars
+       (:data:`SIDECAR_MARK`), and without ``latest``: DeepSpeed 0.19.8 has rank 0 write it after rank 0's own files,
+       not after every rank's.
+    3. Once every rank has returned from DeepSpeed's save, rank 0 writes ``latest`` atomically
+       (:func:`checkpoint.write_latest`), and every rank returns after it. A decoupled (asynchronous) checkpoint
+       engine writes ``latest`` itself when it commits, so there DeepSpeed's ``save_latest`` is passed on unchanged.
+    """
     save = engine.save_checkpoint
 
     @functools.wraps(save)
-    def save_checkpoint(save_dir, tag=None, client_state=None, *args, **kwargs):
+    def save_checkpoint(save_dir, tag=None, client_state=None, save_latest=True, *args, **kwargs):
         tag_used = str(tag) if tag is not None else f"global_step{engine.global_steps}"
         err = None
         try:
@@ -512,7 +520,18 @@ def _save_checkpoint(engine, state: DGCState) -> Callable:
             err = e
         _agree(err is None, f"writing the side-cars of checkpoint {tag_used!r}", state, err)
         client_state = dict(client_state or {}, **{SIDECAR_MARK: engine.dp_world_size})
-        return save(save_dir, tag, client_state, *args, **kwargs)
+        decoupled = getattr(getattr(engine, "checkpoint_engine", None), "is_decoupled", lambda: False)()
+        out = save(save_dir, tag, client_state, save_latest and decoupled, *args, **kwargs)
+        if save_latest and not decoupled:
+            _agree(True, f"saving checkpoint {tag_used!r}", state, None)  # every rank's files are written
+            err = None
+            if engine.global_rank == 0:
+                try:
+                    checkpoint.write_latest(save_dir, tag_used)
+                except checkpoint.DGCCheckpointError as e:
+                    err = e
+            _agree(err is None, f"writing 'latest' for checkpoint {tag_used!r}", state, err)
+        return out
 
     return save_checkpoint
 

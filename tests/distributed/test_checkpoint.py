@@ -275,12 +275,13 @@ def test_resume_with_local_momentum_is_bit_identical(local_momentum_runs, case):
             assert any(bool((v == 0).any()) for v in mom_b.values())
 
 
-@pytest.mark.parametrize("point, victim", [("sidecar", 0), ("sidecar", 1), ("deepspeed", 0)])
+@pytest.mark.parametrize("point, victim", [("sidecar", 0), ("sidecar", 1), ("deepspeed", 0), ("deepspeed", 1)])
 def test_killed_while_saving_latest_names_the_last_complete_checkpoint(point, victim):
     """Saved at step 5, then killed saving at step 8: rank ``victim`` dies (SIGKILL) inside its side-car write (before
-    the rename) or inside DeepSpeed's own files (after every side-car is written). Every rank ends (none hangs),
-    ``latest`` still names step 5, no step-8 side-car of the victim exists under its final name, and resuming from
-    ``latest`` is bit-identical to the uninterrupted run."""
+    the rename) or inside DeepSpeed's own files (after every side-car is written; rank 1 there: stock DeepSpeed would
+    have rank 0 name step 8 in ``latest`` after its own files). Every rank ends (none hangs), ``latest`` still names
+    step 5, no step-8 side-car of the victim exists under its final name, and resuming from ``latest`` is
+    bit-identical to the uninterrupted run."""
     _, full = uninterrupted()
     out = tempfile.mkdtemp()
     ranks = launch_scenarios([CrashWhileSaving(steps=STEPS, ckpt=f"{out}/ckpt", save_at=5, crash_at=8, point=point,

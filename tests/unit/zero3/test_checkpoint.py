@@ -216,7 +216,7 @@ def test_a_full_disk_raises_naming_the_file_and_keeps_the_old_sidecar(tmp_path, 
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(os, "fsync", full)
-    with pytest.raises(DGCCheckpointError, match=r"could not write its checkpoint side-car .*00000\.pt: no space left"):
+    with pytest.raises(DGCCheckpointError, match=r"could not write .*dgc_state_dp_rank_00000\.pt: no space left"):
         save_state(state, str(tmp_path), "tag", world_size=2)
     monkeypatch.undo()
     assert sorted(os.listdir(tmp_path / "tag")) == ["dgc_state_dp_rank_00000.pt"]
