@@ -27,7 +27,8 @@ from ..memory.error_feedback import ErrorFeedback
 from ..memory.momentum import CompressedMomentum
 from .state import DGCState
 
-# 3: {"format", "sha256", "body"}, body the torch.save bytes of the payload (keyed by parameter name, with its tag);
+# 3: {"format", "sha256", "body"}, body the torch.save bytes of the payload (keyed by parameter name, with its tag)
+# as a uint8 tensor;
 # 2: the payload itself; 1: keyed by ZeRO-3's ds_id (read by mapping the ds_ids in order)
 FORMAT = 3
 READABLE_FORMATS = (1, 2, 3)
@@ -96,8 +97,9 @@ def write_sidecar(path: str, payload: dict) -> None:
     buf = io.BytesIO()
     torch.save(payload, buf)
     body = buf.getvalue()
-    outer = io.BytesIO()
-    torch.save({"format": FORMAT, "sha256": hashlib.sha256(body).hexdigest(), "body": body}, outer)
+    outer = io.BytesIO()  # the body as a uint8 tensor: a damaged byte of it loads, and the checksum names it
+    torch.save({"format": FORMAT, "sha256": hashlib.sha256(body).hexdigest(),
+                "body": torch.frombuffer(bytearray(body), dtype=torch.uint8)}, outer)
     _write_atomically(path, outer.getvalue())
 
 
@@ -150,6 +152,15 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
+ADVICE = "restore it from a copy, or resume from another checkpoint"
+
+
+def _error_text(err: Exception, limit: int = 240) -> str:
+    """``Type: message`` of ``err``, its message cut at ``limit`` characters (marked with an ellipsis)."""
+    text = str(err).replace("\n", " ")
+    return f"{type(err).__name__}: " + (text if len(text) <= limit else text[:limit] + "...")
+
+
 def read_sidecar(path: str, tag: Optional[str] = None) -> dict:
     """The payload of the side-car at ``path``, checked: readable, its SHA-256 matching (format 3), and saved for
     checkpoint ``tag`` where it records one. Side-cars of formats 1 and 2 (no checksum) load as they are.
@@ -162,8 +173,7 @@ def read_sidecar(path: str, tag: Optional[str] = None) -> dict:
         outer = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # torch raises RuntimeError, pickle errors, EOFError, ... for a damaged file
         raise DGCCheckpointError(f"deepspeed_dgc checkpoint side-car {path} cannot be read (truncated or damaged: "
-                                 f"{type(err).__name__}: {str(err)[:200]}); restore it from a copy, or resume from "
-                                 "another checkpoint") from None
+                                 f"{_error_text(err)}); {ADVICE}") from None
     if not isinstance(outer, dict) or outer.get("format") not in READABLE_FORMATS:
         found = outer.get("format") if isinstance(outer, dict) else type(outer).__name__
         raise DGCCheckpointError(f"{path} is not a deepspeed_dgc side-car this version reads (format {found!r}, "
@@ -171,18 +181,19 @@ def read_sidecar(path: str, tag: Optional[str] = None) -> dict:
     if outer["format"] < 3:
         return outer
     body = outer.get("body")
+    if isinstance(body, torch.Tensor) and body.dtype == torch.uint8 and body.dim() == 1:
+        body = body.numpy().tobytes()
     if not isinstance(body, bytes) or hashlib.sha256(body).hexdigest() != outer.get("sha256"):
         raise DGCCheckpointError(f"deepspeed_dgc checkpoint side-car {path} is damaged: its content does not match "
-                                 "the checksum written with it; restore it from a copy, or resume from another "
-                                 "checkpoint")
+                                 f"the checksum written with it; {ADVICE}")
     try:
         payload = torch.load(io.BytesIO(body), map_location="cpu", weights_only=True)
     except Exception as err:
         raise DGCCheckpointError(f"deepspeed_dgc checkpoint side-car {path} holds an unreadable payload "
-                                 f"({type(err).__name__}: {str(err)[:200]})") from None
+                                 f"({_error_text(err)}); {ADVICE}") from None
     if tag is not None and str(payload.get("tag")) != str(tag) and not _universal_source(str(tag), payload.get("tag")):
         raise DGCCheckpointError(f"{path} was saved for checkpoint {payload.get('tag')!r}, not {str(tag)!r}: it was "
-                                 "copied or moved from another checkpoint")
+                                 f"copied or moved from another checkpoint; {ADVICE}")
     return payload
 
 
@@ -266,33 +277,37 @@ def load_state(state: DGCState, ckpt_dir: str, tag: str, world_size: int, device
     """
     sdir = sidecar_dir(ckpt_dir, tag)
     first = os.path.join(sdir, sidecar_name(0))
-    if not os.path.isfile(first) and expect_sidecars:
-        raise DGCCheckpointError(f"checkpoint {os.path.join(ckpt_dir, str(tag))} was saved with deepspeed_dgc state, "
-                                 f"but its side-car {first} is missing (deleted, or not copied with the checkpoint): "
-                                 "restore it, or resume from another checkpoint")
-    if not os.path.isfile(first):
+    own = os.path.join(sdir, sidecar_name(state.dp_rank))
+    if not os.path.isfile(first) and not os.path.isfile(own):
+        if expect_sidecars:
+            raise DGCCheckpointError(f"checkpoint {os.path.join(ckpt_dir, str(tag))} was saved with deepspeed_dgc "
+                                     f"state, but its side-car {own} is missing (deleted, or not copied with the "
+                                     f"checkpoint); {ADVICE}")
         _clear(state)
         return f"no deepspeed_dgc state in {sdir} (checkpoint saved without DGC?): error-feedback residuals start at zero"
+    if os.path.isfile(own):  # each rank reads its own side-car only, unless the world size changed
+        payload = read_sidecar(own, tag)
+        if payload.get("world_size") == world_size:
+            return _load_same_world(state, own, payload, device)
+    if not os.path.isfile(first):
+        raise DGCCheckpointError(f"{first} is missing, though {own} is there: {ADVICE}")
     head = read_sidecar(first, tag)
     if head.get("world_size") == world_size:
-        return _load_same_world(state, sdir, head, device, tag)
+        raise DGCCheckpointError(f"{own} is missing, though rank 0's side-car in {sdir} is there (saved at the same "
+                                 f"world size, {world_size}): {ADVICE}")
     return _load_resharded(state, sdir, head, world_size, device, tag)
 
 
-def _load_same_world(state: DGCState, sdir: str, head: dict, device, tag: str) -> str:
-    path = os.path.join(sdir, sidecar_name(state.dp_rank))
-    if not os.path.isfile(path):
-        raise DGCCheckpointError(f"{path} is missing, though rank 0's side-car in {sdir} is there (saved at the same "
-                                 f"world size, {head.get('world_size')}): restore it, or resume from another checkpoint")
-    saved_layout = head.get("residual_layout", "flat")
+def _load_same_world(state: DGCState, path: str, payload: dict, device) -> str:
+    """Restore this rank's own side-car ``payload`` (read from ``path``), saved at this run's world size."""
+    saved_layout = payload.get("residual_layout", "flat")
     if saved_layout != residual_layout(state):
         _clear(state)
         return (f"deepspeed_dgc state in {path} holds residuals of the {saved_layout} topology, this run uses "
                 f"{residual_layout(state)}: they do not fit, so they are dropped and restart at zero")
-    payload = read_sidecar(path, tag)
     if payload.get("dp_rank", state.dp_rank) != state.dp_rank:
         raise DGCCheckpointError(f"{path} holds the state of data-parallel rank {payload.get('dp_rank')}, read by rank "
-                                 f"{state.dp_rank}: the side-cars were renamed or mixed up")
+                                 f"{state.dp_rank}: the side-cars were renamed or mixed up; {ADVICE}")
     saved_storage = payload.get("residual_storage", "fp32")  # side-cars without it hold fp32
     rename = _key_map(state, payload, path)
     payload["residuals"] = _checked(state, {rename(k): v for k, v in payload["residuals"].items()}, "residual", path)

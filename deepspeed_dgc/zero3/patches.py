@@ -586,8 +586,8 @@ def _patch_plain_loading(engine) -> None:
                 logger.warning(f"[deepspeed_dgc] rank {engine.global_rank}: checkpoint {load_path} holds deepspeed_dgc "
                                f"state ({len(found)} dgc_state_dp_rank_*.pt files in {sdir}, saved with DGC on); this run "
                                "has DGC off, so its error-feedback residuals are ignored (and so are any local momenta "
-                               "of 'momentum_correction' or 'compressed_momentum'). DeepSpeed's weights and "
-                               "optimizer state loaded as usual")
+                               "of 'momentum_correction', 'compressed_momentum' or 'decoupled_momentum'). DeepSpeed's "
+                               "weights and optimizer state loaded as usual")
         return load_path, client_state
 
     replace(engine, "load_checkpoint", load_checkpoint)

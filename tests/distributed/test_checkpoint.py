@@ -149,8 +149,8 @@ def test_a_dgc_checkpoint_whose_sidecars_are_gone_fails_on_every_rank():
     out = saved_at_step_5()
     for path in glob.glob(f"{out}/ckpt/*/dgc_state_dp_rank_*.pt"):
         os.unlink(path)
-    for err in _resume_fails(out, {"dgc": SPARSE}):
-        assert "DGCCheckpointError" in err and "dgc_state_dp_rank_00000.pt is missing" in err, err[-1500:]
+    for r, err in enumerate(_resume_fails(out, {"dgc": SPARSE})):
+        assert "DGCCheckpointError" in err and f"dgc_state_dp_rank_{r:05d}.pt is missing" in err, err[-1500:]
 
 
 def test_a_damaged_sidecar_fails_on_every_rank_naming_it():

@@ -179,6 +179,18 @@ def test_random_damage_is_refused_or_harmless(tmp_path_factory, flips):
         assert torch.equal(got["residuals"][k], clean["residuals"][k])
 
 
+def test_a_damaged_byte_of_the_state_is_named_by_the_checksum(tmp_path):
+    """A byte flipped in the middle of a side-car (its state) loads as bytes but fails the SHA-256: the error says the
+    content does not match the checksum."""
+    _, path = _saved(tmp_path, n_a=3000, n_b=1000)
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    with open(path, "wb") as f:
+        f.write(bytes(data))
+    with pytest.raises(DGCCheckpointError, match=r"00000\.pt is damaged: its content does not match the checksum"):
+        read_sidecar(path, "tag")
+
+
 def test_a_sidecar_of_another_checkpoint_or_rank_is_refused(tmp_path):
     """A side-car copied from another tag, or rank 1's renamed as rank 0's, raises DGCCheckpointError saying so."""
     _, path = _saved(tmp_path, tag="step5")
