@@ -18,7 +18,7 @@ import glob
 import hashlib
 import io
 import os
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 from deepspeed.utils import logger
@@ -285,17 +285,24 @@ def load_state(state: DGCState, ckpt_dir: str, tag: str, world_size: int, device
                                      f"checkpoint); {ADVICE}")
         _clear(state)
         return f"no deepspeed_dgc state in {sdir} (checkpoint saved without DGC?): error-feedback residuals start at zero"
+    read: Dict[str, dict] = {}  # path -> payload: each file is read and checked once
+
+    def read_once(path: str) -> dict:
+        if path not in read:
+            read[path] = read_sidecar(path, tag)
+        return read[path]
+
     if os.path.isfile(own):  # each rank reads its own side-car only, unless the world size changed
-        payload = read_sidecar(own, tag)
+        payload = read_once(own)
         if payload.get("world_size") == world_size:
             return _load_same_world(state, own, payload, device)
     if not os.path.isfile(first):
         raise DGCCheckpointError(f"{first} is missing, though {own} is there: {ADVICE}")
-    head = read_sidecar(first, tag)
+    head = read_once(first)
     if head.get("world_size") == world_size:
         raise DGCCheckpointError(f"{own} is missing, though rank 0's side-car in {sdir} is there (saved at the same "
                                  f"world size, {world_size}): {ADVICE}")
-    return _load_resharded(state, sdir, head, world_size, device, tag)
+    return _load_resharded(state, sdir, head, world_size, device, read_once)
 
 
 def _load_same_world(state: DGCState, path: str, payload: dict, device) -> str:
@@ -332,7 +339,8 @@ def _load_same_world(state: DGCState, path: str, payload: dict, device) -> str:
     return f"restored deepspeed_dgc state from {path}: {len(state.memory)} residuals, step {state.stats.steps}{note}"
 
 
-def _load_resharded(state: DGCState, sdir: str, head: dict, world_size: int, device, tag: str) -> str:
+def _load_resharded(state: DGCState, sdir: str, head: dict, world_size: int, device,
+                    read: Callable[[str], dict]) -> str:
     saved_world = head.get("world_size")
     where = f"deepspeed_dgc state in {sdir} was saved at data-parallel world size {saved_world}, this run has {world_size}"
     if head.get("residual_layout", "flat") != "flat" or residual_layout(state) != "flat":
@@ -345,7 +353,7 @@ def _load_resharded(state: DGCState, sdir: str, head: dict, world_size: int, dev
         if not os.path.isfile(p):
             _clear(state)
             return f"{where} but {p} is missing: residuals cannot be re-sharded and restart at zero"
-        side = read_sidecar(p, tag)
+        side = read(p)
         rename = _key_map(state, side, p)
         side["residuals"] = {rename(k): v for k, v in side["residuals"].items()}
         if side.get("momentum"):
