@@ -486,6 +486,12 @@ def _install_allgather(cfg: DGCConfig, state: DGCState) -> None:
 SIDECAR_MARK = "deepspeed_dgc_sidecars"  # in DeepSpeed's client_state: the checkpoint has side-cars (how many)
 
 
+def _take_mark(client_state) -> Optional[int]:
+    """Remove :data:`SIDECAR_MARK` (the extension's, not the user's) from the ``client_state`` DeepSpeed's
+    ``load_checkpoint`` returns; its value (the saved world size), or None for a checkpoint saved without it."""
+    return client_state.pop(SIDECAR_MARK, None) if isinstance(client_state, dict) else None
+
+
 def _agree(ok: bool, what: str, state: DGCState, err: Optional[Exception]) -> None:
     """Every rank raises if any rank failed ``what`` (its own error on that rank, one naming it elsewhere)."""
     bad = ranks_failing(ok, what, state.cfg.timeout_s)
@@ -549,7 +555,7 @@ def _load_checkpoint(engine, state: DGCState) -> Callable:
         load_path, client_state = load(load_dir, tag, *args, **kwargs)
         if load_path is None:
             return load_path, client_state
-        marked = (client_state or {}).pop(SIDECAR_MARK, None) if isinstance(client_state, dict) else None
+        marked = _take_mark(client_state)
         _method(state).before_load(engine.optimizer, state)  # e.g. Adam unfrozen: the loaded state decides afresh
         msg, err = None, None
         try:
@@ -578,8 +584,7 @@ def _patch_plain_loading(engine) -> None:
     @functools.wraps(load)
     def load_checkpoint(load_dir, tag=None, *args, **kwargs):
         load_path, client_state = load(load_dir, tag, *args, **kwargs)
-        if isinstance(client_state, dict):
-            client_state.pop(SIDECAR_MARK, None)  # the extension's, not the user's
+        _take_mark(client_state)
         if load_path is not None:
             sdir, found = checkpoint.sidecars_in(load_dir, _loaded_tag(engine, load_dir, tag))
             if found:
