@@ -10,7 +10,7 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 STEPS ?= 300
 SEED ?= 1234
 
-.PHONY: install test demo bench bench-target bench-nodes bench-memory bench-kernels profile report gpu-check clean
+.PHONY: install test faults soak demo bench bench-target bench-nodes bench-memory bench-kernels profile report gpu-check clean
 
 install: $(VENV)/.installed
 
@@ -36,6 +36,10 @@ $(VENV)/.installed: setup.py requirements-test.txt $(wildcard csrc/dgc/*) $(wild
 
 test: install
 	$(PY) -m pytest -q tests
+
+# the whole fault suite (tests/faults), its slow cases included (CI runs the rest through `make test`)
+faults: install
+	$(PY) -m pytest -q -m "" tests/faults
 
 demo: install
 	$(PY) examples/compare.py --max-steps $(STEPS) --seed $(SEED)
