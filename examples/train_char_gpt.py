@@ -216,6 +216,10 @@ def parse_args() -> argparse.Namespace:
                         "--profile-out.rankR.txt")
     parser.add_argument("--profile-out", type=Path, default=Path("runs/profile/step"),
                         help="path prefix of the --profile-step files")
+    parser.add_argument("--step-log", type=Path, metavar="PREFIX",
+                        help="every rank R appends one JSON line per step to PREFIX.rankR.jsonl (after the step's "
+                        "checkpoint, if any): the step, the mean train loss, this rank's resident memory (VmRSS) and "
+                        "the extension's state bytes (benchmarks/soak.py)")
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--n-embd", type=int, default=128)
     parser.add_argument("--n-head", type=int, default=4)
@@ -255,6 +259,18 @@ def tc_class_bytes(classes: list[str], dev: str = "lo", netns: str | None = None
         elif words[:1] == ["Sent"] and current is not None:
             out[current], current = int(words[1]), None
     return out
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (VmRSS of /proc/self/status), bytes; 0 where there is no /proc."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def net_tx_path(iface: str) -> Path:
@@ -376,6 +392,10 @@ def main() -> None:
             return int(net_tx_path(args.net_iface).read_text())
     else:
         read_tx = None
+    step_log = None
+    if args.step_log:  # appended to: a resumed run goes on in the same file
+        args.step_log.parent.mkdir(parents=True, exist_ok=True)
+        step_log = open(f"{args.step_log}.rank{rank}.jsonl", "a")
     syncs = HostSyncCounter().__enter__() if args.count_host_syncs else None
     host_syncs, host_sync_sites = [], Counter()
     start = time.perf_counter()
@@ -420,9 +440,17 @@ def main() -> None:
                                        "recent_train": list(recent_train),
                                        "val_losses": val_losses,
                                    })
+        if step_log is not None:  # one write of one line, after the checkpoint: a kill leaves whole lines
+            dgc_stats = deepspeed_dgc.get_stats(engine)
+            step_log.write(json.dumps({"step": step, "rank": rank, "pid": os.getpid(), "time": time.time(),
+                                       "loss": train_loss, "rss_bytes": resident_bytes(),
+                                       "state_bytes": None if dgc_stats is None else dgc_stats.state_bytes}) + "\n")
+            step_log.flush()
     wall_s = time.perf_counter() - start  # training loop incl. evaluations (and checkpoints, if any)
     if syncs is not None:
         syncs.__exit__(None, None, None)
+    if step_log is not None:
+        step_log.close()
     progress.close()
     final_val_loss = val_losses[-1][1]  # evaluated after the last step
     holdout = holdout_batches(val_data, batch_size, args.block_size) if args.holdout_eval else []
