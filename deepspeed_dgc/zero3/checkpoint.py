@@ -18,11 +18,13 @@ import glob
 import hashlib
 import io
 import os
+import re
 from typing import Callable, Dict, Optional
 
 import torch
 from deepspeed.utils import logger
 
+from ..comm.topology import resolve_ranks_per_node
 from ..memory.error_feedback import ErrorFeedback
 from ..memory.momentum import CompressedMomentum
 from .state import DGCState
@@ -74,6 +76,7 @@ def save_state(state: DGCState, ckpt_dir: str, tag: str, world_size: int) -> str
         "dp_rank": state.dp_rank,
         "config": state.cfg.model_dump(mode="json"),
         "residual_layout": residual_layout(state),
+        "ranks_per_node": state.reducer.ranks_per_node if state.cfg.topology == "hierarchical" else None,
         "residual_storage": state.memory.storage,
         "residuals": state.memory.export(),
         "generators": reducer["generators"],
@@ -259,21 +262,25 @@ def load_state(state: DGCState, ckpt_dir: str, tag: str, world_size: int, device
                expect_sidecars: bool = False) -> str:
     """Restore this rank's side-car into ``state``; returns what was done, for the log.
 
-    Same data-parallel world size: residuals, sampling generators, thresholds and telemetry come back as saved.
-    Another world size (a universal checkpoint), flat topology: the residuals of all saved ranks are summed and
-    split evenly over this run's ranks, so the gradient not yet sent is conserved (up to the rounding of the
-    residual storage when it is not fp32; each residual is one rank's unsent share of the mean gradient); the
-    generators restart from this rank's seed. Another world size with the hierarchical topology (residuals live
-    on node-level slices), a checkpoint without side-cars (saved without DGC) or one whose side-cars disagree:
-    the residuals restart at zero and the message says why. Nothing is half-loaded.
+    Same data-parallel world size and layout: residuals, sampling generators, thresholds, momenta and telemetry come
+    back as saved. Another world size (a universal checkpoint), or another topology or node size: every saved
+    rank's residuals and local momenta are put together into the whole run's (float64, per parameter; the
+    hierarchical topology's node-level slices assembled per node, then summed over nodes) and split evenly over
+    this run's nodes and ranks (:func:`gather_shards`, :func:`split_shard`), so the gradient not yet sent and the
+    momenta's sums are conserved (up to the rounding of their storage when it is not fp32: both are in units of the
+    mean gradient, a share of ``g / W``, at any world size); thresholds are estimated afresh, the generators
+    restart from this rank's seed, the step counters and telemetry are rank 0's (docs/faults.md's table). A
+    checkpoint without side-cars (saved without DGC): the residuals restart at zero and the message says so.
+    Nothing is half-loaded: every side-car is read and checked before any state changes.
 
     Args:
         expect_sidecars: DeepSpeed's files say the checkpoint was saved with side-cars (DGC on): missing ones are an
             error, not a checkpoint saved without DGC.
 
     Raises:
-        DGCCheckpointError: a side-car is missing where ``expect_sidecars``, unreadable, damaged, another
-            checkpoint's or another rank's (:func:`read_sidecar`), or its state does not fit this model.
+        DGCCheckpointError: a side-car is missing where ``expect_sidecars`` (or, re-sharding, any saved rank's),
+            unreadable, damaged, another checkpoint's or another rank's (:func:`read_sidecar`), or its state does
+            not fit this model or its saved layout; the error names the file.
     """
     sdir = sidecar_dir(ckpt_dir, tag)
     first = os.path.join(sdir, sidecar_name(0))
@@ -295,7 +302,10 @@ def load_state(state: DGCState, ckpt_dir: str, tag: str, world_size: int, device
     if os.path.isfile(own):  # each rank reads its own side-car only, unless the world size changed
         payload = read_once(own)
         if payload.get("world_size") == world_size:
-            return _load_same_world(state, own, payload, device)
+            if payload.get("residual_layout", "flat") == residual_layout(state):
+                return _load_same_world(state, own, payload, device)
+            # the same ranks in another topology or node size: re-sharded as at another world size
+            return _load_resharded(state, sdir, read_once(first), world_size, device, read_once)
     if not os.path.isfile(first):
         raise DGCCheckpointError(f"{first} is missing, though {own} is there: {ADVICE}")
     head = read_once(first)
@@ -306,12 +316,8 @@ def load_state(state: DGCState, ckpt_dir: str, tag: str, world_size: int, device
 
 
 def _load_same_world(state: DGCState, path: str, payload: dict, device) -> str:
-    """Restore this rank's own side-car ``payload`` (read from ``path``), saved at this run's world size."""
-    saved_layout = payload.get("residual_layout", "flat")
-    if saved_layout != residual_layout(state):
-        _clear(state)
-        return (f"deepspeed_dgc state in {path} holds residuals of the {saved_layout} topology, this run uses "
-                f"{residual_layout(state)}: they do not fit, so they are dropped and restart at zero")
+    """Restore this rank's own side-car ``payload`` (read from ``path``), saved at this run's world size in this
+    run's residual layout."""
     if payload.get("dp_rank", state.dp_rank) != state.dp_rank:
         raise DGCCheckpointError(f"{path} holds the state of data-parallel rank {payload.get('dp_rank')}, read by rank "
                                  f"{state.dp_rank}: the side-cars were renamed or mixed up; {ADVICE}")
@@ -341,43 +347,194 @@ def _load_same_world(state: DGCState, path: str, payload: dict, device) -> str:
 
 def _load_resharded(state: DGCState, sdir: str, head: dict, world_size: int, device,
                     read: Callable[[str], dict]) -> str:
-    saved_world = head.get("world_size")
+    """Restore the side-cars of a run saved at another data-parallel world size (see :func:`load_state`): every
+    saved rank's residuals and momenta put together into the whole run's state per parameter (float64,
+    :func:`gather_shards`), then this rank's share of it in this run's layout (:func:`split_shard`). Every file is
+    read and checked before anything is loaded.
+
+    Raises:
+        DGCCheckpointError: naming the file: a saved rank's side-car missing, saved at another world size or in
+            another layout than rank 0's, holding another rank, other parameters or sizes than its layout needs,
+            or other residual or momentum keys than rank 0's.
+    """
+    saved_world = int(head.get("world_size"))
     where = f"deepspeed_dgc state in {sdir} was saved at data-parallel world size {saved_world}, this run has {world_size}"
-    if head.get("residual_layout", "flat") != "flat" or residual_layout(state) != "flat":
-        _clear(state)
-        return (f"{where}; residuals of the hierarchical topology live on node-level slices and cannot be "
-                "re-sharded, so they are dropped and restart at zero")
+    saved_rpn = saved_ranks_per_node(head, os.path.join(sdir, sidecar_name(0)))
+    rpn = _ranks_per_node(state)
+    if saved_rpn is not None and saved_world % saved_rpn:
+        raise DGCCheckpointError(f"{os.path.join(sdir, sidecar_name(0))} was saved by {saved_world} ranks with "
+                                 f"{saved_rpn} ranks per node, which is not a whole number of nodes; {ADVICE}")
     sides = []
     for r in range(saved_world):
         p = os.path.join(sdir, sidecar_name(r))
         if not os.path.isfile(p):
-            _clear(state)
-            return f"{where} but {p} is missing: residuals cannot be re-sharded and restart at zero"
+            raise DGCCheckpointError(f"{where}, but {p} is missing: the state of all {saved_world} saved ranks is "
+                                     f"needed to re-shard it, and nothing was loaded; {ADVICE}")
         side = read(p)
+        if (side.get("world_size") != saved_world or side.get("residual_layout", "flat") != head.get("residual_layout", "flat")
+                or saved_ranks_per_node(side, p) != saved_rpn or side.get("dp_rank", r) != r):
+            raise DGCCheckpointError(
+                f"{p} does not belong with rank 0's side-car of {sdir}: it holds rank {side.get('dp_rank')!r} of a "
+                f"world of {side.get('world_size')!r} ({side.get('residual_layout', 'flat')}), rank 0's a world of "
+                f"{saved_world} ({head.get('residual_layout', 'flat')}); nothing was loaded; {ADVICE}")
         rename = _key_map(state, side, p)
         side["residuals"] = {rename(k): v for k, v in side["residuals"].items()}
         if side.get("momentum"):
             side["momentum"] = dict(side["momentum"], momenta={rename(k): v for k, v in side["momentum"]["momenta"].items()})
+        if bool(side.get("momentum")) != bool(head.get("momentum")) and r:
+            raise DGCCheckpointError(f"{p} {'holds' if side.get('momentum') else 'lacks'} local momenta, rank 0's "
+                                     f"side-car does not: nothing was loaded; {ADVICE}")
         sides.append(side)
-    total = _sum_over_ranks([{k: ErrorFeedback.decode(v) for k, v in s["residuals"].items()} for s in sides])
-    saved_momenta = [s["momentum"]["momenta"] for s in sides if s.get("momentum")]
-    momenta = _sum_over_ranks(saved_momenta) if saved_momenta else None
-    if total is None or (saved_momenta and momenta is None):
-        _clear(state)
-        return f"{where}; the saved side-cars hold different residual or momentum sets: they restart at zero"
-    total = _checked(state, total, "residual", sdir)
+    numels = {state.key_of(p): getattr(p, "ds_numel", p.numel()) for p in state.params}
+    total = _gather_all(sides, lambda s: s["residuals"], numels, saved_world, saved_rpn, "residual", sdir)
+    momenta = None
+    if head.get("momentum"):
+        momenta = _gather_all(sides, lambda s: s["momentum"]["momenta"], numels, saved_world, saved_rpn,
+                              "momentum", sdir)
+    rank = state.dp_rank
+    mine = {k: split_shard(v, world_size, rpn, rank).float().to(device) for k, v in total.items()}
+    saved = None
     if momenta is not None:
-        momenta = _checked(state, momenta, "momentum", sdir)
-    state.memory.load({k: (v / world_size).float().to(device) for k, v in total.items()})
+        saved = {"momenta": {k: split_shard(v, world_size, rpn, rank).float() for k, v in momenta.items()},
+                 "steps_done": int(sides[0]["momentum"]["steps_done"])}
+    # everything read and checked: load
+    state.memory.load(mine)
     state.reducer.clear_thresholds()  # each rank's own: estimated afresh on the new ranks
     state.stats.restore_totals(head["stats"])  # step counters (the density schedule's clock) are global: rank 0's
     state.reducer.restore_state({"steps_applied": head.get("steps_applied", head["stats"].get("steps", 0))})
-    saved = None if momenta is None else {"momenta": momenta, "steps_done": sides[0]["momentum"]["steps_done"]}
     note = _momentum_note(state, saved) + _settings_note(state, head.get("config"))
     if state.momentum is not None and saved:
-        state.momentum.restore(saved, device, 1.0 / world_size)
-    return (f"{where}: re-sharded {len(total)} residuals (summed over the {saved_world} saved ranks, split evenly "
-            f"over this run's, so the gradient not yet sent is conserved); sampling restarts from this rank's seed{note}")
+        state.momentum.restore(saved, device)
+    layouts = f"{head.get('residual_layout', 'flat')} -> {residual_layout(state)}"
+    return (f"{where}: re-sharded {len(total)} residuals ({layouts}: put together from the {saved_world} saved "
+            f"ranks and split evenly over this run's nodes and ranks, so the gradient not yet sent is conserved); "
+            f"sampling restarts from this rank's seed{note}")
+
+
+def saved_ranks_per_node(side: dict, where: str = "side-car") -> Optional[int]:
+    """The node size L of a saved side-car's hierarchical residuals (None: flat), from its ``ranks_per_node`` or,
+    in side-cars written before that was recorded, its ``residual_layout`` text.
+
+    Raises:
+        DGCCheckpointError: naming ``where``: the layout says hierarchical but names no node size.
+    """
+    layout = side.get("residual_layout", "flat")
+    if layout == "flat":
+        return None
+    if side.get("ranks_per_node"):
+        return int(side["ranks_per_node"])
+    found = re.fullmatch(r"hierarchical, (\d+) ranks per node", str(layout))
+    if not found:
+        raise DGCCheckpointError(f"{where}: residual layout {layout!r} names no node size; {ADVICE}")
+    return int(found.group(1))
+
+
+def _ranks_per_node(state: DGCState) -> Optional[int]:
+    """This run's node size L (None: the flat topology)."""
+    if state.cfg.topology != "hierarchical":
+        return None
+    if state.reducer.ranks_per_node is None:
+        state.reducer.ranks_per_node = resolve_ranks_per_node(state.cfg)[0]
+    return int(state.reducer.ranks_per_node)
+
+
+def shard_numel(numel: int, world: int, ranks_per_node: Optional[int]) -> int:
+    """Elements of one rank's residual or momentum of a parameter of ``numel`` elements: ``numel`` (flat,
+    ``ranks_per_node`` None), or ``N * ceil(numel / world)`` with ``N = world / ranks_per_node`` nodes (hierarchical:
+    the node-level sums of the owners ``k L + l``, :func:`~deepspeed_dgc.zero3.optimizer.node_rows`)."""
+    if ranks_per_node is None:
+        return numel
+    return world // ranks_per_node * -(-numel // world)
+
+
+def gather_shards(shards, numel: int, world: int, ranks_per_node: Optional[int]) -> torch.Tensor:
+    """The whole run's state of one parameter from every rank's share: float64 ``(numel,)``.
+
+    Flat topology (``ranks_per_node`` None): each of the ``world`` shards is ``(numel,)``, one rank's part of the
+    mean (gradient / W units), and the whole is their sum. Hierarchical (N = world / L nodes of L ranks): rank
+    ``g = k L + l`` (node k, local rank l) holds ``(N * c,)`` with ``c = ceil(numel / world)``, row j being node k's
+    part of owner ``j L + l``'s slice ``[(jL+l)c, (jL+l+1)c)`` of the parameter; the L ranks of a node together hold
+    its whole node-level state, and the whole is the sum over nodes. The padding beyond ``numel`` is dropped (it
+    carries no gradient; the flat export drops it as well).
+
+    Args:
+        shards: ``world`` tensors in rank order, any float dtype (decoded), shapes as above.
+
+    Raises:
+        ValueError: a shard of another size, or ``world`` not a multiple of ``ranks_per_node``.
+    """
+    if len(shards) != world:
+        raise ValueError(f"{len(shards)} shards for a world of {world}")
+    want = shard_numel(numel, world, ranks_per_node)
+    for g, t in enumerate(shards):
+        if t.numel() != want:
+            raise ValueError(f"rank {g}'s shard has {t.numel()} elements, its layout needs {want}")
+    if ranks_per_node is None:
+        total = torch.zeros(numel, dtype=torch.float64)
+        for t in shards:
+            total += t.reshape(-1).double()
+        return total
+    if world % ranks_per_node:
+        raise ValueError(f"world {world} is not a whole number of nodes of {ranks_per_node} ranks")
+    c = -(-numel // world)
+    full = torch.zeros(world, c, dtype=torch.float64)
+    for g, t in enumerate(shards):
+        full[g % ranks_per_node::ranks_per_node] += t.reshape(-1, c).double()
+    return full.reshape(-1)[:numel].clone()
+
+
+def split_shard(total: torch.Tensor, world: int, ranks_per_node: Optional[int], rank: int) -> torch.Tensor:
+    """Rank ``rank``'s share of the whole state ``total`` (``(numel,)``, float64) in a run of ``world`` ranks: an
+    even split, so that :func:`gather_shards` of every rank's share gives ``total`` back. Flat: ``total / world``,
+    ``(numel,)``. Hierarchical (N = world / L nodes): every node holds ``total / N``, its local rank l the rows of
+    the owners ``j L + l``, ``(N * ceil(numel / world),)`` zero-padded. Returns float64.
+
+    Raises:
+        ValueError: ``world`` not a multiple of ``ranks_per_node``, or ``rank`` outside the world.
+    """
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} outside a world of {world}")
+    total = total.reshape(-1).double()
+    if ranks_per_node is None:
+        return total / world
+    if world % ranks_per_node:
+        raise ValueError(f"world {world} is not a whole number of nodes of {ranks_per_node} ranks")
+    nodes, numel = world // ranks_per_node, total.numel()
+    c = -(-numel // world)
+    padded = torch.nn.functional.pad(total, (0, world * c - numel))
+    return padded.view(world, c)[rank % ranks_per_node::ranks_per_node].reshape(-1) / nodes
+
+
+def _gather_all(sides, entries_of, numels: Dict[str, int], world: int, ranks_per_node: Optional[int], kind: str,
+                sdir: str) -> Dict[str, torch.Tensor]:
+    """Per key, :func:`gather_shards` of every saved rank's entry (decoded from its storage form).
+
+    Raises:
+        DGCCheckpointError: naming the side-car whose keys differ from rank 0's, which holds a parameter this
+            model lacks, or an entry of another size than the saved layout gives.
+    """
+    keys = set(entries_of(sides[0]))
+    out = {}
+    for r, side in enumerate(sides):
+        path = os.path.join(sdir, sidecar_name(r))
+        entries = entries_of(side)
+        if set(entries) != keys:
+            raise DGCCheckpointError(f"{path} holds {kind}s of other parameters than rank 0's side-car "
+                                     f"({sorted(map(str, set(entries) ^ keys))[:4]} differ); nothing was loaded; {ADVICE}")
+        for key in entries:
+            if key not in numels:
+                raise DGCCheckpointError(f"deepspeed_dgc checkpoint {path} holds a {kind} for parameter {key!r}, which "
+                                         "this model does not have (was it saved from another model?)")
+            want = shard_numel(numels[key], world, ranks_per_node)
+            value = ErrorFeedback.decode(entries[key])
+            if value.numel() != want:
+                raise DGCCheckpointError(f"deepspeed_dgc checkpoint {path}: the {kind} of parameter {key!r} has "
+                                         f"{value.numel()} elements, its saved layout needs {want} (the model differs "
+                                         "from the one saved)")
+            entries[key] = value
+    for key in keys:
+        out[key] = gather_shards([entries_of(s)[key] for s in sides], numels[key], world, ranks_per_node)
+    return out
 
 
 def _expected_numel(state: DGCState, kind: str) -> Dict[str, int]:
@@ -434,20 +591,6 @@ def _key_map(state: DGCState, side: dict, where: str):
         return by_id[k - shift]
 
     return rename
-
-
-def _sum_over_ranks(per_rank) -> Optional[Dict]:
-    """float64 sums per key of the ranks' tensors, or None when the ranks hold different keys or shapes."""
-    total = None
-    for entries in per_rank:
-        if total is None:
-            total = {k: v.double() for k, v in entries.items()}
-        elif set(total) != set(entries) or any(total[k].shape != v.shape for k, v in entries.items()):
-            return None
-        else:
-            for k, v in entries.items():
-                total[k] += v.double()
-    return total if total is not None else {}
 
 
 def tag_of(load_dir: str, tag, universal: bool = False) -> str:

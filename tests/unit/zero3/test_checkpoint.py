@@ -11,7 +11,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from deepspeed_dgc.config import DGCConfig
-from deepspeed_dgc.zero3.checkpoint import NOT_ROUTINE, DGCCheckpointError, load_state, read_sidecar, save_state
+from deepspeed_dgc.zero3.checkpoint import (NOT_ROUTINE, DGCCheckpointError, gather_shards, load_state, read_sidecar,
+                                           save_state, shard_numel, split_shard)
 from deepspeed_dgc.zero3.state import DGCState
 
 CPU = torch.device("cpu")
@@ -33,7 +34,154 @@ def _state(cfg=None, rank=0, world=2, module=None, first_ds_id=0):
                           module=module or TwoParams(first_ds_id=first_ds_id), dp_rank=rank, dp_world_size=world)
 
 
-def test_sidecar_at_another_world_size_flat_reshards_hierarchical_drops(tmp_path):
+def _layout(world, rpn):
+    """``ranks_per_node`` for :func:`gather_shards`: None (flat) or the node size."""
+    return None if rpn == 0 else rpn
+
+
+def _gather_oracle(shards, n, world, rpn):
+    """float64 element-by-element: each saved rank's entries added at the parameter positions they stand for."""
+    total = [0.0] * n
+    for g, shard in enumerate(shards):
+        values = shard.double().tolist()
+        if rpn is None:
+            for i in range(n):
+                total[i] += values[i]
+            continue
+        c, nodes, local = -(-n // world), world // rpn, g % rpn
+        for j in range(nodes):  # row j: owner j L + l's slice of the parameter
+            owner = j * rpn + local
+            for i in range(c):
+                if owner * c + i < n:
+                    total[owner * c + i] += values[j * c + i]
+    return torch.tensor(total, dtype=torch.float64)
+
+
+def _split_oracle(total, world, rpn, rank):
+    n = total.numel()
+    if rpn is None:
+        return torch.tensor([x / world for x in total.tolist()], dtype=torch.float64)
+    c, nodes, local = -(-n // world), world // rpn, rank % rpn
+    out = []
+    for j in range(nodes):
+        owner = j * rpn + local
+        out += [total[owner * c + i].item() / nodes if owner * c + i < n else 0.0 for i in range(c)]
+    return torch.tensor(out, dtype=torch.float64)
+
+
+LAYOUTS = [(1, None), (2, None), (3, None), (4, None), (2, 1), (2, 2), (4, 1), (4, 2), (4, 4), (6, 2), (6, 3), (8, 2)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 90), st.sampled_from(LAYOUTS), st.sampled_from(LAYOUTS), st.integers(0, 2**31 - 1),
+       st.sampled_from([torch.float32, torch.bfloat16, torch.float64]))
+def test_resharding_arithmetic_matches_a_float64_oracle(n, saved, new, seed, dtype):
+    """Fresh random shards of a parameter of n elements in a saved layout (world, ranks per node; None: flat), in
+    any storage dtype: :func:`gather_shards` equals an element-by-element float64 oracle exactly; each rank's
+    :func:`split_shard` of it in a new layout equals the oracle's even split, every node a share 1 / N, every flat
+    rank 1 / W (to float64 rounding); and gathering the new shards gives the whole back: the state is conserved."""
+    gen = torch.Generator().manual_seed(seed)
+    world, rpn = saved
+    size = shard_numel(n, world, rpn)
+    shards = [(torch.randn(size, generator=gen, dtype=torch.float64) * 10.0**torch.randint(-3, 4, (1, ), generator=gen))
+              .to(dtype) for _ in range(world)]
+    total = gather_shards(shards, n, world, rpn)
+    assert total.dtype == torch.float64 and total.shape == (n, )
+    assert torch.equal(total, _gather_oracle(shards, n, world, rpn))
+    new_world, new_rpn = new
+    mine = [split_shard(total, new_world, new_rpn, r) for r in range(new_world)]
+    for r in range(new_world):
+        assert mine[r].dtype == torch.float64 and mine[r].numel() == shard_numel(n, new_world, new_rpn)
+        assert torch.allclose(mine[r], _split_oracle(total, new_world, new_rpn, r), rtol=1e-15, atol=0)
+    back = gather_shards(mine, n, new_world, new_rpn)
+    assert torch.allclose(back, total, rtol=1e-14, atol=1e-300)
+
+
+def test_resharding_arithmetic_refuses_what_does_not_fit():
+    with pytest.raises(ValueError, match="rank 1's shard has 5 elements, its layout needs 6"):
+        gather_shards([torch.zeros(6), torch.zeros(5)], 6, 2, None)
+    with pytest.raises(ValueError, match="3 shards for a world of 2"):
+        gather_shards([torch.zeros(6)] * 3, 6, 2, None)
+    with pytest.raises(ValueError, match="not a whole number of nodes"):
+        split_shard(torch.zeros(6, dtype=torch.float64), 3, 2, 0)
+    with pytest.raises(ValueError, match="outside a world of 2"):
+        split_shard(torch.zeros(6, dtype=torch.float64), 2, None, 2)
+
+
+def _hier(world, rpn, rank, momentum=False, module=None):
+    """A state of the hierarchical topology (``rpn`` ranks per node) at ``world`` ranks, or flat (``rpn`` None)."""
+    cfg = (DGCConfig(enabled=True, residual_dtype="fp32") if rpn is None else
+           DGCConfig(enabled=True, residual_dtype="fp32", topology="hierarchical", ranks_per_node=rpn))
+    mom = None
+    if momentum:
+        from deepspeed_dgc.config import DecoupledMomentumConfig
+        from deepspeed_dgc.memory.momentum import DecoupledMomentum
+        mom = DecoupledMomentum(DecoupledMomentumConfig(storage="fp32"))
+    state = DGCState.build(cfg, global_rank=rank, ranks_per_node=rpn, momentum=mom, module=module or TwoParams(),
+                           dp_rank=rank, dp_world_size=world)
+    return state
+
+
+@pytest.mark.parametrize("saved, new", [((4, 2), (2, 1)), ((2, 1), (4, 2)), ((4, 2), (3, None)), ((2, None), (4, 2)),
+                                        ((4, 2), (4, 1)), ((4, 2), (4, None))])
+def test_sidecars_at_another_world_size_or_layout_are_resharded_and_conserved(tmp_path, saved, new):
+    """Random residuals and local momenta saved by every rank of one layout (world, ranks per node; None: flat),
+    loaded by every rank of another (another world size, another node size at the same world size, flat <->
+    hierarchical): each kind's whole state, put together from the new ranks as from the saved ones, is the same
+    (fp32 storage: to fp32 rounding of each share), the step counters are rank 0's, the thresholds are gone, and
+    the message says what was done."""
+    (world, rpn), (new_world, new_rpn) = saved, new
+    residuals, momenta = [], []
+    for rank in range(world):
+        state = _hier(world, rpn, rank, momentum=True)
+        res = {k: torch.randn(shard_numel(n, world, rpn)) for k, n in (("a", 10), ("b", 5))}
+        mom = {k: torch.randn(shard_numel(n, world, rpn)) for k, n in (("a", 10), ("b", 5))}
+        state.memory.load(res)
+        state.momentum.store.load(mom)
+        state.momentum.steps_done = 7
+        state.reducer.steps_applied = 7
+        state.reducer.thresholds = {"a": [0.5, 0.1, 1, False]}
+        save_state(state, str(tmp_path), "tag", world_size=world)
+        residuals.append(res)
+        momenta.append(mom)
+    loaded = []
+    for rank in range(new_world):
+        fresh = _hier(new_world, new_rpn, rank, momentum=True)
+        fresh.reducer.thresholds = {"b": [0.5, 0.1, 1, False]}
+        msg = load_state(fresh, str(tmp_path), "tag", world_size=new_world, device=CPU)
+        assert f"saved at data-parallel world size {world}, this run has {new_world}: re-sharded 2 residuals" in msg
+        assert fresh.reducer.steps_applied == 7 and fresh.momentum.steps_done == 7 and fresh.reducer.thresholds == {}
+        loaded.append((fresh.memory.residuals(), fresh.momentum.momenta()))
+    for k, n in (("a", 10), ("b", 5)):
+        for i, saved_kind in enumerate((residuals, momenta)):
+            before = gather_shards([s[k] for s in saved_kind], n, world, rpn)
+            after = gather_shards([lr[i][k] for lr in loaded], n, new_world, new_rpn)
+            assert torch.allclose(after, before, rtol=1e-6, atol=1e-6), (k, i)
+
+
+def test_resharding_refuses_sidecars_that_do_not_belong_together(tmp_path):
+    """Nothing is half-loaded: a saved rank's side-car missing, or one whose residuals have another size than its
+    saved layout gives, raises DGCCheckpointError naming that file, and the loading state keeps what it had."""
+    for rank in range(4):
+        state = _hier(4, 2, rank)
+        state.memory.load({"a": torch.randn(6), "b": torch.randn(4)})
+        save_state(state, str(tmp_path), "tag", world_size=4)
+    fresh = _hier(2, 1, 0)
+    mine = {"a": torch.ones(10), "b": torch.ones(6)}
+    fresh.memory.load(mine)
+    bad = _hier(4, 2, 3, module=TwoParams(n_a=14))
+    bad.memory.load({"a": torch.randn(8), "b": torch.randn(4)})
+    save_state(bad, str(tmp_path), "tag", world_size=4)
+    with pytest.raises(DGCCheckpointError, match=r"dgc_state_dp_rank_00003\.pt: the residual of parameter 'a' has 8 "
+                                                 r"elements, its saved layout needs 6"):
+        load_state(fresh, str(tmp_path), "tag", world_size=2, device=CPU)
+    os.unlink(tmp_path / "tag" / "dgc_state_dp_rank_00002.pt")
+    with pytest.raises(DGCCheckpointError, match=r"dgc_state_dp_rank_00002\.pt is missing"):
+        load_state(fresh, str(tmp_path), "tag", world_size=2, device=CPU)
+    assert all(torch.equal(fresh.memory.get(k), v) for k, v in mine.items())
+
+
+def test_sidecar_at_another_world_size_flat_reshards(tmp_path):
     saved = []
     for rank in range(2):
         state = _state(rank=rank)
@@ -47,14 +195,17 @@ def test_sidecar_at_another_world_size_flat_reshards_hierarchical_drops(tmp_path
     fresh.stats.world_size = 2
     msg = load_state(fresh, str(tmp_path), "tag", world_size=2, device=CPU)
     assert msg.startswith("restored") and torch.equal(fresh.memory.get("a"), saved[0]["a"])
-    hier = _state(DGCConfig(enabled=True, topology="hierarchical", ranks_per_node=1), world=3)
+    hier = _state(DGCConfig(enabled=True, residual_dtype="fp32", topology="hierarchical", ranks_per_node=1), world=3)
     hier.reducer.ranks_per_node = 1
     msg = load_state(hier, str(tmp_path), "tag", world_size=3, device=CPU)
-    assert "cannot be re-sharded" in msg and "world size 2" in msg and "has 3" in msg
-    assert len(hier.memory) == 0
+    assert "re-sharded 2 residuals (flat -> hierarchical, 1 ranks per node" in msg
+    assert torch.allclose(hier.memory.get("a").view(3, 4).reshape(-1)[:10] * 3, saved[0]["a"] + saved[1]["a"],
+                          atol=1e-6)
     os.unlink(tmp_path / "tag" / "dgc_state_dp_rank_00001.pt")  # a side-car missing: nothing half-loaded
-    msg = load_state(fresh, str(tmp_path), "tag", world_size=3, device=CPU)
-    assert "is missing" in msg and len(fresh.memory) == 0
+    before = fresh.memory.residuals()
+    with pytest.raises(DGCCheckpointError, match=r"dgc_state_dp_rank_00001\.pt is missing"):
+        load_state(fresh, str(tmp_path), "tag", world_size=3, device=CPU)
+    assert all(torch.equal(fresh.memory.get(k), v) for k, v in before.items())
 
 
 def test_state_that_does_not_fit_this_model_is_refused_naming_the_parameter(tmp_path):
