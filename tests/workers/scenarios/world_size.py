@@ -1,0 +1,94 @@
+"""Runs at 2 and 4 ranks that see the same global batches, for resumes at another world size.
+
+Each rank of a ``world``-rank job takes the inputs of ``virtual_world / world`` consecutive ranks of
+:func:`~.model.batches` (concatenated: its micro-batch is that many times larger), so every step's global batch, its
+mean gradient and the mean loss over the ranks are those of ``virtual_world`` ranks at any world size that divides it.
+A job's ``train_micro_batch_size_per_gpu`` must be ``4 * virtual_world / world`` (the test sets it).
+
+Not imported by the package's ``__init__``: a job of this module unpickled by a worker imports it (and so registers
+its scenarios).
+"""
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from . import scenario, training
+from .checkpoint import Resume, SaveMidway, save_midway
+from .model import batches
+from .training import Train, build, new_record, run_steps, train
+
+
+def same_data_batches(world: int, virtual_world: int):
+    """A replacement of :func:`~.model.batches` for rank ``rank`` of ``world``: the inputs of virtual ranks
+    ``rank * k .. rank * k + k - 1`` (``k = virtual_world / world``) concatenated along the batch."""
+    if virtual_world % world:
+        raise ValueError(f"world {world} does not divide the virtual world {virtual_world}")
+    k = virtual_world // world
+
+    def fn(rank, steps, micro, dtype, model="net"):
+        parts = [batches(rank * k + i, steps, micro, dtype, model) for i in range(k)]
+        return [[tuple(torch.cat([p[s][m][j] for p in parts]) for j in (0, 1)) for m in range(micro)]
+                for s in range(steps)]
+
+    return fn
+
+
+@contextlib.contextmanager
+def same_data(virtual_world: int):
+    """:func:`~.training.run_steps` reads its inputs from :func:`same_data_batches` inside."""
+    real = training.batches
+    training.batches = same_data_batches(dist.get_world_size(), virtual_world)
+    try:
+        yield
+    finally:
+        training.batches = real
+
+
+@dataclass
+class TrainSameData(Train):
+    """:class:`~.training.Train` on the global batches of ``virtual_world`` ranks."""
+    virtual_world: int = 4
+
+
+@dataclass
+class SaveMidwaySameData(SaveMidway):
+    """:class:`~.checkpoint.SaveMidway` on the global batches of ``virtual_world`` ranks."""
+    virtual_world: int = 4
+
+
+@dataclass
+class ResumeSameData(Resume):
+    """:class:`~.checkpoint.Resume` on the global batches of ``virtual_world`` ranks; its record's
+    ``loaded_momenta`` (an attribute) holds the committed local momenta right after the load (key -> fp32, None
+    without a momentum state)."""
+    virtual_world: int = 4
+
+
+@scenario(TrainSameData)
+def train_same_data(job: TrainSameData, rank: int):
+    with same_data(job.virtual_world):
+        return train(job, rank)
+
+
+@scenario(SaveMidwaySameData)
+def save_midway_same_data(job: SaveMidwaySameData, rank: int):
+    with same_data(job.virtual_world):
+        return save_midway(job, rank)
+
+
+@scenario(ResumeSameData)
+def resume_same_data(job: ResumeSameData, rank: int):
+    """Load the checkpoint, record the residuals and momenta it restored, and train the remaining steps."""
+    with same_data(job.virtual_world):
+        built = build(job, rank)
+        engine = built.engine
+        engine.load_checkpoint(job.ckpt)
+        record = new_record(engine)
+        state = getattr(engine, "_dgc_state", None)
+        record.loaded_residuals = None if state is None else state.memory.residuals()
+        momentum = None if state is None else state.momentum
+        record.loaded_momenta = None if momentum is None else {k: v.clone() for k, v in momentum.momenta().items()}
+        return run_steps(job, rank, built, record, first=job.resume_at)
