@@ -45,7 +45,7 @@ from ..comm.topology import resolve_ranks_per_node
 from ..config import (DGCConfig, DGCConfigError, check_engine_compatible, misspelled_section, parse_dgc_config,
                       switched_off_by_default)
 from ..memory.momentum import CompressedMomentum, DecoupledMomentum, MomentumCorrection
-from . import checkpoint
+from . import checkpoint, saving
 from . import optimizer as owners
 from .allgather import QuantizedAllGather, check_layout_seam
 from .policy import STOCK, flush_residuals, stock_result_bytes
@@ -492,9 +492,10 @@ def _take_mark(client_state) -> Optional[int]:
     return client_state.pop(SIDECAR_MARK, None) if isinstance(client_state, dict) else None
 
 
-def _agree(ok: bool, what: str, state: DGCState, err: Optional[Exception]) -> None:
-    """Every rank raises if any rank failed ``what`` (its own error on that rank, one naming it elsewhere)."""
-    bad = ranks_failing(ok, what, state.cfg.timeout_s)
+def _agree(ok: bool, what: str, state: Optional[DGCState], err: Optional[Exception]) -> None:
+    """Every rank raises if any rank failed ``what`` (its own error on that rank, one naming it elsewhere); bounded by
+    ``dgc.timeout_s`` (``state`` None, DGC off: the world group's own timeout)."""
+    bad = ranks_failing(ok, what, state.cfg.timeout_s if state is not None else group_timeout_s())
     if err is not None:
         raise err
     if bad:
@@ -503,43 +504,67 @@ def _agree(ok: bool, what: str, state: DGCState, err: Optional[Exception]) -> No
 
 
 def _save_checkpoint(engine, state: DGCState) -> Callable:
-    """``save_checkpoint`` that ``latest`` names only complete checkpoints.
+    """``save_checkpoint`` that ``latest`` names only complete checkpoints, and that fails on every rank together.
 
-    1. Every rank writes its side-car (:func:`checkpoint.save_state`, atomic) before DeepSpeed writes any file; a
-       rank that cannot makes every rank raise.
+    1. Rank 0 marks the tag as being saved (:func:`saving.begin_save`), and every rank writes its side-car
+       (:func:`checkpoint.save_state`, atomic), before DeepSpeed writes any file; a rank that cannot makes every rank
+       raise.
     2. DeepSpeed writes its files, with ``client_state`` recording that the checkpoint has side-cars
        (:data:`SIDECAR_MARK`), and without ``latest``: DeepSpeed 0.19.8 has rank 0 write it after rank 0's own files,
-       not after every rank's.
-    3. Once every rank has returned from DeepSpeed's save, rank 0 writes ``latest`` atomically
+       not after every rank's. A write that fails (a full disk) is held (:class:`saving.GuardedWrites`) until every
+       rank is through, then every rank raises (the failing one its own error naming the file).
+    3. Once every rank has written its files, rank 0 removes the in-progress mark and writes ``latest`` atomically
        (:func:`checkpoint.write_latest`), and every rank returns after it. A decoupled (asynchronous) checkpoint
-       engine writes ``latest`` itself when it commits, so there DeepSpeed's ``save_latest`` is passed on unchanged.
+       engine writes ``latest`` itself when it commits, so there DeepSpeed's ``save_latest`` is passed on unchanged
+       (and there is no in-progress mark).
+
+    A failed save leaves the engine as it was: the run may go on training (and save again) or exit.
     """
     save = engine.save_checkpoint
 
     @functools.wraps(save)
     def save_checkpoint(save_dir, tag=None, client_state=None, save_latest=True, *args, **kwargs):
         tag_used = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+        decoupled = getattr(getattr(engine, "checkpoint_engine", None), "is_decoupled", lambda: False)()
         err = None
         try:
+            if engine.global_rank == 0 and not decoupled:
+                saving.begin_save(save_dir, tag_used)
             checkpoint.save_state(state, save_dir, tag_used, engine.dp_world_size)
         except checkpoint.DGCCheckpointError as e:
             err = e
         _agree(err is None, f"writing the side-cars of checkpoint {tag_used!r}", state, err)
         client_state = dict(client_state or {}, **{SIDECAR_MARK: engine.dp_world_size})
-        decoupled = getattr(getattr(engine, "checkpoint_engine", None), "is_decoupled", lambda: False)()
-        out = save(save_dir, tag, client_state, save_latest and decoupled, *args, **kwargs)
-        if save_latest and not decoupled:
-            _agree(True, f"saving checkpoint {tag_used!r}", state, None)  # every rank's files are written
-            err = None
-            if engine.global_rank == 0:
-                try:
+        if decoupled:
+            return save(save_dir, tag, client_state, save_latest, *args, **kwargs)
+        with saving.GuardedWrites(engine.checkpoint_engine) as guard:
+            out = save(save_dir, tag, client_state, False, *args, **kwargs)
+        _agree(not guard.errors, f"saving checkpoint {tag_used!r} in {save_dir}", state,
+               guard.errors[0] if guard.errors else None)  # every rank's files are written
+        err = None
+        if engine.global_rank == 0:
+            try:
+                saving.end_save(save_dir, tag_used)
+                if save_latest:
                     checkpoint.write_latest(save_dir, tag_used)
-                except checkpoint.DGCCheckpointError as e:
-                    err = e
-            _agree(err is None, f"writing 'latest' for checkpoint {tag_used!r}", state, err)
+            except checkpoint.DGCCheckpointError as e:
+                err = e
+        _agree(err is None, f"closing checkpoint {tag_used!r} (its in-progress mark and 'latest')", state, err)
         return out
 
     return save_checkpoint
+
+
+def _refuse_incomplete(engine, load_dir, tag, state: Optional[DGCState]) -> None:
+    """Every rank raises :class:`checkpoint.DGCCheckpointError` before DeepSpeed loads anything when the checkpoint to
+    load was not saved whole (:func:`saving.incomplete`), naming it and what to do."""
+    why = None
+    try:
+        why = saving.incomplete(load_dir, _loaded_tag(engine, load_dir, tag))
+    except OSError:  # no 'latest' (nothing saved there): DeepSpeed says so
+        pass
+    err = checkpoint.DGCCheckpointError(why) if why else None
+    _agree(err is None, f"checking that checkpoint {load_dir} (tag {tag!r}) was saved whole", state, err)
 
 
 def _loaded_tag(engine, load_dir, tag) -> str:
@@ -552,6 +577,7 @@ def _load_checkpoint(engine, state: DGCState) -> Callable:
 
     @functools.wraps(load)
     def load_checkpoint(load_dir, tag=None, *args, **kwargs):
+        _refuse_incomplete(engine, load_dir, tag, state)
         load_path, client_state = load(load_dir, tag, *args, **kwargs)
         if load_path is None:
             return load_path, client_state
@@ -583,6 +609,7 @@ def _patch_plain_loading(engine) -> None:
 
     @functools.wraps(load)
     def load_checkpoint(load_dir, tag=None, *args, **kwargs):
+        _refuse_incomplete(engine, load_dir, tag, None)
         load_path, client_state = load(load_dir, tag, *args, **kwargs)
         _take_mark(client_state)
         if load_path is not None:

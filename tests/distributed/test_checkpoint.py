@@ -281,7 +281,7 @@ def test_killed_while_saving_latest_names_the_last_complete_checkpoint(point, vi
     the rename) or inside DeepSpeed's own files (after every side-car is written; rank 1 there: stock DeepSpeed would
     have rank 0 name step 8 in ``latest`` after its own files). Every rank ends (none hangs), ``latest`` still names
     step 5, no step-8 side-car of the victim exists under its final name, and resuming from ``latest`` is
-    bit-identical to the uninterrupted run."""
+    bit-identical to the uninterrupted run. Step 8 asked for by name fails on every rank, saying it is incomplete."""
     _, full = uninterrupted()
     out = tempfile.mkdtemp()
     ranks = launch_scenarios([CrashWhileSaving(steps=STEPS, ckpt=f"{out}/ckpt", save_at=5, crash_at=8, point=point,
@@ -291,6 +291,12 @@ def test_killed_while_saving_latest_names_the_last_complete_checkpoint(point, vi
     assert open(f"{out}/ckpt/latest").read().strip() == "global_step5"
     if point == "sidecar":
         assert not os.path.exists(f"{out}/ckpt/global_step8/dgc_state_dp_rank_{victim:05d}.pt")
+    if (point, victim) == ("deepspeed", 1):  # the unfinished tag, asked for by name: refused before DeepSpeed loads it
+        refused = launch_scenarios([Resume(steps=STEPS, ckpt=f"{out}/ckpt", resume_at=8, tag="global_step8",
+                                           config={"dgc": SPARSE})], timeout_s=240, out=tempfile.mkdtemp())
+        assert all(r.returncode != 0 for r in refused)
+        assert all("global_step8 is incomplete" in r.stderr and "'latest' names 'global_step5'" in r.stderr
+                   for r in refused), refused[0].stderr[-3000:]
     second, _ = resume(out, {"dgc": SPARSE})
     for r in range(2):
         assert second[r].losses == full[r].losses[5:]

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from scenarios import (SCENARIOS, ConfigCase, CrashWhileSaving, Evaluate, InitConfigs, MismatchedBucket, OddModel,
+from scenarios import (SCENARIOS, ConfigCase, CrashWhileSaving, Evaluate, FullDisk, InitConfigs, MismatchedBucket, OddModel,
                        PeerFault, QuantizedGather, ReduceCases, Resume, SaveMidway, ScriptedPolicy, Train, run_job,
                        scenario)
 
@@ -21,6 +21,10 @@ BAD_JOBS = [
     (CrashWhileSaving, dict(ckpt="/tmp/ckpt", save_at=2, crash_at=2), "crash_at"),
     (PeerFault, dict(kind="explode", out="/tmp/out"), "kind"),
     (PeerFault, dict(kind="die"), "out"),
+    (PeerFault, dict(out="/tmp/out", phase="backward"), "phase"),
+    (PeerFault, dict(out="/tmp/out", ckpt="/tmp/ckpt", save_at=4, at_step=3), "save_at"),
+    (FullDisk, dict(ckpt="/tmp/ckpt", point="anywhere", steps=4), "point"),
+    (FullDisk, dict(ckpt="/tmp/ckpt", save_at=2, full_at=2, steps=4), "full_at"),
     (ScriptedPolicy, dict(script="cx"), "script"),
     (Evaluate, dict(model="mlp"), "model"),
     (ReduceCases, dict(backend="nccl"), "backend"),
@@ -51,7 +55,7 @@ def test_every_job_type_is_checked_above_and_its_defaults_are_accepted():
     """Each registered job type has a bad case in BAD_JOBS, and its defaults (with what it requires) make a job."""
     assert set(SCENARIOS) <= {t for t, _, _ in BAD_JOBS}
     required = {SaveMidway: dict(ckpt="/tmp/ckpt"), Resume: dict(ckpt="/tmp/ckpt"), PeerFault: dict(out="/tmp/out"),
-                CrashWhileSaving: dict(ckpt="/tmp/ckpt"),
+                CrashWhileSaving: dict(ckpt="/tmp/ckpt"), FullDisk: dict(ckpt="/tmp/ckpt"),
                 InitConfigs: dict(cases={"ok": ConfigCase()})}
     for job_type in SCENARIOS:
         job_type(**required.get(job_type, {}))

@@ -6,9 +6,10 @@ the function runs in each rank of a launch and returns a record (a dataclass of 
 - :mod:`.model`: the small ZeRO-3 models, the base ds_config and the inputs every scenario shares;
 - :mod:`.training`: :class:`~.training.Train` -> :class:`~.training.TrainRecord` (steps, gradient accumulation,
   an Inf in one rank's input, local gradients, a frozen parameter, poisoned padding, host syncs counted);
-- :mod:`.checkpoint`: :class:`~.checkpoint.SaveMidway`, :class:`~.checkpoint.Resume` and
-  :class:`~.checkpoint.CrashWhileSaving`;
-- :mod:`.faults`: :class:`~.faults.PeerFault` (rank 1 dies, hangs or stops inside its reduce-scatter);
+- :mod:`.checkpoint`: :class:`~.checkpoint.SaveMidway`, :class:`~.checkpoint.Resume`,
+  :class:`~.checkpoint.CrashWhileSaving` and :class:`~.checkpoint.FullDisk` (-> :class:`~.checkpoint.FullDiskRecord`);
+- :mod:`.faults`: :class:`~.faults.PeerFault` (rank 1 dies, hangs or stops in its forward, its reduce-scatter or
+  after its optimizer step);
 - :mod:`.policy`: :class:`~.policy.ScriptedPolicy` (``"policy": "auto"`` with scripted measurements);
 - :mod:`.evaluation`: :class:`~.evaluation.Evaluate` -> :class:`~.evaluation.EvalRecord` (forward passes only);
 - :mod:`.configs`: :class:`~.configs.InitConfigs` -> :class:`~.configs.ConfigErrors` (initialize with each config, the
@@ -59,7 +60,7 @@ def run_job(job, rank: int):
 # the scenario modules register themselves; the jobs are importable from here
 from .model import BASE, MODELS  # noqa: E402
 from .training import OptimizerSettings, Train, TrainRecord  # noqa: E402
-from .checkpoint import CrashWhileSaving, Resume, SaveMidway  # noqa: E402
+from .checkpoint import CrashWhileSaving, FullDisk, Resume, SaveMidway  # noqa: E402
 from .evaluation import EvalRecord, Evaluate  # noqa: E402
 from .faults import PeerError, PeerFault  # noqa: E402
 from .policy import ScriptedPolicy  # noqa: E402

@@ -1,10 +1,13 @@
 """Checkpoint scenarios: a run that saves midway and goes on, a run that resumes from that checkpoint, and a run killed
 while it saves."""
 
+import glob
 import os
 import signal
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import torch
 
 import deepspeed_dgc.zero3.checkpoint as ckpt
 
@@ -27,10 +30,11 @@ class SaveMidway(Train):
 
 @dataclass
 class Resume(Train):
-    """:class:`~.training.Train` that first loads the latest checkpoint of ``ckpt``, then runs steps
-    ``resume_at .. steps - 1`` (its inputs are those of the same steps of an unbroken run)."""
+    """:class:`~.training.Train` that first loads checkpoint ``tag`` of ``ckpt`` (None: the one ``latest`` names),
+    then runs steps ``resume_at .. steps - 1`` (its inputs are those of the same steps of an unbroken run)."""
     ckpt: str = ""
     resume_at: int = 1
+    tag: Optional[str] = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -58,7 +62,7 @@ def resume(job: Resume, rank: int) -> TrainRecord:
     """Load the checkpoint, record the residuals it restored, and train the remaining steps."""
     built = build(job, rank)
     engine = built.engine
-    engine.load_checkpoint(job.ckpt)
+    engine.load_checkpoint(job.ckpt, tag=job.tag)
     record = new_record(engine)
     state = getattr(engine, "_dgc_state", None)
     record.loaded_residuals = None if state is None else state.memory.residuals()
@@ -110,3 +114,76 @@ def crash_while_saving(job: CrashWhileSaving, rank: int) -> TrainRecord:
             engine.save_checkpoint(job.ckpt)
 
     return save_midway(job, rank, crash)
+
+
+FULL_POINTS = ("sidecar", "deepspeed")
+
+
+@dataclass
+class FullDisk(SaveMidway):
+    """:class:`SaveMidway` into ``ckpt`` on a small file system, then after ``full_at`` steps rank 0 fills it up
+    (a filler file) and every rank saves again, which fails: at ``"sidecar"`` nothing is left (the side-cars fail),
+    at ``"deepspeed"`` room for the side-cars only (DeepSpeed's own files fail). Every rank records the error it
+    raised; rank 0 deletes the filler, and the run goes on training to ``steps`` and saves once more at the end (the
+    record's ``errors``, ``final_save``: the error texts of the failed save, and whether the last save worked)."""
+    full_at: int = 2
+    point: str = "sidecar"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.point not in FULL_POINTS or not self.save_at < self.full_at < self.steps:
+            raise ValueError(f"FullDisk: point {self.point!r} must be one of {FULL_POINTS} and save_at < full_at < steps "
+                             f"(got {self.save_at}, {self.full_at}, {self.steps})")
+
+
+@dataclass
+class FullDiskRecord:
+    """What :class:`FullDisk` saw: the run's :class:`~.training.TrainRecord`, this rank's error of the failed save
+    (``"Type: message"``), and whether the last save worked."""
+    train: TrainRecord
+    errors: List[str] = field(default_factory=list)
+    final_save: bool = False
+
+
+def _fill(directory: str, leave: int) -> str:
+    """Fill the file system of ``directory`` up to ``leave`` bytes free with a filler file; returns its path."""
+    path = os.path.join(directory, "filler")
+    st = os.statvfs(directory)
+    size = max(0, st.f_bavail * st.f_frsize - leave)
+    with open(path, "wb") as f:
+        try:
+            f.write(b"\0" * size)
+            f.flush()
+        except OSError:  # full a little sooner than statvfs said: as full as it gets
+            pass
+    return path
+
+
+@scenario(FullDisk)
+def full_disk(job: FullDisk, rank: int) -> FullDiskRecord:
+    """Train, save after ``save_at``, fail to save after ``full_at`` on a full disk, go on, save at the end."""
+    built = build(job, rank)
+    out = FullDiskRecord(train=new_record(built.engine))
+
+    def save(engine, step):
+        if step + 1 == job.save_at:
+            engine.save_checkpoint(job.ckpt)
+        if step + 1 == job.full_at:
+            filler = None
+            if rank == 0:  # room for the side-cars of the first save (as large as this one's) and a few blocks
+                sides = sum(os.path.getsize(p) for p in glob.glob(f"{job.ckpt}/global_step{job.save_at}/dgc_state_*"))
+                filler = _fill(job.ckpt, 0 if job.point == "sidecar" else sides + 16 * 4096)
+            torch.distributed.barrier()
+            try:
+                engine.save_checkpoint(job.ckpt)
+            except Exception as err:  # noqa: BLE001 -- the test reads what each rank raised
+                out.errors.append(f"{type(err).__name__}: {err}")
+            if filler is not None:
+                os.unlink(filler)
+            torch.distributed.barrier()
+        if step + 1 == job.steps:
+            engine.save_checkpoint(job.ckpt)
+            out.final_save = True
+
+    run_steps(job, rank, built, out.train, after_step=save)
+    return out

@@ -1,0 +1,119 @@
+"""What makes a checkpoint's save all-or-nothing across ranks, beside the side-cars (:mod:`.checkpoint`).
+
+- An in-progress marker: rank 0 writes ``<tag>/dgc_saving`` before any rank writes a file of the checkpoint and
+  removes it once every rank has written all of its files (then ``latest`` is written). A tag that still holds it was
+  not saved whole (a rank died, or a disk filled, while saving), so loading it by name fails naming what happened,
+  instead of DeepSpeed's error about a truncated file or, worse, a load of a mix of two saves into the same tag.
+  Checkpoints saved before the marker existed have none and load as before.
+- A guard on DeepSpeed's file writes (``engine.checkpoint_engine.save``): a write that fails (``ENOSPC``, a
+  permission) is recorded instead of raised, and this rank writes nothing more of that checkpoint, so it still
+  reaches the collectives the others wait in (DeepSpeed's closing barrier, the extension's agreement) and every rank
+  then raises together, not after a timeout.
+"""
+
+import contextlib
+import errno
+import os
+from typing import List, Optional
+
+from .checkpoint import DGCCheckpointError, _write_atomically, _fsync_dir
+
+SAVING_MARK = "dgc_saving"
+
+
+def saving_mark_path(ckpt_dir: str, tag: str) -> str:
+    """Path of the in-progress marker of checkpoint ``ckpt_dir/tag``."""
+    return os.path.join(ckpt_dir, str(tag), SAVING_MARK)
+
+
+def begin_save(ckpt_dir: str, tag: str) -> None:
+    """Mark checkpoint ``ckpt_dir/tag`` as being saved (rank 0, before any rank writes a file of it).
+
+    Raises:
+        DGCCheckpointError: the marker could not be written (no space left, no permission).
+    """
+    _write_atomically(saving_mark_path(ckpt_dir, tag), f"{tag}\n".encode())
+
+
+def end_save(ckpt_dir: str, tag: str) -> None:
+    """Every rank has written its files of ``ckpt_dir/tag``: remove the in-progress marker (rank 0, before
+    ``latest`` is written).
+
+    Raises:
+        DGCCheckpointError: the marker could not be removed.
+    """
+    path = saving_mark_path(ckpt_dir, tag)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as err:
+        raise DGCCheckpointError(f"deepspeed_dgc could not remove {path} after saving checkpoint {tag!r}: {err}") from err
+    _fsync_dir(os.path.dirname(path))
+
+
+def incomplete(ckpt_dir: str, tag: str) -> Optional[str]:
+    """Why checkpoint ``ckpt_dir/tag`` must not be loaded, or None: a save into it started and did not finish on
+    every rank (its in-progress marker is still there). The message names the directory, what it holds and what to
+    do."""
+    path = saving_mark_path(ckpt_dir, tag)
+    if not os.path.exists(path):
+        return None
+    here = os.path.dirname(path)
+    files = sorted(f for f in os.listdir(here) if f != SAVING_MARK and not f.startswith("."))
+    shown = ", ".join(files[:8]) + (f" and {len(files) - 8} more" if len(files) > 8 else "")
+    latest = os.path.join(ckpt_dir, "latest")
+    named = open(latest).read().strip() if os.path.isfile(latest) else None
+    where = (f"'latest' names {named!r}, the last checkpoint saved whole" if named and named != str(tag)
+             else "no complete checkpoint is named by 'latest'")
+    return (f"deepspeed_dgc: checkpoint {here} is incomplete: a save into it started and did not finish on every rank "
+            f"(a rank died or a disk filled while saving; {SAVING_MARK} is still there), so some rank's files are "
+            f"missing or cut short (present: {shown or 'nothing'}); resume from another checkpoint ({where})")
+
+
+NEARLY_FULL = 1 << 20  # bytes free below which a failed write is put down to a full file system
+
+
+def _why(err: Exception, path: str) -> str:
+    """What a failed checkpoint write ``err`` of ``path`` means, for the error message: torch's zip writer reports a
+    full disk as ``unexpected pos ...``, so the free space of ``path``'s file system is read and named."""
+    first = str(err).splitlines()[0][:200] if str(err) else ""
+    try:
+        st = os.statvfs(os.path.dirname(path) or ".")
+        free = st.f_bavail * st.f_frsize
+    except OSError:
+        free = None
+    full = getattr(err, "errno", None) == errno.ENOSPC or "No space left" in first or (
+        free is not None and free < NEARLY_FULL)
+    room = f"; {free} bytes free there" if free is not None else ""
+    cause = "no space left on the device" if full else "see the cause"
+    return f"{cause}{room} ({type(err).__name__}: {first})"
+
+
+class GuardedWrites(contextlib.AbstractContextManager):
+    """Within the block, DeepSpeed's checkpoint writes (``checkpoint_engine.save(state_dict, path)``) that fail are
+    recorded in :attr:`errors` (as :class:`DGCCheckpointError` naming the file and the cause) instead of raised, and
+    once one has failed this rank writes nothing more of the checkpoint."""
+
+    def __init__(self, checkpoint_engine):
+        self.engine = checkpoint_engine
+        self.errors: List[DGCCheckpointError] = []
+
+    def __enter__(self):
+        real = self.engine.save
+
+        def save(state_dict, path, *args, **kwargs):
+            if self.errors:  # the checkpoint is lost already: write no more of it
+                return None
+            try:
+                return real(state_dict, path, *args, **kwargs)
+            except (OSError, RuntimeError) as err:  # torch.save wraps a failed write in a RuntimeError
+                self.errors.append(DGCCheckpointError(f"deepspeed_dgc: writing {path} failed: {_why(err, path)}"))
+                return None
+
+        self.engine.save = save
+        return self
+
+    def __exit__(self, *exc):
+        self.engine.__dict__.pop("save", None)
+        return False
