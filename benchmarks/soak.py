@@ -57,12 +57,15 @@ def remove_shm_buffers(port: int) -> int:
     return removed
 
 
-def launch_env() -> dict:
+def launch_env(extra=()) -> dict:
     """The environment of a launch: this Python's bin first on PATH (its ninja) and the checkout's build of DeepSpeed's
-    CPU comm op (``build/torch_extensions``, as the tests use: another directory rebuilds it, about 30 s)."""
-    return dict(os.environ,
-                PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
-                TORCH_EXTENSIONS_DIR=str(ROOT / "build" / "torch_extensions"))
+    CPU comm op (``build/torch_extensions``, as the tests use: another directory rebuilds it, about 30 s), plus the
+    ``KEY=VALUE`` items of ``extra`` (``--env``)."""
+    env = dict(os.environ,
+               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
+               TORCH_EXTENSIONS_DIR=str(ROOT / "build" / "torch_extensions"))
+    env.update(item.split("=", 1) for item in extra)
+    return env
 
 
 def job_command(opts: argparse.Namespace, port: int, save_dir: Path, step_log: Path, summary: Path,
@@ -137,7 +140,7 @@ def run_job(opts: argparse.Namespace, name: str, kill_after: list, rng: random.R
         seg_records = []
         start = time.time()
         with open(job_dir / f"launch_{index}.log", "w") as log:
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=launch_env(), stdout=log, stderr=subprocess.STDOUT,
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=launch_env(opts.env), stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)
             try:
                 killed = False
@@ -295,8 +298,19 @@ def analyse(interrupted: dict, uninterrupted: dict, opts: argparse.Namespace) ->
         "kills": [s["killed_after_step"] for s in interrupted["segments"] if s["killed_after_step"] is not None],
         "launcher_rc_after_kill": [s["launcher_rc"] for s in interrupted["segments"]
                                    if s["killed_after_step"] is not None],
+        "uninterrupted_growth_from_step": growth_from_steps(b, opts),
         "wall_s": {"interrupted": interrupted["wall_s"], "uninterrupted": uninterrupted["wall_s"]},
     }, a, b
+
+
+def growth_from_steps(series: dict, opts: argparse.Namespace) -> dict:
+    """Whether one launch's memory levels off: per rank, the largest growth (percent) of its resident memory after step
+    S against its value at step S, for S at every ``--resume-every`` steps from the warm-up on (the uninterrupted
+    run's series, :func:`final_series`). Returns ``{S: [rank 0 %, rank 1 %]}``."""
+    out = {}
+    for s in [opts.warmup] + list(range(opts.resume_every, opts.steps, opts.resume_every)):
+        out[s] = [100.0 * (max(rss[s - 1:]) - rss[s - 1]) / rss[s - 1] for rss in series["rss_bytes"]]
+    return out
 
 
 def plot(path: Path, a: dict, b: dict, interrupted: dict, opts: argparse.Namespace, found: dict) -> None:
@@ -365,9 +379,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out-dir", type=Path, default=ROOT / "runs" / "soak", help="checkpoints, step logs, launch logs")
     p.add_argument("--json", type=Path, default=ROOT / "results" / "soak.json")
     p.add_argument("--plot", type=Path, default=ROOT / "results" / "soak.png")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="set this variable for the launches (repeatable), e.g. MALLOC_MMAP_THRESHOLD_=131072")
     p.add_argument("--keep-checkpoints", action="store_true", help="keep the checkpoints (removed after each job)")
     p.add_argument("--launch-timeout-s", type=float, default=3600.0, help="limit of one launch")
     opts = p.parse_args(argv)
+    if any("=" not in item for item in opts.env):
+        p.error("--env expects KEY=VALUE")
     opts.eval_interval = opts.eval_interval or opts.checkpoint_every
     if opts.resume_every % opts.checkpoint_every:
         p.error("--resume-every must be a multiple of --checkpoint-every (a kill follows a checkpoint)")
@@ -384,7 +402,7 @@ def run_soak(opts: argparse.Namespace) -> dict:
     kill_after = list(range(opts.resume_every, opts.steps - 1, opts.resume_every))
     start = time.time()
     print(f"soak: {opts.steps} steps, checkpoint every {opts.checkpoint_every}, kill + resume after steps "
-          f"{kill_after}; {opts.config}, {opts.n_layer} layers", flush=True)
+          f"{kill_after}; {opts.config}, {opts.n_layer} layers; launch env {opts.env}", flush=True)
     interrupted = run_job(opts, "interrupted", kill_after, rng)
     uninterrupted = run_job(opts, "uninterrupted", [], rng)
     found, a, b = analyse(interrupted, uninterrupted, opts)
@@ -431,6 +449,8 @@ def print_summary(result: dict) -> None:
                   f"{g['state_bytes_min']}..{g['state_bytes_max']}")
     print(f"  largest growth after warm-up: {s['max_growth_pct_after_warmup']:+.2f}%; RSS at warm-up across segments "
           f"vs segment 0: at most {s['max_abs_pct_across_segments']:.2f}% apart")
+    print("  uninterrupted run, largest growth after step S against step S: " + ", ".join(
+        f"S={k}: " + "/".join(f"{v:+.2f}%" for v in vals) for k, vals in s["uninterrupted_growth_from_step"].items()))
     print(f"  state bytes after warm-up: {s['state_bytes_after_warmup']} (constant: {s['state_bytes_constant']})")
     print(f"  wall: interrupted {s['wall_s']['interrupted']:.0f} s, uninterrupted {s['wall_s']['uninterrupted']:.0f} s, "
           f"total {s['total_wall_s']:.0f} s")
