@@ -29,7 +29,7 @@ def small_fs():
 
 
 @pytest.mark.parametrize("config, point", [
-    pytest.param({"dgc": SPARSE}, "sidecar", id="topk_ef-sidecar"),
+    pytest.param({"dgc": SPARSE}, "sidecar", id="topk_ef-sidecar", marks=pytest.mark.slow),
     pytest.param({"dgc": SPARSE}, "deepspeed", id="topk_ef-deepspeed"),
     pytest.param(DEMO, "deepspeed", id="decoupled_momentum-deepspeed", marks=pytest.mark.slow),
 ])

@@ -33,7 +33,7 @@ WORLD_TIMEOUT_S = 10.0  # the world group's (tests/workers/common.py reads DGC_T
 ENV = {"DGC_TEST_WORLD_TIMEOUT_S": str(WORLD_TIMEOUT_S)}
 DROP_S = 3.0  # a killed peer: its connections reset at once (0.01-0.03 s measured)
 STOP_MARGIN_S = 3.0  # a stopped peer: after the timeout, the error path of the waiting rank
-EXIT_MARGIN_S = 15.0  # from the error to the process's end: traceback, teardown
+EXIT_MARGIN_S = 30.0  # from the error to the process's end: traceback, teardown (17 s seen on a loaded 2-core machine)
 REGATHER = {"stage3_prefetch_bucket_size": 0, "stage3_max_reuse_distance": 0}
 
 METHODS = {  # method -> its "dgc" section
@@ -43,8 +43,9 @@ METHODS = {  # method -> its "dgc" section
     "shared_mask": MASK["dgc"],
     "int8_weights": dict(SPARSE, weights={"quantization": "int8"}),  # and the quantized parameter all-gather
 }
-# one case per kind and outside phase in CI (make test); the whole matrix with make faults
-CI_CASES = [("topk_ef", "die", "forward"), ("default", "stop", "after_step")]
+# CI (make test) runs one case: a stop met in ZeRO-3's own all-gather, then the resume (tests/distributed/test_failure.py
+# has the exchange's kill, hang and stop); make faults runs the whole matrix
+CI_CASES = [("default", "stop", "forward")]
 ALL_CASES = [(m, k, p) for m in METHODS for k in ("die", "stop") for p in ("forward", "exchange", "after_step")]
 CASES = [pytest.param(*c, marks=() if c in CI_CASES else pytest.mark.slow) for c in ALL_CASES]
 

@@ -43,8 +43,9 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [pytest.param(signal.SIGKILL, id="kill"),
-                                 pytest.param(signal.SIGSTOP, id="stop", marks=pytest.mark.slow)])
+                                 pytest.param(signal.SIGSTOP, id="stop")])
 def test_a_rank_killed_or_stopped_from_outside_ends_the_launch_with_an_error(sig):
     """Decoupled momentum (the recommended config), 2 ranks, ``dgc.timeout_s`` 8. Once rank 1 has logged 3 steps it
     gets ``sig`` from outside, mid-run. The launcher exits non-zero, within the bound of the module docstring, its
