@@ -170,9 +170,12 @@ def full_disk(job: FullDisk, rank: int) -> FullDiskRecord:
             engine.save_checkpoint(job.ckpt)
         if step + 1 == job.full_at:
             filler = None
-            if rank == 0:  # room for the side-cars of the first save (as large as this one's) and a few blocks
-                sides = sum(os.path.getsize(p) for p in glob.glob(f"{job.ckpt}/global_step{job.save_at}/dgc_state_*"))
-                filler = _fill(job.ckpt, 0 if job.point == "sidecar" else sides + 16 * 4096)
+            if rank == 0:  # room for side-cars as large as the first save's (in whole pages, one more page each for
+                # a few bytes more) and the in-progress mark; not for DeepSpeed's files (tens of kB)
+                page = os.statvfs(job.ckpt).f_frsize
+                sides = sum((-(-os.path.getsize(p) // page) + 1) * page
+                            for p in glob.glob(f"{job.ckpt}/global_step{job.save_at}/dgc_state_*"))
+                filler = _fill(job.ckpt, 0 if job.point == "sidecar" else sides + page)
             torch.distributed.barrier()
             try:
                 engine.save_checkpoint(job.ckpt)
