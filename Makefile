@@ -43,7 +43,7 @@ faults: install
 
 # the soak (issue 52 item 6): the main job (zero3_dgc_adam, 2 ranks) for 3000 steps, a checkpoint every 100, SIGKILLed
 # and resumed every 500, against an uninterrupted run; loss per step, resident memory and state bytes per rank
-# (results/soak.json, results/soak.png; about 40 min on 2 cores)
+# (results/soak.json, results/soak.png; about 27 min on 2 busy cores)
 soak: install
 	$(PY) -m benchmarks.soak --steps 3000 --checkpoint-every 100 --resume-every 500 --warmup 200
 
