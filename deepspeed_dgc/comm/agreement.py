@@ -87,8 +87,23 @@ def check_agreement(cfg: DGCConfig, ranks_per_node: Optional[int], timeout_s: fl
                          "versions): " + describe_mismatch(everyone))
 
 
+def gather_int(value: int, what: str, timeout_s: float) -> List[int]:
+    """Every rank's int64 ``value``, in rank order (collective over the torch world: an all-gather of one int64).
+
+    Raises:
+        DGCTimeoutError: a rank did not join within ``timeout_s`` seconds (``what`` names the step in the error).
+    """
+    world = torch.distributed.get_world_size()
+    device = get_accelerator().current_device_name()
+    mine = torch.tensor([value], dtype=torch.int64, device=device)
+    values = torch.empty(world, dtype=torch.int64, device=device)
+    work = torch.distributed.all_gather_into_tensor(values, mine, async_op=True)
+    wait_torch_work(work, what, torch.distributed.get_rank(), timeout_s)
+    return values.tolist()
+
+
 def ranks_failing(ok: bool, what: str, timeout_s: float) -> List[int]:
-    """Which ranks of the torch world report ``ok = False`` (collective: an all-gather of one int64).
+    """Which ranks of the torch world report ``ok = False`` (collective: :func:`gather_int`).
 
     Lets a failure that happens on some ranks only (e.g. an op that cannot load there) fail every
     rank at once, instead of leaving the others waiting in their next collective.
@@ -96,10 +111,4 @@ def ranks_failing(ok: bool, what: str, timeout_s: float) -> List[int]:
     Raises:
         DGCTimeoutError: a rank did not join within ``timeout_s`` seconds.
     """
-    world = torch.distributed.get_world_size()
-    device = get_accelerator().current_device_name()
-    mine = torch.tensor([1 if ok else 0], dtype=torch.int64, device=device)
-    flags = torch.empty(world, dtype=torch.int64, device=device)
-    work = torch.distributed.all_gather_into_tensor(flags, mine, async_op=True)
-    wait_torch_work(work, what, torch.distributed.get_rank(), timeout_s)
-    return [r for r, f in enumerate(flags.tolist()) if not f]
+    return [r for r, f in enumerate(gather_int(1 if ok else 0, what, timeout_s)) if not f]

@@ -59,7 +59,7 @@ def residual_layout(state: DGCState) -> str:
     return f"hierarchical, {state.reducer.ranks_per_node} ranks per node"
 
 
-def save_state(state: DGCState, ckpt_dir: str, tag: str, world_size: int) -> str:
+def save_state(state: DGCState, ckpt_dir: str, tag: str, world_size: int, save_id: Optional[int] = None) -> str:
     """Write this rank's side-car (:func:`write_sidecar`); returns its path. Residuals are unscaled, in their storage
     form (:meth:`~deepspeed_dgc.memory.error_feedback.ErrorFeedback.export`: fp32 or bf16 tensors, ``(codes, scales)``
     for fp8), with ``residual_storage`` naming it.
@@ -72,6 +72,7 @@ def save_state(state: DGCState, ckpt_dir: str, tag: str, world_size: int) -> str
     payload = {
         "format": FORMAT,
         "tag": str(tag),
+        "save_id": save_id,  # the same in every rank's side-car and in DeepSpeed's client_state of this save
         "world_size": world_size,
         "dp_rank": state.dp_rank,
         "config": state.cfg.model_dump(mode="json"),
@@ -164,13 +165,15 @@ def _error_text(err: Exception, limit: int = 240) -> str:
     return f"{type(err).__name__}: " + (text if len(text) <= limit else text[:limit] + "...")
 
 
-def read_sidecar(path: str, tag: Optional[str] = None) -> dict:
-    """The payload of the side-car at ``path``, checked: readable, its SHA-256 matching (format 3), and saved for
-    checkpoint ``tag`` where it records one. Side-cars of formats 1 and 2 (no checksum) load as they are.
+def read_sidecar(path: str, tag: Optional[str] = None, save_id: Optional[int] = None) -> dict:
+    """The payload of the side-car at ``path``, checked: readable, its SHA-256 matching (format 3), saved for
+    checkpoint ``tag`` where it records one, and by the save ``save_id`` (the id DeepSpeed's files of the checkpoint
+    record) where both record one. Side-cars of formats 1 and 2 (no checksum) load as they are.
 
     Raises:
         DGCCheckpointError: naming ``path`` and what is wrong: unreadable or truncated, damaged (checksum), not a
-            side-car, or another checkpoint's.
+            side-car, another checkpoint's, or another save's (copied from another run of the same tag, perhaps of
+            another method or model).
     """
     try:
         outer = torch.load(path, map_location="cpu", weights_only=True)
@@ -197,7 +200,23 @@ def read_sidecar(path: str, tag: Optional[str] = None) -> dict:
     if tag is not None and str(payload.get("tag")) != str(tag) and not _universal_source(str(tag), payload.get("tag")):
         raise DGCCheckpointError(f"{path} was saved for checkpoint {payload.get('tag')!r}, not {str(tag)!r}: it was "
                                  f"copied or moved from another checkpoint; {ADVICE}")
+    saved_id = payload.get("save_id")
+    if save_id is not None and saved_id is not None and int(saved_id) != int(save_id):
+        raise DGCCheckpointError(f"{path} was written by another save than the DeepSpeed files of its checkpoint (save "
+                                 f"id {int(saved_id):#x}, theirs {int(save_id):#x}): it was copied from another run's "
+                                 f"checkpoint of the same tag ({_methods(payload.get('config'))}); {ADVICE}")
     return payload
+
+
+def _methods(config) -> str:
+    """The gradient method a side-car's recorded ``dgc`` settings ran, for errors: e.g. ``"saved with
+    decoupled_momentum"``."""
+    if not isinstance(config, dict):
+        return "its settings are not recorded"
+    used = [k for k in ("decoupled_momentum", "compressed_momentum", "shared_mask") if config.get(k)]
+    used += ["momentum_correction"] if config.get("momentum_correction") else []
+    density = config.get("density")
+    return "saved with " + (", ".join(used) if used else f"density {density!r}, quantization {config.get('quantization')!r}")
 
 
 def _universal_source(tag: str, saved_tag) -> bool:
@@ -259,7 +278,7 @@ NOT_ROUTINE = ("IGNORED", "rounded once", "restarts at zero", "differ from this 
 
 
 def load_state(state: DGCState, ckpt_dir: str, tag: str, world_size: int, device: torch.device,
-               expect_sidecars: bool = False) -> str:
+               expect_sidecars: bool = False, save_id: Optional[int] = None) -> str:
     """Restore this rank's side-car into ``state``; returns what was done, for the log.
 
     Same data-parallel world size and layout: residuals, sampling generators, thresholds, momenta and telemetry come
@@ -276,11 +295,13 @@ def load_state(state: DGCState, ckpt_dir: str, tag: str, world_size: int, device
     Args:
         expect_sidecars: DeepSpeed's files say the checkpoint was saved with side-cars (DGC on): missing ones are an
             error, not a checkpoint saved without DGC.
+        save_id: the save DeepSpeed's files record (their ``client_state``), or None: every side-car read must
+            have been written by it (:func:`read_sidecar`).
 
     Raises:
         DGCCheckpointError: a side-car is missing where ``expect_sidecars`` (or, re-sharding, any saved rank's),
-            unreadable, damaged, another checkpoint's or another rank's (:func:`read_sidecar`), or its state does
-            not fit this model or its saved layout; the error names the file.
+            unreadable, damaged, another checkpoint's, another save's or another rank's (:func:`read_sidecar`), or its
+            state does not fit this model or its saved layout; the error names the file.
     """
     sdir = sidecar_dir(ckpt_dir, tag)
     first = os.path.join(sdir, sidecar_name(0))
@@ -296,7 +317,7 @@ def load_state(state: DGCState, ckpt_dir: str, tag: str, world_size: int, device
 
     def read_once(path: str) -> dict:
         if path not in read:
-            read[path] = read_sidecar(path, tag)
+            read[path] = read_sidecar(path, tag, save_id)
         return read[path]
 
     if os.path.isfile(own):  # each rank reads its own side-car only, unless the world size changed

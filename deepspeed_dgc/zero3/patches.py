@@ -26,6 +26,7 @@ done elsewhere: :mod:`.reduce_scatter`, :mod:`.allgather`, :mod:`.optimizer`, :m
 
 import functools
 import logging
+import secrets
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -39,7 +40,7 @@ from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
 from ..codec.kernels import DGCKernelError
-from ..comm.agreement import check_agreement, ranks_failing
+from ..comm.agreement import check_agreement, gather_int, ranks_failing
 from ..comm.communicators import DGCBackendError, check_mpi_world, group_timeout_s
 from ..comm.topology import resolve_ranks_per_node
 from ..config import (DGCConfig, DGCConfigError, check_engine_compatible, misspelled_section, parse_dgc_config,
@@ -483,13 +484,20 @@ def _install_allgather(cfg: DGCConfig, state: DGCState) -> None:
                                                                  clock=lambda: state.reducer.steps_applied)
 
 
-SIDECAR_MARK = "deepspeed_dgc_sidecars"  # in DeepSpeed's client_state: the checkpoint has side-cars (how many)
+# in DeepSpeed's client_state: the checkpoint has side-cars: {"world_size": how many, "save_id": the id every one of
+# them records} (an int, the world size, in checkpoints saved before the id)
+SIDECAR_MARK = "deepspeed_dgc_sidecars"
 
 
-def _take_mark(client_state) -> Optional[int]:
+def _take_mark(client_state):
     """Remove :data:`SIDECAR_MARK` (the extension's, not the user's) from the ``client_state`` DeepSpeed's
-    ``load_checkpoint`` returns; its value (the saved world size), or None for a checkpoint saved without it."""
+    ``load_checkpoint`` returns; its value, or None for a checkpoint saved without it."""
     return client_state.pop(SIDECAR_MARK, None) if isinstance(client_state, dict) else None
+
+
+def _save_id_of(mark) -> Optional[int]:
+    """The save id a :data:`SIDECAR_MARK` records, or None (none recorded)."""
+    return mark.get("save_id") if isinstance(mark, dict) else None
 
 
 def _agree(ok: bool, what: str, state: Optional[DGCState], err: Optional[Exception]) -> None:
@@ -526,15 +534,20 @@ def _save_checkpoint(engine, state: DGCState) -> Callable:
     def save_checkpoint(save_dir, tag=None, client_state=None, save_latest=True, *args, **kwargs):
         tag_used = str(tag) if tag is not None else f"global_step{engine.global_steps}"
         decoupled = getattr(getattr(engine, "checkpoint_engine", None), "is_decoupled", lambda: False)()
+        # one id for this save, rank 0's, in every side-car and in DeepSpeed's files: a side-car copied in from
+        # another run's checkpoint of the same tag is told apart on load
+        save_id = gather_int(secrets.randbits(62) if engine.global_rank == 0 else 0,
+                             f"starting checkpoint {tag_used!r}", state.cfg.timeout_s)[0]
         err = None
         try:
             if engine.global_rank == 0 and not decoupled:
                 saving.begin_save(save_dir, tag_used)
-            checkpoint.save_state(state, save_dir, tag_used, engine.dp_world_size)
+            checkpoint.save_state(state, save_dir, tag_used, engine.dp_world_size, save_id)
         except checkpoint.DGCCheckpointError as e:
             err = e
         _agree(err is None, f"writing the side-cars of checkpoint {tag_used!r}", state, err)
-        client_state = dict(client_state or {}, **{SIDECAR_MARK: engine.dp_world_size})
+        client_state = dict(client_state or {}, **{SIDECAR_MARK: {"world_size": engine.dp_world_size,
+                                                                  "save_id": save_id}})
         if decoupled:
             return save(save_dir, tag, client_state, save_latest, *args, **kwargs)
         with saving.GuardedWrites(engine.checkpoint_engine) as guard:
@@ -586,7 +599,8 @@ def _load_checkpoint(engine, state: DGCState) -> Callable:
         msg, err = None, None
         try:
             msg = checkpoint.load_state(state, load_dir, _loaded_tag(engine, load_dir, tag), engine.dp_world_size,
-                                        engine.device, expect_sidecars=marked is not None)
+                                        engine.device, expect_sidecars=marked is not None,
+                                        save_id=_save_id_of(marked))
         except checkpoint.DGCCheckpointError as e:
             err = e
         _agree(err is None, f"loading the side-cars of checkpoint {load_path}", state, err)

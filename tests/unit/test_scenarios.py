@@ -5,7 +5,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from scenarios import (SCENARIOS, ConfigCase, CrashWhileSaving, Evaluate, FullDisk, InitConfigs, MismatchedBucket, OddModel,
+from scenarios import (SCENARIOS, ConfigCase, CrashWhileSaving, Evaluate, FullDisk, InitConfigs, ResumeSameData,
+                       SaveMidwaySameData, TrainSameData, MismatchedBucket, OddModel,
                        PeerFault, QuantizedGather, ReduceCases, Resume, SaveMidway, ScriptedPolicy, Train, run_job,
                        scenario)
 
@@ -41,6 +42,9 @@ BAD_JOBS = [
     (ConfigCase, dict(hide_fused_op_on_rank=-1), "hide_fused_op_on_rank"),
     (InitConfigs, dict(cases={"misspelled": {"config": {}}}), "cases"),
     (InitConfigs, dict(cases={}), "cases"),
+    (TrainSameData, dict(virtual_world=0), "virtual_world"),
+    (SaveMidwaySameData, dict(ckpt="/tmp/ckpt", virtual_world=0), "virtual_world"),
+    (ResumeSameData, dict(ckpt="/tmp/ckpt", virtual_world=-1), "virtual_world"),
 ]
 
 
@@ -56,6 +60,7 @@ def test_every_job_type_is_checked_above_and_its_defaults_are_accepted():
     assert set(SCENARIOS) <= {t for t, _, _ in BAD_JOBS}
     required = {SaveMidway: dict(ckpt="/tmp/ckpt"), Resume: dict(ckpt="/tmp/ckpt"), PeerFault: dict(out="/tmp/out"),
                 CrashWhileSaving: dict(ckpt="/tmp/ckpt"), FullDisk: dict(ckpt="/tmp/ckpt"),
+                SaveMidwaySameData: dict(ckpt="/tmp/ckpt"), ResumeSameData: dict(ckpt="/tmp/ckpt"),
                 InitConfigs: dict(cases={"ok": ConfigCase()})}
     for job_type in SCENARIOS:
         job_type(**required.get(job_type, {}))

@@ -358,6 +358,31 @@ def test_a_sidecar_of_another_checkpoint_or_rank_is_refused(tmp_path):
         load_state(_state(rank=1), str(tmp_path), "mixed", world_size=2, device=CPU)
 
 
+def test_a_sidecar_of_another_save_of_the_same_tag_is_refused_naming_its_method(tmp_path):
+    """Two runs save the same tag: run B's (decoupled momentum) rank-1 side-car copied into run A's checkpoint. Its
+    tag, rank and world size match; the save id DeepSpeed's files of A record does not: DGCCheckpointError names the
+    file, both ids and B's method. A's own side-cars load; without an id (a checkpoint saved before ids) nothing is
+    compared."""
+    a_id, b_id = int(torch.randint(1, 2**62, ())), int(torch.randint(1, 2**62, ()))
+    run_a, run_b = tmp_path / "a", tmp_path / "b"
+    for rank in range(2):
+        state = _state(rank=rank)
+        state.memory.load({"a": torch.randn(10), "b": torch.randn(5)})
+        save_state(state, str(run_a), "step5", world_size=2, save_id=a_id)
+        demo = _state(DGCConfig(enabled=True, decoupled_momentum={"chunk": 4, "topk": 1}), rank=rank)
+        save_state(demo, str(run_b), "step5", world_size=2, save_id=b_id)
+    assert load_state(_state(rank=1), str(run_a), "step5", world_size=2, device=CPU, save_id=a_id).startswith("restored")
+    shutil.copy(run_b / "step5" / "dgc_state_dp_rank_00001.pt", run_a / "step5" / "dgc_state_dp_rank_00001.pt")
+    fresh = _state(rank=1)
+    with pytest.raises(DGCCheckpointError, match=rf"dgc_state_dp_rank_00001\.pt was written by another save than the "
+                       rf"DeepSpeed files of its checkpoint \(save id {b_id:#x}, theirs {a_id:#x}\).*saved with "
+                       "decoupled_momentum"):
+        load_state(fresh, str(run_a), "step5", world_size=2, device=CPU, save_id=a_id)
+    assert len(fresh.memory) == 0
+    assert load_state(_state(rank=0), str(run_a), "step5", world_size=2, device=CPU, save_id=a_id).startswith("restored")
+    read_sidecar(str(run_a / "step5" / "dgc_state_dp_rank_00001.pt"), "step5")  # no id to compare with: read
+
+
 def test_missing_sidecars_fail_where_the_checkpoint_says_it_has_them(tmp_path):
     """No side-car in the tag: a checkpoint DeepSpeed's files mark as saved with DGC (``expect_sidecars``) raises
     naming the missing file; one saved without DGC restarts the residuals at zero, as before."""

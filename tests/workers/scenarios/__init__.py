@@ -21,7 +21,10 @@ the function runs in each rank of a launch and returns a record (a dataclass of 
 - :mod:`.reduce`: :class:`~.reduce.ReduceCases` -> :class:`~.reduce.ReduceRecord` (the compressed reduce-scatter run
   directly on random gradients, no engine);
 - :mod:`.mismatch`: :class:`~.mismatch.MismatchedBucket` -> :class:`~.mismatch.ErrorRecord` (ranks whose buckets
-  differ).
+  differ);
+- :mod:`.world_size`: :class:`~.world_size.TrainSameData`, :class:`~.world_size.SaveMidwaySameData` and
+  :class:`~.world_size.ResumeSameData` (the global batches of a larger world, so that runs at 2 and 4 ranks see the
+  same data).
 
 ``tests/workers/scenario_worker.py`` runs a list of jobs in turn in one launch; the tests start it with
 ``dist_launch.run_scenarios`` (or, under ``mpirun``, ``dist_launch.run_scenarios_mpirun``) and read back the records
@@ -69,9 +72,10 @@ from .odd_models import OddModel, OddModelRecord, OddStep  # noqa: E402
 from .allgather import GatherRecord, GatherStep, QuantizedGather  # noqa: E402
 from .reduce import ReduceCase, ReduceCases, ReduceRecord, ReduceStep  # noqa: E402
 from .mismatch import ErrorRecord, MismatchedBucket  # noqa: E402
+from .world_size import ResumeSameData, SaveMidwaySameData, TrainSameData  # noqa: E402
 
 __all__ = ["BASE", "MODELS", "ConfigCase", "ConfigErrors", "CrashWhileSaving", "ErrorRecord", "EvalRecord", "Evaluate",
-           "GatherRecord", "GatherStep", "InitConfigs", "MismatchedBucket", "OddModel", "OddModelRecord", "OddStep",
+           "FullDisk", "GatherRecord", "GatherStep", "InitConfigs", "MismatchedBucket", "OddModel", "OddModelRecord", "OddStep",
            "OptimizerSettings", "PeerError", "PeerFault", "QuantizedGather", "ReduceCase", "ReduceCases",
-           "ReduceRecord", "ReduceStep", "Resume", "SaveMidway", "ScriptedPolicy", "Train", "TrainRecord", "run_job",
-           "scenario"]
+           "ReduceRecord", "ReduceStep", "Resume", "ResumeSameData", "SaveMidway", "SaveMidwaySameData", "ScriptedPolicy",
+           "Train", "TrainRecord", "TrainSameData", "run_job", "scenario"]

@@ -47,16 +47,29 @@ def same_data(virtual_world: int):
         training.batches = real
 
 
+def _check_virtual_world(job) -> None:
+    if job.virtual_world < 1:
+        raise ValueError(f"{type(job).__name__}: virtual_world {job.virtual_world} must be at least 1")
+
+
 @dataclass
 class TrainSameData(Train):
     """:class:`~.training.Train` on the global batches of ``virtual_world`` ranks."""
     virtual_world: int = 4
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_virtual_world(self)
 
 
 @dataclass
 class SaveMidwaySameData(SaveMidway):
     """:class:`~.checkpoint.SaveMidway` on the global batches of ``virtual_world`` ranks."""
     virtual_world: int = 4
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_virtual_world(self)
 
 
 @dataclass
@@ -65,6 +78,10 @@ class ResumeSameData(Resume):
     ``loaded_momenta`` (an attribute) holds the committed local momenta right after the load (key -> fp32, None
     without a momentum state)."""
     virtual_world: int = 4
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_virtual_world(self)
 
 
 @scenario(TrainSameData)
