@@ -63,7 +63,10 @@ def incomplete(ckpt_dir: str, tag: str) -> Optional[str]:
     files = sorted(f for f in os.listdir(here) if f != SAVING_MARK and not f.startswith("."))
     shown = ", ".join(files[:8]) + (f" and {len(files) - 8} more" if len(files) > 8 else "")
     latest = os.path.join(ckpt_dir, "latest")
-    named = open(latest).read().strip() if os.path.isfile(latest) else None
+    named = None
+    if os.path.isfile(latest):
+        with open(latest) as f:
+            named = f.read().strip()
     where = (f"'latest' names {named!r}, the last checkpoint saved whole" if named and named != str(tag)
              else "no complete checkpoint is named by 'latest'")
     return (f"deepspeed_dgc: checkpoint {here} is incomplete: a save into it started and did not finish on every rank "
