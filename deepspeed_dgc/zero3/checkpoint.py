@@ -266,12 +266,16 @@ def _settings_note(state: DGCState, saved: Optional[dict]) -> str:
     if not isinstance(saved, dict):
         return ""
     now = state.cfg.model_dump(mode="json")  # keys of one version only: a setting added since was not recorded
-    changed = [f"{key} {saved[key]!r} -> {now[key]!r}" for key in sorted(set(saved) & set(now)) if saved[key] != now[key]]
+    changed = [f"{key} {saved[key]!r} -> {now[key]!r}" for key in sorted(set(saved) & set(now) - NEUTRAL_SETTINGS)
+               if saved[key] != now[key]]
     if not changed:
         return ""
     return ("; the saved run's 'dgc' settings differ from this run's (" + ", ".join(changed) + "): the state it "
             "left was loaded for this run's settings, and what they do not use is dropped")
 
+
+# settings that change nothing the saved state means (how long to wait, how often to log): not reported as changed
+NEUTRAL_SETTINGS = {"timeout_s", "stats_interval"}
 
 # what makes a "restored ..." message a warning: state dropped, rounded or loaded for other settings
 NOT_ROUTINE = ("IGNORED", "rounded once", "restarts at zero", "differ from this run's")
@@ -360,8 +364,12 @@ def _load_same_world(state: DGCState, path: str, payload: dict, device) -> str:
     if state.momentum is not None and momentum:
         state.momentum.restore(momentum, device)
     if saved_storage != state.memory.storage and len(state.memory):
-        note += (f"; the residuals were stored in {saved_storage} and are now stored in {state.memory.storage} "
-                 "('dgc.residual_dtype'), so they were rounded once")
+        if state.memory.storage == "fp32":  # every fp8 or bf16 value (times its scale) is an fp32 value
+            note += (f"; the residuals were stored in {saved_storage} and are now stored in fp32 "
+                     "('dgc.residual_dtype'), converted exactly")
+        else:
+            note += (f"; the residuals were stored in {saved_storage} and are now stored in {state.memory.storage} "
+                     "('dgc.residual_dtype'), so they were rounded once")
     note += _settings_note(state, payload.get("config"))
     return f"restored deepspeed_dgc state from {path}: {len(state.memory)} residuals, step {state.stats.steps}{note}"
 

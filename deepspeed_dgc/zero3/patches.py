@@ -26,6 +26,7 @@ done elsewhere: :mod:`.reduce_scatter`, :mod:`.allgather`, :mod:`.optimizer`, :m
 
 import functools
 import logging
+import os
 import secrets
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -597,13 +598,13 @@ def _load_checkpoint(engine, state: DGCState) -> Callable:
         marked = _take_mark(client_state)
         _method(state).before_load(engine.optimizer, state)  # e.g. Adam unfrozen: the loaded state decides afresh
         msg, err = None, None
+        loaded = _loaded_tag(engine, load_dir, tag)
         try:
-            msg = checkpoint.load_state(state, load_dir, _loaded_tag(engine, load_dir, tag), engine.dp_world_size,
-                                        engine.device, expect_sidecars=marked is not None,
-                                        save_id=_save_id_of(marked))
+            msg = checkpoint.load_state(state, load_dir, loaded, engine.dp_world_size, engine.device,
+                                        expect_sidecars=marked is not None, save_id=_save_id_of(marked))
         except checkpoint.DGCCheckpointError as e:
             err = e
-        _agree(err is None, f"loading the side-cars of checkpoint {load_path}", state, err)
+        _agree(err is None, f"loading the side-cars of checkpoint {os.path.join(str(load_dir), loaded)}", state, err)
         state.reducer.masks = {}
         _method(state).after_load(engine.optimizer, state)  # every rank loads: collective where the method says
         routine = msg.startswith("restored") and not any(mark in msg for mark in checkpoint.NOT_ROUTINE)

@@ -13,6 +13,7 @@
 
 import contextlib
 import errno
+import glob
 import os
 from typing import List, Optional
 
@@ -67,11 +68,28 @@ def incomplete(ckpt_dir: str, tag: str) -> Optional[str]:
     if os.path.isfile(latest):
         with open(latest) as f:
             named = f.read().strip()
-    where = (f"'latest' names {named!r}, the last checkpoint saved whole" if named and named != str(tag)
-             else "no complete checkpoint is named by 'latest'")
+    if named and named != str(tag):
+        where = f"'latest' names {named!r}, the last checkpoint saved whole"
+    else:  # 'latest' names this very tag (a save into it was cut short) or nothing: say which tags are whole
+        whole = complete_tags(ckpt_dir)
+        where = ("'latest' names this tag: a save into it was cut short; complete here, newest first: "
+                 + (", ".join(whole[:3]) if whole else "none") + "; load one by its tag"
+                 if named == str(tag) else "no complete checkpoint is named by 'latest'")
     return (f"deepspeed_dgc: checkpoint {here} is incomplete: a save into it started and did not finish on every rank "
             f"(a rank died or a disk filled while saving; {SAVING_MARK} is still there), so some rank's files are "
             f"missing or cut short (present: {shown or 'nothing'}); resume from another checkpoint ({where})")
+
+
+def complete_tags(ckpt_dir: str) -> List[str]:
+    """The tags under ``ckpt_dir`` holding DeepSpeed's model states and no in-progress mark, newest first (by the
+    time their model states were written)."""
+    found = []
+    for name in os.listdir(ckpt_dir):
+        here = os.path.join(ckpt_dir, name)
+        states = glob.glob(os.path.join(here, "*model_states.pt"))
+        if os.path.isdir(here) and states and not os.path.exists(os.path.join(here, SAVING_MARK)):
+            found.append((max(os.path.getmtime(p) for p in states), name))
+    return [name for _, name in sorted(found, reverse=True)]
 
 
 NEARLY_FULL = 1 << 20  # bytes free below which a failed write is put down to a full file system
