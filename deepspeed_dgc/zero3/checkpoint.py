@@ -138,8 +138,26 @@ def _write_atomically(path: str, data: bytes) -> None:
             os.unlink(tmp)
         except OSError:
             pass
-        why = "no space left on the device" if err.errno == errno.ENOSPC else err.strerror or str(err)
-        raise DGCCheckpointError(f"deepspeed_dgc could not write {path}: {why} ({err})") from err
+        raise DGCCheckpointError(f"deepspeed_dgc could not write {path}: {write_failure(err, path)}") from err
+
+
+NEARLY_FULL = 1 << 20  # bytes free below which a failed write is put down to a full file system
+
+
+def write_failure(err: Exception, path: str) -> str:
+    """What a failed write ``err`` of ``path`` means, for error messages: ``"no space left on the device; N bytes
+    free there (OSError: ...)"`` where the file system is full (``ENOSPC``, or under 1 MiB free: torch's zip writer
+    reports a full disk as ``unexpected pos ...``), else ``"see the cause; ..."``."""
+    first = str(err).splitlines()[0][:200] if str(err) else ""
+    try:
+        st = os.statvfs(os.path.dirname(path) or ".")
+        free = st.f_bavail * st.f_frsize
+    except OSError:
+        free = None
+    full = getattr(err, "errno", None) == errno.ENOSPC or "No space left" in first or (
+        free is not None and free < NEARLY_FULL)
+    room = f"; {free} bytes free there" if free is not None else ""
+    return f"{'no space left on the device' if full else 'see the cause'}{room} ({type(err).__name__}: {first})"
 
 
 def _fsync_dir(directory: str) -> None:

@@ -12,12 +12,11 @@
 """
 
 import contextlib
-import errno
 import glob
 import os
 from typing import List, Optional
 
-from .checkpoint import DGCCheckpointError, _write_atomically, _fsync_dir
+from .checkpoint import DGCCheckpointError, _fsync_dir, _write_atomically, write_failure
 
 SAVING_MARK = "dgc_saving"
 
@@ -92,25 +91,6 @@ def complete_tags(ckpt_dir: str) -> List[str]:
     return [name for _, name in sorted(found, reverse=True)]
 
 
-NEARLY_FULL = 1 << 20  # bytes free below which a failed write is put down to a full file system
-
-
-def _why(err: Exception, path: str) -> str:
-    """What a failed checkpoint write ``err`` of ``path`` means, for the error message: torch's zip writer reports a
-    full disk as ``unexpected pos ...``, so the free space of ``path``'s file system is read and named."""
-    first = str(err).splitlines()[0][:200] if str(err) else ""
-    try:
-        st = os.statvfs(os.path.dirname(path) or ".")
-        free = st.f_bavail * st.f_frsize
-    except OSError:
-        free = None
-    full = getattr(err, "errno", None) == errno.ENOSPC or "No space left" in first or (
-        free is not None and free < NEARLY_FULL)
-    room = f"; {free} bytes free there" if free is not None else ""
-    cause = "no space left on the device" if full else "see the cause"
-    return f"{cause}{room} ({type(err).__name__}: {first})"
-
-
 class GuardedWrites(contextlib.AbstractContextManager):
     """Within the block, DeepSpeed's checkpoint writes (``checkpoint_engine.save(state_dict, path)``) that fail are
     recorded in :attr:`errors` (as :class:`DGCCheckpointError` naming the file and the cause) instead of raised, and
@@ -129,7 +109,7 @@ class GuardedWrites(contextlib.AbstractContextManager):
             try:
                 return real(state_dict, path, *args, **kwargs)
             except (OSError, RuntimeError) as err:  # torch.save wraps a failed write in a RuntimeError
-                self.errors.append(DGCCheckpointError(f"deepspeed_dgc: writing {path} failed: {_why(err, path)}"))
+                self.errors.append(DGCCheckpointError(f"deepspeed_dgc: writing {path} failed: {write_failure(err, path)}"))
                 return None
 
         self.engine.save = save
