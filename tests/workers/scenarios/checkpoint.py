@@ -59,13 +59,15 @@ def save_midway(job: SaveMidway, rank: int, crash: Optional[AfterStep] = None) -
 
 @scenario(Resume)
 def resume(job: Resume, rank: int) -> TrainRecord:
-    """Load the checkpoint, record the residuals it restored, and train the remaining steps."""
+    """Load the checkpoint, record the residuals and momenta it restored, and train the remaining steps."""
     built = build(job, rank)
     engine = built.engine
     engine.load_checkpoint(job.ckpt, tag=job.tag)
     record = new_record(engine)
     state = getattr(engine, "_dgc_state", None)
     record.loaded_residuals = None if state is None else state.memory.residuals()
+    momentum = None if state is None else state.momentum
+    record.loaded_momenta = None if momentum is None else {k: v.clone() for k, v in momentum.momenta().items()}
     return run_steps(job, rank, built, record, first=job.resume_at)
 
 

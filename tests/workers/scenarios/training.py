@@ -103,7 +103,8 @@ class TrainRecord:
         stats: the telemetry's dictionary at the end (``deepspeed_dgc.get_stats(engine).to_dict()``) or None.
         frozen: compressed momentum froze; residual_storage: where residuals live; timeout_s: the extension's
             collective timeout in seconds (each None without the extension).
-        loaded_residuals: the residuals a checkpoint load restored (resumed runs only).
+        loaded_residuals: the residuals a checkpoint load restored (resumed runs only); loaded_momenta: the committed
+            local momenta right after the load (key -> fp32; None without a momentum state).
     """
     losses: List[float]
     params: List[list]
@@ -126,6 +127,7 @@ class TrainRecord:
     residual_storage: Optional[str] = None
     timeout_s: Optional[float] = None
     loaded_residuals: Optional[Dict[str, torch.Tensor]] = None
+    loaded_momenta: Optional[Dict[str, torch.Tensor]] = None
 
 
 @dataclass

@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 
 from . import scenario, training
-from .checkpoint import Resume, SaveMidway, save_midway
+from .checkpoint import Resume, SaveMidway, resume, save_midway
 from .model import batches
-from .training import Train, build, new_record, run_steps, train
+from .training import Train, train
 
 
 def same_data_batches(world: int, virtual_world: int):
@@ -74,9 +74,7 @@ class SaveMidwaySameData(SaveMidway):
 
 @dataclass
 class ResumeSameData(Resume):
-    """:class:`~.checkpoint.Resume` on the global batches of ``virtual_world`` ranks; its record's
-    ``loaded_momenta`` (an attribute) holds the committed local momenta right after the load (key -> fp32, None
-    without a momentum state)."""
+    """:class:`~.checkpoint.Resume` on the global batches of ``virtual_world`` ranks."""
     virtual_world: int = 4
 
     def __post_init__(self):
@@ -98,14 +96,6 @@ def save_midway_same_data(job: SaveMidwaySameData, rank: int):
 
 @scenario(ResumeSameData)
 def resume_same_data(job: ResumeSameData, rank: int):
-    """Load the checkpoint, record the residuals and momenta it restored, and train the remaining steps."""
+    """:func:`~.checkpoint.resume` on the global batches of ``virtual_world`` ranks."""
     with same_data(job.virtual_world):
-        built = build(job, rank)
-        engine = built.engine
-        engine.load_checkpoint(job.ckpt)
-        record = new_record(engine)
-        state = getattr(engine, "_dgc_state", None)
-        record.loaded_residuals = None if state is None else state.memory.residuals()
-        momentum = None if state is None else state.momentum
-        record.loaded_momenta = None if momentum is None else {k: v.clone() for k, v in momentum.momenta().items()}
-        return run_steps(job, rank, built, record, first=job.resume_at)
+        return resume(job, rank)
