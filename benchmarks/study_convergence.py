@@ -90,6 +90,9 @@ def settings(freeze_step: int) -> dict:
                                   dict(demo, decoupled_momentum={"topk": k, "quantization": "int2"}))
     out["demo_k2_int2_bf16"] = ("decoupled", "decoupled momentum (DeMo), DCT top-2 of 64, INT2, sign update, bf16 "
                                 "momentum", dict(demo, decoupled_momentum={"quantization": "int2", "storage": "bf16"}))
+    out["demo_k2_int2_int8"] = ("decoupled", "decoupled momentum (DeMo), DCT top-2 of 64, INT2, sign update, int8 "
+                                "momentum (stochastic rounding)",
+                                dict(demo, decoupled_momentum={"quantization": "int2", "storage": "int8"}))
     out["demo_k2_adam"] = ("decoupled", "decoupled momentum, DCT top-2 of 64, INT4, the owners' Adam on the sum",
                            dict(demo, decoupled_momentum={"update": "adam"}))
     out["demo_k2_none"] = ("decoupled", "decoupled momentum, top-2 of 64 without the DCT, INT4, sign update",
@@ -106,7 +109,7 @@ def settings(freeze_step: int) -> dict:
     for dtype in ("fp32", "bf16", "fp8"):
         out[f"h_int4_dense_{dtype}"] = ("hierarchical", f"hierarchical 2x2, dense INT4 + error feedback, {dtype} residual",
                                         dict(out["int4_dense"][2], residual_dtype=dtype, **hier))
-    for storage in ("fp32", "bf16"):
+    for storage in ("fp32", "bf16", "int8"):
         out[f"h_demo_k2_int2_{storage}"] = ("hierarchical", f"hierarchical 2x2, decoupled momentum, DCT top-2 of 64, "
                                             f"INT2, {storage} momentum",
                                             dict(demo, decoupled_momentum={"quantization": "int2", "storage": storage},

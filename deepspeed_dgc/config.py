@@ -94,10 +94,11 @@ class DecoupledMomentumConfig(BaseModel):
         "sign", description="the owners' step: `\"sign\"`, DeMo's `p <- p (1 - lr wd) - lr sign(u)` with the "
         "optimizer's learning rate and decoupled weight decay (`gradient_clipping` cannot change a sign); "
         "`\"adam\"`: the job's optimizer steps on `u` as its gradient")
-    storage: Literal["fp32", "bf16"] = Field("fp32", description="storage of the local momentum between steps "
-                                             "(4 or 2 bytes per parameter per rank); bf16 drops increments below 2^-9 "
-                                             "of the momentum, which costs loss on long runs "
-                                             "(results/study_convergence.md)")
+    storage: Literal["fp32", "bf16", "int8"] = Field(
+        "fp32", description="storage of the local momentum between steps: 4, 2 or 1.03 bytes per parameter per rank. "
+        "bf16 rounds to nearest and drops changes below 2^-9 of the momentum (the 0.999 decay among them), which "
+        "costs loss on long runs; `\"int8\"`: int8 codes with a bf16 absmax scale per 64, stochastically rounded, so "
+        "the stored momentum is unbiased (results/study_storage.md)")
 
     @model_validator(mode="after")
     def _sizes(self):
@@ -208,10 +209,10 @@ class DGCConfig(BaseModel):
         "results/fixed_layout.md")
     error_feedback: bool = Field(True, description="carry what was not sent (unselected values and quantization "
                                  "error) to the next micro-step (Seide et al., Interspeech 2014)")
-    residual_dtype: Literal["auto", "fp32", "bf16", "fp8"] = Field(
+    residual_dtype: Literal["auto", "fp32", "bf16", "fp8", "int8"] = Field(
         "auto", description="storage of the residuals between steps: 4, 2 or about 1.03 bytes per element (fp8: e4m3 "
-        "with an fp32 absmax scale per 128, as LoCo's 8-bit buffer, arXiv 2407.04480); the storage's own rounding "
-        "is not fed back. `\"auto\"`: fp8, the cheapest storage that kept fp32's loss in the convergence studies, flat "
+        "with an fp32 absmax scale per 128, as LoCo's 8-bit buffer, arXiv 2407.04480, rounded to nearest; int8: a "
+        "bf16 absmax scale per 64, stochastically rounded, unbiased); the storage's own rounding is not fed back. `\"auto\"`: fp8, the cheapest storage that kept fp32's loss in the convergence studies, flat "
         "and hierarchical (results/study_convergence.md, results/multinode.md); fp32 with `momentum_correction`, "
         "which needs it")
     residual_offload: bool = Field(

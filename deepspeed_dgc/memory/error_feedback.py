@@ -16,9 +16,11 @@ import torch
 
 from ..codec.formats import FP8_MAX, dequantize_weights
 from ..codec.layout import BucketLayout, Workspace, slabs
+from . import int8_storage as i8
 
-# bytes per element of each storage dtype of committed residuals (fp8: one code plus an fp32 scale per 128)
-RESIDUAL_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp8": 1.0 + 4.0 / 128}
+# bytes per element of each storage dtype of committed residuals (fp8: one code plus an fp32 scale per 128; int8: one
+# code plus a bf16 scale per 64, stochastically rounded, :mod:`.int8_storage`)
+RESIDUAL_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp8": 1.0 + 4.0 / 128, "int8": i8.INT8_BYTES}
 FP8_RESIDUAL_GROUP = 128
 
 
@@ -27,7 +29,8 @@ class Block:
     """One bucket's residuals (or momenta) as a padded owner matrix (:class:`~deepspeed_dgc.codec.layout.BucketLayout`)
     in the storage form: ``parts`` is the fp32 or bf16 ``(R, C)`` matrix, or for fp8 its e4m3 codes (uint8 ``(R, C)``)
     and an fp32 absmax scale per 128 columns of a row (``(R, C / 128)``; blocks are aligned to 128, so a group never
-    spans two tensors). ``numels``: elements of each key's residual (``n_i``, or ``R c_i`` on the hierarchical
+    spans two tensors), or for int8 its codes (int8 ``(R, C)``) and a bf16 scale per ``g`` columns (``(R, C / g)``,
+    ``g = int8_storage.group_for(layout.align)``). ``numels``: elements of each key's residual (``n_i``, or ``R c_i`` on the hierarchical
     topology), in the layout's tensor order."""
     layout: BucketLayout
     keys: Tuple[Hashable, ...]
@@ -45,10 +48,13 @@ class ErrorFeedback:
     Keys are opaque and hashable: the caller's stable identity of a parameter (the same on every rank and in
     every process that builds the same model). Committed residuals are stored in
     ``storage``: ``"fp32"`` (4 bytes per element), ``"bf16"`` (2 bytes, relative rounding error
-    <= 2^-8) or ``"fp8"`` (e4m3 codes with an fp32 absmax scale per 128 elements, about 1.03 bytes;
+    <= 2^-8), ``"fp8"`` (e4m3 codes with an fp32 absmax scale per 128 elements, about 1.03 bytes;
     relative error <= 2^-4, values below ``absmax * 2^-9 / 448`` of their group flush to zero), as
-    LoCo's 8-bit error-compensation buffer (Xie et al., arXiv 2407.04480, section 3). The rounding
-    error of the storage itself is not fed back. During a backward pass the staged fp32 copies
+    LoCo's 8-bit error-compensation buffer (Xie et al., arXiv 2407.04480, section 3), or ``"int8"``
+    (int8 codes with a bf16 absmax scale per 64, 1.03 bytes, stochastically rounded so that the stored
+    value is unbiased: :mod:`.int8_storage`; its noise is seeded by :attr:`round_seed`, which the owner
+    sets per step, so a resumed run draws the same). The rounding error of the storage itself is not
+    fed back. During a backward pass the staged fp32 copies
     add up to 4 bytes per element.
 
     With ``offload``, committed residuals live in pinned host memory (DeepSpeed's accelerator
@@ -74,6 +80,7 @@ class ErrorFeedback:
         self.storage = storage
         self.offload = offload
         self.kernels = kernels  # who codes fp8 residuals (``dgc.kernels``): the fused op or the reference, same bits
+        self.round_seed: Tuple = (0, )  # int8's rounding noise: seeded by this and the key (the owner sets it per step)
         self._ops = {}
         self.device = None  # where staged residuals live (the gradients' device); offload copies back there
         self.committed: Dict[Hashable, object] = {}  # fp32/bf16 tensor, or (codes, scales) for fp8
@@ -89,12 +96,26 @@ class ErrorFeedback:
         self.blocks: Dict[Tuple[Hashable, ...], Block] = {}
         self.staged_blocks: Dict[Tuple[Hashable, ...], Block] = {}
 
-    def _encode(self, r: torch.Tensor):
+    def _encode(self, r: torch.Tensor, key: Hashable):
         if self.storage == "fp32":
             return r
         if self.storage == "bf16":
             return r.to(torch.bfloat16)
+        if self.storage == "int8":
+            return i8.encode_flat(r, self._seed(key))
         return self._codec(r.device.type).quantize_weights(r, "fp8_e4m3", FP8_RESIDUAL_GROUP)
+
+    def _seed(self, ident) -> int:
+        """The int8 rounding noise's seed for a key or a bucket's keys at this step (:attr:`round_seed`)."""
+        return i8.round_seed(*self.round_seed, ident)
+
+    def _encode_block_(self, A: torch.Tensor, layout: BucketLayout, bkey) -> Tuple[torch.Tensor, ...]:
+        """A block's fp32 ``(R, C)`` matrix in the (non-fp32) storage form; ``A`` may be overwritten."""
+        if self.storage == "bf16":
+            return (A.to(torch.bfloat16), )
+        if self.storage == "int8":
+            return i8.encode_(A, i8.group_for(layout.align), self._seed(bkey))
+        return _fp8_encode_(A)
 
     def _codec(self, device_type: str):
         """The ops that code fp8 residuals on ``device_type`` (:func:`~deepspeed_dgc.codec.kernels.get_ops`)."""
@@ -110,6 +131,8 @@ class ErrorFeedback:
             return _decode_piece(stored)
         if isinstance(stored, tuple):
             codes, scales = stored
+            if codes.dtype == torch.int8:
+                return i8.decode_flat(codes, scales)
             return dequantize_weights(codes, scales, codes.numel(), "fp8_e4m3", FP8_RESIDUAL_GROUP)
         return stored.float()
 
@@ -145,7 +168,7 @@ class ErrorFeedback:
     def _store(self, key: Hashable, residual):
         """The committed form of a staged residual (fp32, or already encoded): encoded, and on the host with
         ``offload``."""
-        encoded = residual if self._is_stored_form(residual) else self._encode(residual)
+        encoded = residual if self._is_stored_form(residual) else self._encode(residual, key)
         self.device = self._parts(encoded)[0].device
         return self._to_host(key, encoded) if self.offload else encoded
 
@@ -164,6 +187,8 @@ class ErrorFeedback:
         if not isinstance(stored, tuple):
             return stored.float()
         codes, scales = stored
+        if codes.dtype == torch.int8:
+            return i8.decode_flat(codes, scales)
         out = torch.empty(codes.numel(), dtype=torch.float32, device=codes.device)
         self._codec(codes.device.type).dequantize_weights_into(out, codes, scales, "fp8_e4m3", FP8_RESIDUAL_GROUP)
         return out
@@ -251,7 +276,7 @@ class ErrorFeedback:
             block.layout.place(matrix, block.keys.index(key), residual.float())
             self.stage_block(block.keys, block.numels, block.layout, matrix)
             return
-        value = self._encode(residual) if self.final and self.storage != "fp32" else residual
+        value = self._encode(residual, key) if self.final and self.storage != "fp32" else residual
         old = self.staged.get(key)
         self._staged_nbytes += self._nbytes(value) - (0 if old is None else self._nbytes(old))
         self.staged[key] = value
@@ -285,7 +310,7 @@ class ErrorFeedback:
             return True
         ws = ws or Workspace()
         R, C = A.shape
-        unit = FP8_RESIDUAL_GROUP if len(parts) == 2 else 1  # fp8 blocks decode in whole scale groups
+        unit = C // parts[1].shape[1] if len(parts) == 2 else 1  # fp8 and int8 blocks decode in whole scale groups
         for u0, u1 in slabs(C // unit, R * unit * 4, ws):  # decoded a slab at a time into the dead memory
             c0, c1 = u0 * unit, u1 * unit
             mark = ws.mark()
@@ -293,7 +318,9 @@ class ErrorFeedback:
             if parts[0].dtype == torch.float32:
                 torch.mul(parts[0][:, c0:c1], scale, out=tmp)
             else:
-                if len(parts) == 1:
+                if parts[0].dtype == torch.int8:
+                    i8.decode_into(tmp, parts[0][:, c0:c1], parts[1][:, u0:u1])
+                elif len(parts) == 1:
                     tmp.copy_(parts[0][:, c0:c1])
                 else:
                     tmp.copy_(parts[0][:, c0:c1].view(torch.float8_e4m3fn))
@@ -315,10 +342,8 @@ class ErrorFeedback:
         bkey = tuple(keys)
         if self.storage == "fp32" or not self.final:
             parts, held = (A, ), True
-        elif self.storage == "bf16":
-            parts, held = (A.to(torch.bfloat16), ), False
         else:
-            parts, held = _fp8_encode_(A), False
+            parts, held = self._encode_block_(A, layout, bkey), False
         block = Block(layout, bkey, tuple(int(n) for n in numels), parts)
         old = self.staged_blocks.get(bkey)
         self._staged_nbytes += block.nbytes - (0 if old is None else old.nbytes)
@@ -331,6 +356,8 @@ class ErrorFeedback:
         parts = block.parts
         if len(parts) == 1:
             return parts[0].float().clone() if parts[0].dtype == torch.float32 else parts[0].float()
+        if parts[0].dtype == torch.int8:
+            return i8.decode(parts[0], parts[1].to(parts[0].device))
         R, C = parts[0].shape
         out = parts[0].view(torch.float8_e4m3fn).float()
         out.view(R, C // FP8_RESIDUAL_GROUP, FP8_RESIDUAL_GROUP).mul_(parts[1][..., None].to(out.device))
@@ -375,8 +402,10 @@ class ErrorFeedback:
         if not sources and not pieces:
             self._recount()
             return None
-        exact = (self.storage == "fp8" and len(pieces) == len(bkey) and not sources
-                 and all(tuple(pieces[k]["codes"].shape) == (layout.rows, layout.widths[i]) for i, k in enumerate(bkey)))
+        code_dtype = {"fp8": torch.uint8, "int8": torch.int8}.get(self.storage)
+        exact = (code_dtype is not None and len(pieces) == len(bkey) and not sources
+                 and all(tuple(pieces[k]["codes"].shape) == (layout.rows, layout.widths[i])
+                         and pieces[k]["codes"].dtype == code_dtype for i, k in enumerate(bkey)))
         if exact:  # this layout's columns in this storage: put together bit for bit
             codes = torch.cat([pieces[k]["codes"] for k in _in_columns(bkey, layout)], dim=1)
             scales = torch.cat([pieces[k]["scales"] for k in _in_columns(bkey, layout)], dim=1)
@@ -408,8 +437,7 @@ class ErrorFeedback:
         for bkey, block in self.staged_blocks.items():
             if self.storage != "fp32" and len(block.parts) == 1 and block.parts[0].dtype == torch.float32:
                 block = Block(block.layout, block.keys, block.numels,  # staged before the window's end: encode now
-                              (block.parts[0].to(torch.bfloat16), ) if self.storage == "bf16" else
-                              _fp8_encode_(block.parts[0]))
+                              self._encode_block_(block.parts[0], block.layout, bkey))
             if self.offload:
                 block = self._block_to_host(bkey, block)
             self.blocks[bkey] = block
@@ -511,17 +539,21 @@ def _block_pieces(block: Block) -> Dict[Hashable, object]:
         if len(block.parts) == 1:
             out[key] = L.flat_of(block.parts[0], i, n).cpu()
         else:
+            g = block.parts[0].shape[1] // block.parts[1].shape[1]  # columns per scale
             cols = slice(L.cols[i], L.cols[i] + L.widths[i])
-            groups = slice(L.cols[i] // FP8_RESIDUAL_GROUP, (L.cols[i] + L.widths[i]) // FP8_RESIDUAL_GROUP)
+            groups = slice(L.cols[i] // g, (L.cols[i] + L.widths[i]) // g)
             out[key] = {"codes": block.parts[0][:, cols].cpu().contiguous(),
                         "scales": block.parts[1][:, groups].cpu().contiguous(), "chunk": L.chunks[i], "numel": n}
     return out
 
 
 def _decode_piece(piece: dict) -> torch.Tensor:
-    """A key's fp8 block columns (:func:`_block_pieces`) as its flat fp32 residual."""
+    """A key's fp8 or int8 block columns (:func:`_block_pieces`) as its flat fp32 residual."""
     codes, scales = piece["codes"], piece["scales"]
     R, w = codes.shape
-    rows = codes.view(torch.float8_e4m3fn).float().view(R, w // FP8_RESIDUAL_GROUP, FP8_RESIDUAL_GROUP)
-    rows = rows.mul_(scales[..., None]).view(R, w)
+    if codes.dtype == torch.int8:
+        rows = i8.decode(codes, scales)
+    else:
+        rows = codes.view(torch.float8_e4m3fn).float().view(R, w // FP8_RESIDUAL_GROUP, FP8_RESIDUAL_GROUP)
+        rows = rows.mul_(scales[..., None]).view(R, w)
     return rows[:, :piece["chunk"]].reshape(-1)[:piece["numel"]].clone()

@@ -82,7 +82,8 @@ class MomentumState(Protocol):
         """The most this state held in this process (committed and staged), bytes."""
 
     def export(self) -> dict:
-        """``{"momenta": {key: cpu fp32 tensor}, "steps_done": int}`` for a checkpoint."""
+        """``{"momenta": {key: cpu fp32 tensor, or the storage form}, "steps_done": int}`` (and ``"storage"`` when the
+        momenta are in a storage form) for a checkpoint."""
 
     def restore(self, saved: dict, device, scale: float = 1.0) -> None:
         """Put exported momenta back (multiplied by ``scale``: re-sharded ones are split evenly)."""
@@ -139,10 +140,19 @@ class _LocalMomentum:
         self.store.drop(keys)
 
     def export(self) -> dict:
+        """fp32 momenta (fp32 and bf16 storage: exact), or for int8 storage the store's own form (:meth:`ErrorFeedback.
+        export`, with ``"storage"``), which :meth:`restore` puts back bit for bit."""
+        if self.store.storage == "int8":
+            return {"momenta": self.store.export(), "storage": "int8", "steps_done": self.steps_done}
         return {"momenta": {k: v.detach().cpu() for k, v in self.store.residuals().items()}, "steps_done": self.steps_done}
 
     def restore(self, saved: dict, device, scale: float = 1.0) -> None:
-        self.store.load({k: (v.double() * scale).float().to(device) for k, v in saved["momenta"].items()})
+        storage = saved.get("storage", "fp32")
+        if storage == self.store.storage and scale == 1.0:
+            self.store.restore(saved["momenta"], storage, device)
+        else:
+            self.store.load({k: (ErrorFeedback.decode(v).double() * scale).float().to(device)
+                             for k, v in saved["momenta"].items()})
         self.steps_done = int(saved["steps_done"])
 
 

@@ -608,7 +608,7 @@ def _checked(state: DGCState, entries: Dict, kind: str, where: str) -> Dict:
         if key not in expected:
             raise DGCCheckpointError(f"deepspeed_dgc checkpoint {where} holds a {kind} for parameter {key!r}, which "
                                      "this model does not have (was it saved from another model?)")
-        numel = (value[0] if isinstance(value, tuple) else value).numel()
+        numel = value["numel"] if isinstance(value, dict) else (value[0] if isinstance(value, tuple) else value).numel()
         if numel != expected[key]:
             raise DGCCheckpointError(f"deepspeed_dgc checkpoint {where}: the {kind} of parameter {key!r} has {numel} "
                                      f"elements, this run needs {expected[key]} (the model or the topology differs "

@@ -95,9 +95,12 @@ class DGCState:
         """Whether the micro-step about to be reduced ends the accumulation window: its residuals and momenta are then
         staged in their storage form at once (:attr:`ErrorFeedback.final`)."""
         self.memory.final = final
+        # int8 storage's rounding noise: drawn afresh every step and rank, the same again in a resumed run
+        self.memory.round_seed = ("residual", self.global_rank, self.reducer.steps_applied)
         store = getattr(self.momentum, "store", None)  # every local momentum keeps its momenta in an ErrorFeedback
         if store is not None:
             store.final = final
+            store.round_seed = ("momentum", self.global_rank, self.reducer.steps_applied)
 
     def commit_step(self, applied: bool) -> None:
         """The optimizer step ended: commit this window's residuals and momenta if it was applied, roll them back

@@ -33,8 +33,9 @@ MASK = {"dgc": {"enabled": True, "residual_dtype": "bf16", "shared_mask": {"dens
 HIER = {"topology": "hierarchical", "ranks_per_node": 2}  # at 4 ranks: 2 nodes of 2
 MOMENTUM_HIER = {"dgc": dict(MOMENTUM["dgc"], residual_dtype="fp8", **HIER)}
 MC_HIER = dict(MC, dgc=dict({k: v for k, v in MC["dgc"].items() if k != "local_clip_norm"}, **HIER))
-DEMO_HIER = {"dgc": dict(DEMO["dgc"], **HIER)}
-MASK_HIER = {"dgc": dict(MASK["dgc"], **HIER)}
+DEMO_INT8 = {"dgc": dict(DEMO["dgc"], decoupled_momentum=dict(DEMO["dgc"]["decoupled_momentum"], storage="int8"))}
+DEMO_HIER = {"dgc": dict(DEMO_INT8["dgc"], **HIER)}
+MASK_HIER = {"dgc": dict(MASK["dgc"], residual_dtype="int8", **HIER)}
 _SHARED = {}
 
 
@@ -220,7 +221,7 @@ def test_world_size_2_saved_loaded_at_3():
 
 LOCAL_MOMENTUM = {  # case -> (ds_config, world size)
     "compressed_momentum": (MOMENTUM, 2), "momentum_correction": (MC, 2), "decoupled_momentum": (DEMO, 2),
-    "shared_mask": (MASK, 2), "compressed_momentum-fp8-2x2": (MOMENTUM_HIER, 4), "momentum_correction-2x2": (MC_HIER, 4),
+    "decoupled_momentum-int8": (DEMO_INT8, 2), "shared_mask": (MASK, 2), "compressed_momentum-fp8-2x2": (MOMENTUM_HIER, 4), "momentum_correction-2x2": (MC_HIER, 4),
     "decoupled_momentum-2x2": (DEMO_HIER, 4), "shared_mask-2x2": (MASK_HIER, 4)}
 
 
@@ -245,12 +246,13 @@ def local_momentum_runs():
 def test_resume_with_local_momentum_is_bit_identical(local_momentum_runs, case):
     """Saved at step 5, resumed in new processes: losses, parameters, residuals and the local momenta equal the
     uninterrupted run's bit for bit. compressed_momentum: frozen after step 3, and the resumed run is frozen again.
-    decoupled_momentum: INT2 coefficients, the momentum stored in bf16 (the sign update in the owners' step).
+    decoupled_momentum: INT2 coefficients, the momentum stored in bf16 (the sign update in the owners' step); ``-int8``
+    and ``-2x2``: stored in int8 with stochastic rounding (the noise drawn again the same after the resume).
     shared_mask: the masks are not saved but chosen again from the loaded Adam state, as after step 5.
     momentum_correction: SGD (density 0.1, INT4, masking, local clipping, weight decay, thresholds reused for 3
     steps): the velocities and the thresholds being reused are in the side-car, the weight-decay momentum in the
     optimizer state. ``-2x2``: the same on 4 ranks as 2 nodes of 2 (hierarchical topology: residuals and momenta of
-    the node-level sums; compressed momentum with fp8 residuals; the masks shared between nodes). The cases of a
+    the node-level sums; compressed momentum with fp8 residuals; the masks shared between nodes, int8 residuals). The cases of a
     world size save in one launch and resume in another, one after the other in the same processes."""
     config, world = LOCAL_MOMENTUM[case]
     full, second = local_momentum_runs[case]

@@ -31,7 +31,7 @@ def test_stage_commit_rollback():
     assert m.residual_norm() == pytest.approx(float(a.norm()), rel=1e-6)
 
 
-@pytest.mark.parametrize("storage", ["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize("storage", ["fp32", "bf16", "fp8", "int8"])
 def test_offloaded_residuals_equal_device_ones_and_reuse_their_host_buffers(storage):
     """residual_offload: every read gives the bits the same memory without offload gives, through commits, a
     rollback, a load and a new shape; the committed copies are host tensors whose buffers are allocated once per
@@ -79,12 +79,12 @@ def test_residual_storage_round_trip_and_bytes(storage, rel):
     assert m.state_bytes() == {"fp32": 4000, "bf16": 2000, "fp8": 1000 + 4 * 8}[storage]
     m.load({2: r})
     assert set(m.committed) == {2} and torch.allclose(m.residuals()[2], back)
-    with pytest.raises(ValueError, match="unknown residual storage 'fp16'; allowed: fp32, bf16, fp8"):
+    with pytest.raises(ValueError, match="unknown residual storage 'fp16'; allowed: fp32, bf16, fp8, int8"):
         ErrorFeedback("fp16")
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
-@pytest.mark.parametrize("storage", ["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize("storage", ["fp32", "bf16", "fp8", "int8"])
 def test_a_window_end_stage_holds_the_storage_form_and_commits_the_same_bits(storage, offload):
     """``final`` (the accumulation window's last micro-step): the residual is staged in the storage form at once, so
     the window holds storage bytes instead of an fp32 copy; what it reads back, commits and exports are the bits the
@@ -102,7 +102,7 @@ def test_a_window_end_stage_holds_the_storage_form_and_commits_the_same_bits(sto
     for m in (plain, early):
         for k, r in second.items():
             m.stage(k, r.clone())
-    per_element = {"fp32": 4.0, "bf16": 2.0, "fp8": 1.0 + 4.0 / 128}[storage]
+    per_element = {"fp32": 4.0, "bf16": 2.0, "fp8": 1.0 + 4.0 / 128, "int8": 1.0 + 2.0 / 64}[storage]
     assert plain.staged_bytes() == 4 * 1300  # fp32 until the commit
     assert early.staged_bytes() == pytest.approx(per_element * 1300, abs=8)
     # the most held: the committed residuals and the window's staged ones together
@@ -115,10 +115,11 @@ def test_a_window_end_stage_holds_the_storage_form_and_commits_the_same_bits(sto
         assert torch.equal(early.get(k), plain_committed.get(k))
     early_rb = ErrorFeedback(storage)
     early_rb.load({k: plain.committed_value(k) for k in first})
+    before = early_rb.get(1)
     early_rb.final = True
     early_rb.stage(1, torch.randn(300, generator=g))
     early_rb.rollback()
-    assert torch.equal(early_rb.get(1), plain.committed_value(1))  # the committed residual, as before the window
+    assert torch.equal(early_rb.get(1), before)  # the committed residual, as before the window
     for m in (plain, early):
         m.commit()
     for k in second:
@@ -130,10 +131,12 @@ def test_a_window_end_stage_holds_the_storage_form_and_commits_the_same_bits(sto
     assert early.state_bytes() == plain.state_bytes()
 
 
-STORAGE_REL = {"fp32": 0.0, "bf16": 2.0**-8, "fp8": 2.0**-4}
+# what one stored residual may lose, relative to the largest residual (int8: one step, its group's absmax / 127, the
+# scale rounded up to bf16)
+STORAGE_REL = {"fp32": 0.0, "bf16": 2.0**-8, "fp8": 2.0**-4, "int8": (1 + 2.0**-7) / 127}
 
 
-@pytest.mark.parametrize("storage", ["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize("storage", ["fp32", "bf16", "fp8", "int8"])
 @pytest.mark.parametrize("fmt", ["int4", "int1"])
 def test_error_feedback_conserves_every_gradient(storage, fmt):
     """One sender, 20 steps of top-1% with INT4 or INT1 through the reference encoder and the wire: what the
@@ -169,3 +172,60 @@ def test_error_feedback_conserves_every_gradient(storage, fmt):
     final = memory.get(0).double()
     torch.testing.assert_close(sent_total + final, grad_total, rtol=0, atol=1e-4 + lost)
     assert float(sent_total.abs().sum()) > 0.1 * float(grad_total.abs().sum())  # a real share of the gradient went out
+
+
+def test_int8_storage_round_trip_bytes_and_unbiased_rounding():
+    """int8: every stored value within one step (its group's bf16 scale) of the fp32 value, 1 + 2/64 bytes per element;
+    averaged over many seeds the stored values approach the float64 values (stochastic rounding is unbiased): within
+    5 standard errors of a rounding whose variance is at most step^2 / 4. Fresh random inputs."""
+    from deepspeed_dgc.memory import int8_storage as i8
+    seed = int(torch.randint(1 << 30, ()))
+    r = _values(1000, seed)
+    m = ErrorFeedback("int8")
+    m.stage(1, r.clone())
+    m.commit()
+    codes, scales = m.committed[1]
+    assert codes.dtype == torch.int8 and scales.dtype == torch.bfloat16 and m.state_bytes() == 1000 + 2 * 16
+    step = scales.float().repeat_interleave(64)[:1000]
+    assert bool(((m.get(1) - r).abs() <= step * (1 + 1e-6)).all())
+    assert bool((step >= r.abs().view(-1).new_zeros(1024).index_copy_(0, torch.arange(1000), r.abs()).view(16, 64)
+                 .amax(dim=1).repeat_interleave(64)[:1000] / 127).all())  # the scale never clips a value
+    n_seeds, total = 400, torch.zeros(1000, dtype=torch.float64)
+    for k in range(n_seeds):
+        m.round_seed = (seed, k)
+        m.stage(1, r.clone())
+        m.commit()
+        total += m.get(1).double()
+    bias = (total / n_seeds - r.double()).abs()
+    assert bool((bias <= 5 * step.double() / 2 / n_seeds**0.5 + 1e-12).all()), float((bias / step).max())
+    m.round_seed = (seed, 0)  # the same seed draws the same noise
+    again = ErrorFeedback("int8")
+    again.round_seed = (seed, 0)
+    for x in (m, again):
+        x.stage(1, r.clone())
+        x.commit()
+    assert torch.equal(m.get(1), again.get(1))
+    assert i8.group_for(16) == 16 and i8.group_for(128) == 64 and i8.group_for(96) == 32
+
+
+@pytest.mark.parametrize("storage, lo, hi", [("int8", 0.98, 1.02), ("bf16", 1.3, 2.0)])
+def test_a_decaying_momentum_keeps_its_decay_in_int8_not_in_bf16(storage, lo, hi):
+    """``m <- 0.999 m + g`` for 500 steps with small ``g``, stored after every step, against the float64 oracle: with
+    int8's stochastic rounding the stored momentum's projection on the oracle stays near 1 (unbiased); bf16 rounds
+    0.999 m back to m, so the decay is lost and the momentum stays too large (why bf16 momentum drifts on long
+    runs). Fresh random inputs."""
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    n = 4096
+    store = ErrorFeedback(storage)
+    store.stage("m", torch.randn(n, generator=g))
+    store.commit()
+    oracle = store.get("m").double()
+    for t in range(500):
+        gt = torch.randn(n, generator=g) * 1e-3
+        store.round_seed = (t, )
+        store.stage("m", store.get("m") * 0.999 + gt)
+        store.commit()
+        oracle = oracle * 0.999 + gt.double()
+    got = store.get("m").double()
+    projection = float((got * oracle).sum() / (oracle * oracle).sum())
+    assert lo <= projection <= hi, projection
