@@ -133,7 +133,10 @@ class DGCStats:
     world_size: int = 1  # of the data-parallel group (set at install)
     n_params: int = 0  # elements of the model's parameters (set at install)
     state_bytes: int = 0  # the extension's persistent state on this rank after the last step (bytes)
-    host_state_bytes: int = 0  # the part of it in host memory (residual_offload), bytes
+    # what it holds in host memory (residual_offload, decoupled_momentum.offload): the committed state there, and the
+    # second host buffer of each bucket's block that the next window writes back into (bytes); the device holds
+    # state_bytes less the committed part on the host
+    host_state_bytes: int = 0
     # the most the extension's state held on this rank in this process: committed plus a window's staged residuals
     # and momenta, at any stage (each at its own peak; bytes; the bucket path's buffers, one bucket at a time, aside)
     peak_state_bytes: int = 0

@@ -17,6 +17,7 @@ import torch
 from ..codec.formats import FP8_MAX, dequantize_weights
 from ..codec.layout import BucketLayout, Workspace, slabs
 from . import int8_storage as i8
+from .offload import HostCopies, pinned_like
 
 # bytes per element of each storage dtype of committed residuals (fp8: one code plus an fp32 scale per 128; int8: one
 # code plus a bf16 scale per 64, stochastically rounded, :mod:`.int8_storage`)
@@ -31,11 +32,13 @@ class Block:
     and an fp32 absmax scale per 128 columns of a row (``(R, C / 128)``; blocks are aligned to 128, so a group never
     spans two tensors), or for int8 its codes (int8 ``(R, C)``) and a bf16 scale per ``g`` columns (``(R, C / g)``,
     ``g = int8_storage.group_for(layout.align)``). ``numels``: elements of each key's residual (``n_i``, or ``R c_i`` on the hierarchical
-    topology), in the layout's tensor order."""
+    topology), in the layout's tensor order. ``host``: the parts are pinned host buffers (``offload``), copied there
+    by :class:`~deepspeed_dgc.memory.offload.HostCopies` (perhaps still in flight)."""
     layout: BucketLayout
     keys: Tuple[Hashable, ...]
     numels: Tuple[int, ...]
     parts: Tuple[torch.Tensor, ...]
+    host: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -57,7 +60,13 @@ class ErrorFeedback:
     fed back. During a backward pass the staged fp32 copies
     add up to 4 bytes per element.
 
-    With ``offload``, committed residuals live in pinned host memory (DeepSpeed's accelerator
+    With ``offload``, committed residuals live in pinned host memory. A bucket's block (the fixed
+    layout) is written back when it is staged at the window's last micro-step, into a second host
+    buffer (the committed one stays for a rollback), and fetched ahead of its bucket: the first
+    bucket right after the commit (during the next forward), each next one while the one before is
+    reduced; both copies run beside the backward (:class:`~deepspeed_dgc.memory.offload.HostCopies`:
+    a side stream on a GPU, a thread on the CPU), and the host holds two buffers per block. A
+    residual kept per key (the exact layout) lives in pinned host memory (DeepSpeed's accelerator
     ``pin_memory``; one buffer per key, allocated once and overwritten at each commit): each commit
     copies the encoded residual there asynchronously on the current stream, and :meth:`get` copies it
     back to the device the residuals were staged on, also asynchronously. DeepSpeed's ZeRO-3 orders
@@ -95,6 +104,11 @@ class ErrorFeedback:
         # bucket-level state (the fixed layout and the fixed-size codecs): bucket keys -> Block
         self.blocks: Dict[Tuple[Hashable, ...], Block] = {}
         self.staged_blocks: Dict[Tuple[Hashable, ...], Block] = {}
+        # offload of blocks: the copies, the second host buffers per bucket, and the buckets' order (this step's, last)
+        self._copies: Optional[HostCopies] = None
+        self._spare: Dict[Tuple[Hashable, ...], Tuple[torch.Tensor, ...]] = {}
+        self._order: List[Tuple[Hashable, ...]] = []
+        self._last_order: List[Tuple[Hashable, ...]] = []
 
     def _encode(self, r: torch.Tensor, key: Hashable):
         if self.storage == "fp32":
@@ -109,12 +123,14 @@ class ErrorFeedback:
         """The int8 rounding noise's seed for a key or a bucket's keys at this step (:attr:`round_seed`)."""
         return i8.round_seed(*self.round_seed, ident)
 
-    def _encode_block_(self, A: torch.Tensor, layout: BucketLayout, bkey) -> Tuple[torch.Tensor, ...]:
-        """A block's fp32 ``(R, C)`` matrix in the (non-fp32) storage form; ``A`` may be overwritten."""
+    def _encode_block_(self, A: torch.Tensor, layout: BucketLayout, bkey,
+                       ws: Optional[Workspace] = None) -> Tuple[torch.Tensor, ...]:
+        """A block's fp32 ``(R, C)`` matrix in the (non-fp32) storage form; ``A`` may be overwritten; ``ws``: dead
+        memory for int8's noise."""
         if self.storage == "bf16":
             return (A.to(torch.bfloat16), )
         if self.storage == "int8":
-            return i8.encode_(A, i8.group_for(layout.align), self._seed(bkey))
+            return i8.encode_(A, i8.group_for(layout.align), self._seed(bkey), ws)
         return _fp8_encode_(A)
 
     def _codec(self, device_type: str):
@@ -204,6 +220,7 @@ class ErrorFeedback:
         ``(codes, scales)`` pairs for fp8; a key kept in a bucket's block (:meth:`add_block`) as its flat residual
         (fp32, bf16), or for fp8 as a dict of its block's columns (``{"codes", "scales", "chunk", "numel"}``).
         :meth:`restore` puts them back bit for bit."""
+        self._settle()
         if self.offload and self.device is not None and self.device.type != "cpu":
             from deepspeed.accelerator import get_accelerator
             get_accelerator().synchronize()  # the last commit's copies into the host buffers are done
@@ -219,8 +236,8 @@ class ErrorFeedback:
         if storage != self.storage:
             self.load({k: self.decode(v).to(device) for k, v in stored.items()})
             return
-        self.committed, self.staged, self.device = {}, {}, torch.device(device)
-        self.blocks, self.staged_blocks = {}, {}
+        self.clear()
+        self.device = torch.device(device)
         for k, v in stored.items():
             if isinstance(v, dict):  # a block's columns: assembled into its block when the bucket comes (add_block)
                 self.committed[k] = {n: (t.to(device) if torch.is_tensor(t) else t) for n, t in v.items()}
@@ -240,7 +257,7 @@ class ErrorFeedback:
 
     def load(self, residuals: Dict[Hashable, torch.Tensor]) -> None:
         """Replace all state by these fp32 residuals (stored in ``storage``); nothing staged."""
-        self.committed, self.staged, self.blocks, self.staged_blocks = {}, {}, {}, {}
+        self.clear()
         for k, v in residuals.items():
             self.committed[k] = self._store(k, v.float())
         self._recount()
@@ -304,7 +321,7 @@ class ErrorFeedback:
             block = self._adopt(bkey, numels, layout, A.device)
             if block is None:
                 return False
-        parts = [p.to(A.device, non_blocking=True) for p in block.parts] if self.offload else block.parts
+        parts = self._fetch_block(bkey, block, A.device) if block.host else block.parts
         if parts[0].dtype == torch.float32 and scale is None:
             A.add_(parts[0])
             return True
@@ -332,8 +349,9 @@ class ErrorFeedback:
         return True
 
     def stage_block(self, keys: Sequence[Hashable], numels: Sequence[int], layout: BucketLayout,
-                    A: torch.Tensor) -> bool:
-        """Stage ``A`` (fp32 ``(R, C)``, padding 0, unscaled) as the bucket's residuals for commit after the step.
+                    A: torch.Tensor, ws: Optional[Workspace] = None) -> bool:
+        """Stage ``A`` (fp32 ``(R, C)``, padding 0, unscaled) as the bucket's residuals for commit after the step
+        (``ws``: dead memory for the encoding's temporaries).
 
         Returns:
             True when the store now holds ``A`` itself (fp32 storage, or any storage before the window's last
@@ -343,8 +361,10 @@ class ErrorFeedback:
         if self.storage == "fp32" or not self.final:
             parts, held = (A, ), True
         else:
-            parts, held = self._encode_block_(A, layout, bkey), False
+            parts, held = self._encode_block_(A, layout, bkey, ws), False
         block = Block(layout, bkey, tuple(int(n) for n in numels), parts)
+        if self.offload and self.final:  # the window's state: written back now, beside the rest of the backward
+            block = self._write_back(bkey, block)
         old = self.staged_blocks.get(bkey)
         self._staged_nbytes += block.nbytes - (0 if old is None else old.nbytes)
         self.staged_blocks[bkey] = block
@@ -354,6 +374,8 @@ class ErrorFeedback:
     def _block_matrix(self, block: Block) -> torch.Tensor:
         """A block decoded to fp32 ``(R, C)`` (a new tensor, where it lies)."""
         parts = block.parts
+        if block.host:
+            self._settle()
         if len(parts) == 1:
             return parts[0].float().clone() if parts[0].dtype == torch.float32 else parts[0].float()
         if parts[0].dtype == torch.int8:
@@ -438,39 +460,81 @@ class ErrorFeedback:
             if self.storage != "fp32" and len(block.parts) == 1 and block.parts[0].dtype == torch.float32:
                 block = Block(block.layout, block.keys, block.numels,  # staged before the window's end: encode now
                               self._encode_block_(block.parts[0], block.layout, bkey))
-            if self.offload:
-                block = self._block_to_host(bkey, block)
+            if self.offload and not block.host:
+                block = self._write_back(bkey, block)
+            old = self.blocks.get(bkey)
+            if old is not None and old.host:  # the committed buffers take the next window's write-back
+                self._spare[bkey] = old.parts
             self.blocks[bkey] = block
         self.staged_blocks = {}
+        if self._copies is not None:
+            if not self._copies.cuda:
+                self._copies.wait()  # the CPU's write-backs (issued during the backward) are done
+            self._last_order, self._order = self._order or self._last_order, []
+            self._prefetch_after(None)  # the first bucket of the next step, during its forward
         self._recount()
 
-    def _block_to_host(self, bkey, block: Block) -> Block:
-        """The block's parts copied into pinned host buffers (reused across commits when their shapes match)."""
-        from deepspeed.accelerator import get_accelerator
-        old = self.blocks.get(bkey)
-        parts = []
-        for i, part in enumerate(block.parts):
-            buf = old.parts[i] if old is not None and i < len(old.parts) else None
-            if buf is None or buf.shape != part.shape or buf.dtype != part.dtype or buf.device.type != "cpu":
-                buf = get_accelerator().pin_memory(torch.empty(part.shape, dtype=part.dtype, device="cpu"))
-            if part.is_cuda:
-                part.record_stream(torch.cuda.current_stream(part.device))
-            parts.append(buf.copy_(part, non_blocking=True))
+    # ---- offloaded blocks ---------------------------------------------------------------------------------------
+
+    def _host_copies(self, device) -> HostCopies:
+        if self._copies is None:
+            self._copies = HostCopies(device)
+        return self._copies
+
+    def _write_back(self, bkey, block: Block) -> Block:
+        """``block`` (on the device) copied into ``bkey``'s second host buffers, asynchronously: the staged block."""
         self.device = block.parts[0].device
-        return Block(block.layout, block.keys, block.numels, tuple(parts))
+        spare = self._spare.pop(bkey, ())
+        if len(spare) != len(block.parts) or any(h.shape != p.shape or h.dtype != p.dtype
+                                                 for h, p in zip(spare, block.parts)):
+            spare = tuple(pinned_like(p) for p in block.parts)
+        self._host_copies(self.device).write_back(block.parts, spare)
+        return Block(block.layout, block.keys, block.numels, tuple(spare), host=True)
+
+    def _fetch_block(self, bkey, block: Block, device) -> Tuple[torch.Tensor, ...]:
+        """A host block's parts on ``device`` (prefetched where they were), and the next bucket's fetch started."""
+        copies = self._host_copies(device)
+        parts = copies.fetch(bkey, block.parts)
+        self._order.append(bkey)
+        self._prefetch_after(bkey)
+        return parts
+
+    def _prefetch_after(self, bkey) -> None:
+        """Start fetching the committed host block of the bucket that came after ``bkey`` last step (None: the
+        first)."""
+        order = self._last_order
+        i = 0 if bkey is None else (order.index(bkey) + 1 if bkey in order else len(order))
+        if i < len(order):
+            nxt = self.blocks.get(order[i])
+            if nxt is not None and nxt.host and order[i] not in self.staged_blocks:
+                self._copies.prefetch(order[i], nxt.parts)
+
+    def _settle(self) -> None:
+        """Every write-back done and no fetch in flight: the host buffers may be read or changed here."""
+        if self._copies is not None:
+            self._copies.wait()
+            for bkey in list(self._copies.pending()):
+                self._copies.drop_prefetch(bkey)
 
     def rollback(self) -> None:
         """The step was skipped (overflow): forget this window's residual updates."""
+        self._settle()
+        for bkey, block in self.staged_blocks.items():
+            if block.host:
+                self._spare[bkey] = block.parts
         self.staged, self.staged_blocks = {}, {}
         self._recount()
 
     def clear(self) -> None:
         """Forget every residual, committed and staged (a new phase of training, or state that cannot be loaded)."""
+        self._settle()
         self.committed, self.staged, self.blocks, self.staged_blocks = {}, {}, {}, {}
+        self._spare, self._order, self._last_order = {}, [], []
         self._recount()
 
     def drop(self, keys) -> None:
         """Forget the residuals of these keys (parameters that no longer train)."""
+        self._settle()
         keys = set(keys)
         for k in keys:
             self.committed.pop(k, None)
@@ -506,8 +570,19 @@ class ErrorFeedback:
         return sum(self._nbytes(v) for v in self.staged.values()) + sum(b.nbytes for b in self.staged_blocks.values())
 
     def host_state_bytes(self) -> int:
-        """Bytes of committed residuals in host memory: all of them with ``offload``, else 0."""
-        return self.state_bytes() if self.offload else 0
+        """Bytes in host memory with ``offload`` (else 0): every committed residual, and the second host buffer of
+        each bucket's block (the next window's write-back goes there)."""
+        if not self.offload:
+            return 0
+        per_key = sum(self._nbytes(v) for v in self.committed.values())
+        return (per_key + sum(b.nbytes for b in self.blocks.values() if b.host)
+                + sum(t.numel() * t.element_size() for parts in self._spare.values() for t in parts))
+
+    def device_state_bytes(self) -> int:
+        """Bytes held between steps on the device: the committed state not on the host (a block restored from a
+        checkpoint is there until its first commit)."""
+        per_key = 0 if self.offload else sum(self._nbytes(v) for v in self.committed.values())
+        return per_key + sum(b.nbytes for b in self.blocks.values() if not b.host)
 
 
 def _bucket(block: Block) -> Tuple[Hashable, ...]:

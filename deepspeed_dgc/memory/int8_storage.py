@@ -2,8 +2,8 @@
 
 Each group of ``group`` consecutive values of a row (64 by default) is stored as int8 codes ``c`` in [-127, 127] and one
 bf16 absmax scale ``s`` (the group's largest magnitude over 127, rounded up to bf16), so a value decodes as ``c * s``:
-``1 + 2 / 64 = 1.03125`` bytes per element. The codes are rounded stochastically (``floor(v) + [u < v - floor(v)]``,
-``u`` uniform in [0, 1)), so a stored value is unbiased: ``E[c s] = x``. Round-to-nearest would drop every change below
+``1 + 2 / 64 = 1.03125`` bytes per element. The codes are rounded stochastically (``floor(v + u)``, ``u`` uniform in
+[0, 1)), so a stored value is unbiased: ``E[c s] = x``. Round-to-nearest would drop every change below
 half a step, and a momentum that decays by 0.999 per step changes by less than that at almost every element (with
 bf16 and round-to-nearest the decay itself is lost); stochastic rounding keeps such changes in expectation (Gupta et
 al., "Deep Learning with Limited Numerical Precision", ICML 2015, section 3; as in Q-GaLore's and Dettmers et al.'s
@@ -24,6 +24,7 @@ import torch
 INT8_GROUP = 64  # values per bf16 scale
 INT8_BYTES = 1.0 + 2.0 / INT8_GROUP  # bytes per element
 SLAB_ELEMENTS = 1 << 22  # values rounded per generator draw: the noise temporary is at most 16 MiB
+MIN_SLABS = 4  # ... and at most a quarter of the matrix
 
 _GENERATORS: Dict[str, torch.Generator] = {}
 
@@ -59,12 +60,13 @@ def group_for(align: int) -> int:
     return g
 
 
-def encode_(A: torch.Tensor, group: int, seed: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def encode_(A: torch.Tensor, group: int, seed: int, ws=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """INT8 codes and bf16 absmax scales of ``A``, rounded stochastically; ``A`` is overwritten.
 
     Args:
         A: fp32 ``(R, C)``, ``C`` a multiple of ``group``; group: values per scale (a power of two); seed: the noise's
-            seed (:func:`round_seed`).
+            seed (:func:`round_seed`); ws: a :class:`~deepspeed_dgc.codec.layout.Workspace` of dead memory for the
+            noise (4 bytes per value of a slab), or None.
 
     Returns:
         ``(codes, scales)``: int8 ``(R, C)`` and bf16 ``(R, C / group)``. A non-finite value makes its group's scale
@@ -77,13 +79,18 @@ def encode_(A: torch.Tensor, group: int, seed: int) -> Tuple[torch.Tensor, torch
     s = scales.float()
     groups.div_(torch.where(s > 0, s, torch.ones_like(s))[..., None])  # now |v| <= 127 (up to one fp32 rounding)
     codes = torch.empty(R, C, dtype=torch.int8, device=A.device)
-    width = max(group, (SLAB_ELEMENTS // max(R, 1)) // group * group)
+    # at least MIN_SLABS slabs (the noise of one is a quarter of the matrix, so it fits in memory the bucket freed),
+    # their widths set by the shape alone, so the same shape draws the same noise whatever memory is free
+    width = max(group, min(SLAB_ELEMENTS // max(R, 1), -(-C // MIN_SLABS)) // group * group)
     for i, c0 in enumerate(range(0, C, width)):
         v = A[:, c0:c0 + width]
-        low = torch.floor(v)
-        noise = torch.rand(v.shape, generator=_generator(A.device, seed + i), device=A.device)
-        up = noise.lt_(v.sub_(low))  # u < frac: P = frac; an integer v is never moved
-        codes[:, c0:c0 + width].copy_(low.add_(up).clamp_(-127.0, 127.0))
+        mark = ws.mark() if ws is not None else None
+        noise = ws.take(v.shape, torch.float32, A.device) if ws is not None else torch.empty(v.shape, device=A.device)
+        torch.rand(v.shape, generator=_generator(A.device, seed + i), device=A.device, out=noise)
+        # floor(v + u), u uniform in [0, 1): up with probability frac(v), so E[code] = v
+        codes[:, c0:c0 + width].copy_(noise.add_(v).floor_().clamp_(-127.0, 127.0))
+        if ws is not None:
+            ws.release(mark)
     return codes, scales
 
 

@@ -93,8 +93,8 @@ class _LocalMomentum:
     """What the states share: momenta per key in an :class:`~deepspeed_dgc.memory.error_feedback.ErrorFeedback`
     store (fp32, staged and committed like residuals) and the count of applied steps."""
 
-    def __init__(self, storage: str = "fp32"):
-        self.store = ErrorFeedback(storage)
+    def __init__(self, storage: str = "fp32", offload: bool = False):
+        self.store = ErrorFeedback(storage, offload=offload)
         self.steps_done = 0
 
     @staticmethod
@@ -245,7 +245,7 @@ class DecoupledMomentum(_LocalMomentum):
     sending = True
 
     def __init__(self, cfg: DecoupledMomentumConfig):
-        super().__init__(cfg.storage)
+        super().__init__(cfg.storage, cfg.offload)
         self.cfg = cfg
 
     def sources(self, keys, grads, divisor):

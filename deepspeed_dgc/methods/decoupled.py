@@ -49,7 +49,7 @@ class DecoupledMomentumMethod(GradientMethod):
         fingerprint = wire.fingerprint([bucket.fingerprint, "decoupled", plan.chunk, plan.topk, plan.transform,
                                         plan.value_format, plan.group_size])
         payloads, kept = dct.encode(A, L, plan, fingerprint, ws)
-        if not state.store.stage_block(bucket.keys, res_numels, L, A):
+        if not state.store.stage_block(bucket.keys, res_numels, L, A, ws):
             ws.add(A.view(-1).view(torch.uint8))
         if exchange.comm is None:  # one row: decoded here, nothing sent
             received = payloads

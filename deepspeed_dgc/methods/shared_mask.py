@@ -70,7 +70,7 @@ class SharedMaskMethod(GradientMethod):
                                         cfg.group_size])
         payloads = masked.encode(A, cols, plan, fingerprint)
         if self.cfg.error_feedback:
-            r.memory.stage_block(bucket.keys, res_numels, L, A)
+            r.memory.stage_block(bucket.keys, res_numels, L, A, ws)
         r.check_first_bucket(exchange.comm, fingerprint)
         received = exchange.comm.all_to_all_fixed(payloads)
         out, bad = masked.decode_sum(received, cols[exchange.row], L.columns, plan, fingerprint)

@@ -167,7 +167,7 @@ class TopKFixed(GradientMethod):
                                 _rounding_generator(r, bucket, device), ops)
         if on_exchanged is not None and ef:
             on_exchanged(before, [L.flat_of(A, i, n) for i, n in enumerate(res_numels)])
-        held = ef and r.memory.stage_block(bucket.keys, res_numels, L, A)
+        held = ef and r.memory.stage_block(bucket.keys, res_numels, L, A, ws)
         if not held:  # the owner matrix is dead: what follows may use its memory
             ws.add(A.view(-1).view(torch.uint8))
         if exchange.comm is None:

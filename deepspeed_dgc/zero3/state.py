@@ -133,7 +133,8 @@ class DGCState:
     def close_step(self, applied: bool, uncovered_gather_bytes: int = 0) -> StepStats:
         """Close the step's telemetry (after :meth:`commit_step`); log it every ``stats_interval`` steps."""
         self.stats.state_bytes = self.memory.state_bytes() + (self.momentum.state_bytes() if self.momentum else 0)
-        self.stats.host_state_bytes = self.memory.host_state_bytes()
+        store = getattr(self.momentum, "store", None)
+        self.stats.host_state_bytes = self.memory.host_state_bytes() + (store.host_state_bytes() if store else 0)
         log_now = (self.stats.steps + 1) % self.cfg.stats_interval == 0
         s = self.stats.end_step(not applied, self.memory.residual_norm() if log_now else None, uncovered_gather_bytes)
         if log_now:

@@ -154,6 +154,9 @@ OVERFLOW = {
     "bf16_decoupled": Train(config={"dgc": {"enabled": True, "decoupled_momentum": {"chunk": 16, "topk": 3,
                                                                                      "quantization": "int2"}},
                                     "bf16": {"enabled": True}}),
+    # the same in int8 on the host: the window's write-back went to the second host buffer, the committed one stays
+    "bf16_decoupled_int8_offload": Train(config={"dgc": {"enabled": True, "decoupled_momentum": {
+        "chunk": 16, "topk": 3, "quantization": "int2", "storage": "int8", "offload": True}}, "bf16": {"enabled": True}}),
     # 4 ranks as 2 nodes of 2 (OVERFLOW_WORLD): node-level momenta and fp8 residuals roll back
     "bf16_momentum_2x2": Train(config={"dgc": dict(SPARSE, residual_dtype="fp8", topology="hierarchical",
                                                    ranks_per_node=2, compressed_momentum={
@@ -191,7 +194,7 @@ def test_inf_on_one_rank_skips_step_everywhere(overflow_runs, case):
     ``bf16_gas4_micro1``: 4 micro-steps per step, the Inf in the second only: the residuals the other three staged
     roll back too. ``bf16_momentum_2x2``: the same on 4 ranks as 2 nodes of 2 (hierarchical: node-level momenta, fp8
     residuals). ``bf16_decoupled``: decoupled momentum (no residual; the sign step would turn NaN into NaN
-    weights): its momenta roll back and stay finite."""
+    weights): its momenta roll back and stay finite; ``_int8_offload``: stored in int8 in host memory."""
     runs, out = overflow_runs
     job, ranks = OVERFLOW[case], runs[case]
     for r, rec in enumerate(ranks):
@@ -199,7 +202,7 @@ def test_inf_on_one_rank_skips_step_everywhere(overflow_runs, case):
         for x, y in zip(rec.params[2], rec.params[3]):  # params before / after step 2
             assert torch.equal(x, y)
         assert not all(torch.equal(x, y) for x, y in zip(rec.params[3], rec.params[4]))  # step 3 applied
-        kept = rec.momenta if case == "bf16_decoupled" else rec.residuals  # what error feedback holds
+        kept = rec.momenta if case.startswith("bf16_decoupled") else rec.residuals  # what error feedback holds
         assert kept[1], "sparse compression left no residuals"
         for res in kept:
             assert all(bool(torch.isfinite(v).all()) for v in res.values())
@@ -466,6 +469,7 @@ MEMORY = {  # case -> (the "dgc" section, bf16 engine); the device path: the fix
     "dense_int4": ({"enabled": True, "layout": "fixed"}, False),
     "sparse_int4": ({"enabled": True, "density": 0.1, "quantization": "int4", "layout": "fixed"}, False),
     "decoupled_momentum": ({"enabled": True, "decoupled_momentum": {}}, False),
+    "decoupled_momentum_int8": ({"enabled": True, "decoupled_momentum": {"storage": "int8"}}, False),
     "dense_int4_bf16": ({"enabled": True, "layout": "fixed"}, True),
     "sparse_int4_bf16": ({"enabled": True, "density": 0.1, "quantization": "int4", "layout": "fixed"}, True),
 }
@@ -487,15 +491,17 @@ def test_the_bucket_path_keeps_its_temporaries_and_state_within_budget(memory_ru
     """A model of about 250k parameters in one bucket, 2 ranks, the device path: the bytes of every tensor
     deepspeed_dgc's ops make, counted by a dispatch mode from before initialize (``HostSyncCounter(track_bytes=True)``).
     Between steps (at the start of steps 2-4) what is alive is the documented state (fp8 residuals: 1 B plus an fp32
-    scale per 128 of the padded owner matrix; decoupled momentum: 4 B per padded element, chunks of 64), which the
+    scale per 128 of the padded owner matrix; decoupled momentum: 4 B per padded element, chunks of 64, or in int8 1 B
+    plus a bf16 scale per 64), which the
     telemetry also reports, plus less than 0.5 B per parameter (the per-shape plans, the DCT basis). Within a step,
     the most alive at once above that is at most 6 B per bucket element with fp32 gradients (the owner matrix 4 B, the
     staged fp8 residual 1 B, what does not fit ZeRO-3's dead bucket memory). bf16 gradients leave half the dead
     memory: the issue's 4 B for them is not met (about 6.0 B dense, 7.9 B at density 0.1); 8 B guards against worse."""
     dgc, bf16 = MEMORY[case]
     numels = [98304, 4096, 151552, 37]  # WideNet: 24 -> 4096 -> 37
-    if "decoupled_momentum" in dgc:
-        documented = 4 * padded_elements(numels, 2, 2, 64)
+    if "decoupled_momentum" in dgc:  # int8: a bf16 scale per 64
+        per_element = 1 + 2 / 64 if dgc["decoupled_momentum"].get("storage") == "int8" else 4
+        documented = per_element * padded_elements(numels, 2, 2, 64)
     else:
         documented = padded_elements(numels, 2, 2, 128) * (1 + 4 / 128)
     for rec in memory_runs[case]:
@@ -505,3 +511,27 @@ def test_the_bucket_path_keeps_its_temporaries_and_state_within_budget(memory_ru
         for m in rec.memory[1:]:
             assert documented <= m.live_at_start <= documented + 0.5 * n, (m, documented)
             assert m.peak_new <= (8 if bf16 else 6) * n, (m.peak_new / n, case)
+
+
+def test_decoupled_momentum_on_the_host_equals_it_on_the_device():
+    """``decoupled_momentum.offload``: the momentum kept in host memory between steps (written back when staged,
+    fetched ahead of its bucket) trains bit-identically to the same run keeping it on the device, in int8 and fp32
+    storage, with gradient accumulation over 2 micro-steps (the first stages fp32 on the device) and 2 buckets; the
+    telemetry counts the host's bytes (the committed state and the second buffers: twice the state)."""
+    dm = {"chunk": 16, "topk": 3, "quantization": "int2"}
+    jobs = {}
+    for storage in ("int8", "fp32"):
+        for offload in (False, True):
+            dgc = {"enabled": True, "decoupled_momentum": dict(dm, storage=storage, offload=offload)}
+            jobs[f"{storage}_{offload}"] = Train(config={"dgc": dgc, "zero_optimization": {"reduce_bucket_size": 2000}},
+                                                 gas=2, steps=5)
+    runs = run_scenarios(jobs)
+    for storage in ("int8", "fp32"):
+        device, host = runs[f"{storage}_False"], runs[f"{storage}_True"]
+        for r in range(2):
+            assert host[r].losses == device[r].losses
+            assert all(torch.equal(x, y) for x, y in zip(host[r].params[-1], device[r].params[-1]))
+            mom_d, mom_h = device[r].momenta[-1], host[r].momenta[-1]
+            assert mom_d.keys() == mom_h.keys() and all(torch.equal(mom_d[k], mom_h[k]) for k in mom_d)
+            assert device[r].stats["host_state_bytes"] == 0
+            assert host[r].stats["host_state_bytes"] == 2 * host[r].stats["state_bytes"] > 0

@@ -229,3 +229,38 @@ def test_a_decaying_momentum_keeps_its_decay_in_int8_not_in_bf16(storage, lo, hi
     got = store.get("m").double()
     projection = float((got * oracle).sum() / (oracle * oracle).sum())
     assert lo <= projection <= hi, projection
+
+
+@pytest.mark.parametrize("storage", ["fp32", "bf16", "fp8", "int8"])
+def test_offloaded_blocks_equal_device_ones_with_two_host_buffers(storage):
+    """Bucket blocks with ``offload``: staged at the window's end and written back at once (a thread on the CPU),
+    fetched ahead of their bucket, through commits and a rollback, every read equals the same store on the device,
+    bit for bit; the device holds none of it between steps, the host the committed blocks and a second buffer each
+    (the window writes into the one the commit does not hold, so a rollback keeps the committed one); the two buffers
+    alternate and are allocated once. Fresh random inputs."""
+    from deepspeed_dgc.codec.layout import layout_for
+    seed = int(torch.randint(1 << 30, ()))
+    numels = [1000, 3000, 256]
+    L = layout_for(numels, 2, (0, 1), 128)
+    plain, off = ErrorFeedback(storage), ErrorFeedback(storage, offload=True)
+    buckets = [("a", "b", "c"), ("d", "e", "f")]
+    seen = []
+    for step in range(6):
+        for m in (plain, off):
+            m.round_seed, m.final = (seed, step), True
+            g = torch.Generator().manual_seed(seed + step)
+            for bkey in buckets:
+                A = torch.zeros(L.rows, L.columns)
+                L.gather([torch.randn(n, generator=g) * 10.0**(step % 3) for n in numels], A)
+                m.add_block(list(bkey), numels, L, A)
+                m.stage_block(list(bkey), numels, L, A)
+            m.rollback() if step == 3 else m.commit()
+        a, b = plain.residuals(), off.residuals()
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        assert off.device_state_bytes() == 0 and plain.device_state_bytes() == plain.state_bytes()
+        # the second buffers exist from the second write-back on
+        assert off.host_state_bytes() == (2 if step else 1) * off.state_bytes() and plain.host_state_bytes() == 0
+        assert all(off.blocks[k].host for k in buckets)
+        seen.append(off.blocks[buckets[0]].parts[0].data_ptr())
+    assert len(set(seen)) == 2 and seen[0] != seen[1]  # two host buffers, alternating
+    assert off.export().keys() == plain.export().keys()
