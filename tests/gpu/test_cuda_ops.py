@@ -139,3 +139,12 @@ def test_offloaded_residuals_are_pinned_and_come_back_to_the_gpu(storage):
         ptrs = [t.data_ptr() for t in stored]
         assert last is None or ptrs == last
         last = ptrs
+
+
+@pytest.mark.parametrize("storage", ["fp32", "bf16", "fp8", "int8"])
+def test_offloaded_blocks_through_the_side_stream_equal_device_ones(storage):
+    """Bucket blocks with offload on a GPU: written back and fetched on the side stream (HostCopies), every read
+    equals the same store kept on the GPU, bit for bit, through commits and a rollback; pinned host buffers, two per
+    block, alternating."""
+    from ..unit.memory.test_error_feedback import check_offloaded_blocks
+    check_offloaded_blocks(storage, "cuda")

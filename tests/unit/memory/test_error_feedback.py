@@ -238,6 +238,11 @@ def test_offloaded_blocks_equal_device_ones_with_two_host_buffers(storage):
     bit for bit; the device holds none of it between steps, the host the committed blocks and a second buffer each
     (the window writes into the one the commit does not hold, so a rollback keeps the committed one); the two buffers
     alternate and are allocated once. Fresh random inputs."""
+    check_offloaded_blocks(storage, "cpu")
+
+
+def check_offloaded_blocks(storage: str, device: str) -> None:
+    """The body of the test above on ``device`` (tests/gpu runs it on CUDA: the side stream's copies)."""
     from deepspeed_dgc.codec.layout import layout_for
     seed = int(torch.randint(1 << 30, ()))
     numels = [1000, 3000, 256]
@@ -250,8 +255,8 @@ def test_offloaded_blocks_equal_device_ones_with_two_host_buffers(storage):
             m.round_seed, m.final = (seed, step), True
             g = torch.Generator().manual_seed(seed + step)
             for bkey in buckets:
-                A = torch.zeros(L.rows, L.columns)
-                L.gather([torch.randn(n, generator=g) * 10.0**(step % 3) for n in numels], A)
+                A = torch.zeros(L.rows, L.columns, device=device)
+                L.gather([(torch.randn(n, generator=g) * 10.0**(step % 3)).to(device) for n in numels], A)
                 m.add_block(list(bkey), numels, L, A)
                 m.stage_block(list(bkey), numels, L, A)
             m.rollback() if step == 3 else m.commit()
@@ -260,7 +265,8 @@ def test_offloaded_blocks_equal_device_ones_with_two_host_buffers(storage):
         assert off.device_state_bytes() == 0 and plain.device_state_bytes() == plain.state_bytes()
         # the second buffers exist from the second write-back on
         assert off.host_state_bytes() == (2 if step else 1) * off.state_bytes() and plain.host_state_bytes() == 0
-        assert all(off.blocks[k].host for k in buckets)
+        assert all(off.blocks[k].host and off.blocks[k].parts[0].device.type == "cpu" for k in buckets)
+        assert all(t.is_pinned() for k in buckets for t in off.blocks[k].parts) or device == "cpu"
         seen.append(off.blocks[buckets[0]].parts[0].data_ptr())
     assert len(set(seen)) == 2 and seen[0] != seen[1]  # two host buffers, alternating
     assert off.export().keys() == plain.export().keys()
