@@ -62,16 +62,17 @@ class CompressedMomentumConfig(BaseModel):
 
 
 class DecoupledMomentumConfig(BaseModel):
-    """DeMo's decoupled momentum for Adam-family jobs (``"dgc": {"decoupled_momentum": {...}}``).
+    """DeMo's decoupled momentum (``"dgc": {"decoupled_momentum": {...}}``), for any optimizer.
 
     Peng, Quesnelle and Kingma, "DeMo: Decoupled Momentum Optimization", arXiv 2411.19870, section 3, Algorithm 1
     (bloc97/DeMo), inside ZeRO-3's per-owner reduce-scatter: every rank keeps its own momentum
     ``delta = decay delta + g / W``, sends the ``topk`` largest coefficients of the DCT of each ``chunk`` of it (chunks
     cut inside the owners' partitions), and subtracts what it sent (the error feedback). The owners step with the
-    sum: DeMo's sign update at the optimizer's learning rate (`update: "sign"`), or the optimizer's own Adam step
-    on it (`update: "adam"`). From the first step; the top-level `density`, `quantization` and `group_size` do not
-    apply. Needs Adam, AdamW, FusedAdam or DeepSpeedCPUAdam (their learning rate and weight decay are used), fp32 or
-    bf16. On the hierarchical topology the momentum is of the node-level sums a rank compresses (1/L of full size).
+    sum: DeMo's sign update at the optimizer's learning rate (`update: "sign"`), or the optimizer's own step on it
+    (`update: "optimizer"`). From the first step; the top-level `density`, `quantization` and `group_size` do not
+    apply. Any optimizer DeepSpeed builds or the job passes (Adam, AdamW, SGD, Lion, ...; the sign update takes its
+    learning rate, schedule and weight decay, decoupled for AdamW-like optimizers and Lion, L2 for the others), fp32
+    or bf16. On the hierarchical topology the momentum is of the node-level sums a rank compresses (1/L of full size).
     Bytes per parameter per step: `topk * (bits(quantization) + log2(chunk)) / chunk / 8` plus the scales (a partition
     shorter than `chunk` is padded to one chunk and still sends `topk` values).
     """
@@ -90,10 +91,12 @@ class DecoupledMomentumConfig(BaseModel):
     quantization: Literal["int4", "int2", "int1", "fp8_e4m3", "fp8_e5m2", "none"] = Field(
         "int4", description="format of the sent coefficients (INT1: ternary; `\"none\"`: fp32)")
     group_size: int = Field(128, ge=2, le=1 << 20, multiple_of=2, description="sent values per fp32 scale")
-    update: Literal["sign", "adam"] = Field(
+    update: Literal["sign", "optimizer", "adam"] = Field(
         "sign", description="the owners' step: `\"sign\"`, DeMo's `p <- p (1 - lr wd) - lr sign(u)` with the "
-        "optimizer's learning rate and decoupled weight decay (`gradient_clipping` cannot change a sign); "
-        "`\"adam\"`: the job's optimizer steps on `u` as its gradient")
+        "optimizer's learning rate and weight decay (decoupled as the optimizer's is: AdamW, Lion; else L2, `wd p` "
+        "added to `u` before the sign; `gradient_clipping` cannot change a sign); the optimizer's own state and rule "
+        "are not used; `\"optimizer\"` (`\"adam\"`, its earlier name): the job's optimizer steps on `u` as its "
+        "gradient")
     storage: Literal["fp32", "bf16", "int8"] = Field(
         "fp32", description="storage of the local momentum between steps: 4, 2 or 1.03 bytes per parameter per rank. "
         "bf16 rounds to nearest and drops changes below 2^-9 of the momentum (the 0.999 decay among them), which "
@@ -271,7 +274,7 @@ class DGCConfig(BaseModel):
         None, description="Adam only: 1-bit-Adam-style compressed momentum after a warm-up (`compressed_momentum.*` "
         "below)")
     decoupled_momentum: Optional[DecoupledMomentumConfig] = Field(
-        None, description="Adam-family jobs: DeMo's decoupled momentum, a chunked DCT top-k of each rank's own "
+        None, description="any optimizer (Adam and AdamW above all): DeMo's decoupled momentum, a chunked DCT top-k of each rank's own "
         "momentum (`decoupled_momentum.*` below)")
     shared_mask: Optional[SharedMaskConfig] = Field(
         None, description="Adam-family jobs: owner-chosen shared masks, after SCAPE (`shared_mask.*` below)")

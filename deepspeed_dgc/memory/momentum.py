@@ -5,7 +5,7 @@
   gradient, ``m_r = b1 m_r + (1 - b1) g_r / W``; after ``freeze_step`` steps Adam's second moment is frozen
   and the ranks send ``m_r`` (divided by the frozen ``sqrt(v_hat) + eps`` with ``precondition``) instead of
   the gradient, so the owners' update is linear in what was sent and error feedback corrects the compression.
-- :class:`DecoupledMomentum` (``dgc.decoupled_momentum``, for Adam-family jobs): DeMo's decoupled momentum (Peng et
+- :class:`DecoupledMomentum` (``dgc.decoupled_momentum``, for any optimizer): DeMo's decoupled momentum (Peng et
   al., arXiv 2411.19870, section 3, Algorithm 1). Every rank keeps ``delta_r = decay delta_r + g_r / W``, sends a
   chunked top-k of its DCT (:mod:`deepspeed_dgc.codec.dct`) and keeps what it did not send.
 - :class:`MomentumCorrection` (``dgc.momentum_correction``, for momentum SGD): DGC's momentum correction,

@@ -30,13 +30,21 @@ ADAM_TYPES = ("Adam", "AdamW", "FusedAdam", "DeepSpeedCPUAdam")
 V_FLOOR = 0.01  # frozen v_hat is at least this times its parameter's mean (see frozen_preconditioner)
 
 
+DECOUPLED_DECAY = ("AdamW", "Lion", "FusedLion", "DeepSpeedCPULion")  # weight decay applied to p, not added to g
+
+
 def decoupled_weight_decay(optimizer) -> bool:
+    """Whether ``optimizer``'s ``weight_decay`` is decoupled (``p <- p (1 - lr wd)``: AdamW, Lion, Adam with
+    ``decoupled_weight_decay``, DeepSpeed's FusedAdam and CPU Adam in AdamW mode) or L2 (``wd p`` added to the
+    gradient: SGD, Adam, and any other optimizer)."""
     name = type(optimizer).__name__
-    if name == "AdamW":
+    if name in DECOUPLED_DECAY:
         return True
     if name == "Adam":
         return bool(optimizer.defaults.get("decoupled_weight_decay", False))
-    return bool(getattr(optimizer, "adam_w_mode", getattr(optimizer, "adamw_mode", True)))
+    if name in ("FusedAdam", "DeepSpeedCPUAdam"):
+        return bool(getattr(optimizer, "adam_w_mode", getattr(optimizer, "adamw_mode", True)))
+    return False
 
 
 def check_optimizer(optimizer, gradient_accumulation_steps: int, fp16: bool = False, offload: bool = False) -> float:
@@ -189,16 +197,21 @@ def _owners_step(optimizer, closure, decoupled: bool, direction: Callable):
 
 
 def check_adam_method(optimizer, method: str, fp16: bool = False, offload: bool = False) -> None:
-    """Check that the owners' optimizer fits ``decoupled_momentum`` or ``shared_mask`` (``method``).
+    """Check that the owners' optimizer fits ``shared_mask`` (``method``; an Adam whose state chooses the masks) or
+    ``decoupled_momentum`` (any optimizer with a learning rate in every param group: the sign update takes its
+    learning rate, schedule and weight decay; ``update: "optimizer"`` hands it the decoded sum).
 
     Raises:
-        DGCConfigError: not an Adam-family optimizer (naming it), fp16 or optimizer offload (the owners' state is
-            read beside the gradients).
+        DGCConfigError: shared_mask without an Adam-family optimizer, a param group without ``lr`` (naming the
+            optimizer), fp16 or optimizer offload (the owners' state is read beside the gradients).
     """
     name = type(optimizer).__name__
-    if name not in ADAM_TYPES:
+    if method != "decoupled_momentum" and name not in ADAM_TYPES:
         raise DGCConfigError(f"'dgc.{method}' needs an Adam optimizer ({', '.join(ADAM_TYPES)}): its learning rate, "
                              f"weight decay and state are used; got {name}")
+    if any("lr" not in g for g in optimizer.param_groups):
+        raise DGCConfigError(f"'dgc.{method}' steps with the optimizer's learning rate, but a param group of {name} "
+                             "has no 'lr'")
     if fp16:
         raise DGCConfigError(f"'dgc.{method}' does not support 'fp16' engines; use bf16 or fp32")
     if offload:

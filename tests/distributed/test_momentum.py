@@ -9,7 +9,7 @@ import torch
 from deepspeed_dgc.codec.layout import padded_elements
 
 from deepspeed_dgc.config import DGCConfigError
-from deepspeed_dgc.zero3.optimizer import V_FLOOR, check_adam_method
+from deepspeed_dgc.zero3.optimizer import V_FLOOR, check_adam_method, decoupled_weight_decay
 from dist_launch import run_scenario
 from scenarios import Train
 
@@ -163,14 +163,20 @@ def _chunked_dct_top_k(delta, world, s, k):
     return (kept @ d).view(world, m * s)[:, :c].reshape(-1)[:n]
 
 
-DEMO_LOSSLESS = {"enabled": True, "decoupled_momentum": {"update": "adam", "decay": 0.0, "transform": "none",
+DEMO_LOSSLESS = {"enabled": True, "decoupled_momentum": {"update": "optimizer", "decay": 0.0, "transform": "none",
                                                          "chunk": 8, "topk": 8, "quantization": "none"}}
 ADAMW = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1, "torch_adam": True}}}
 
 
-def test_decoupled_momentum_needs_an_adam_optimizer():
-    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
-    with pytest.raises(DGCConfigError, match="'dgc.decoupled_momentum' needs an Adam optimizer .* got SGD"):
+def test_decoupled_momentum_takes_any_optimizer_shared_masks_need_adam():
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1, weight_decay=0.1)
+    check_adam_method(sgd, "decoupled_momentum")
+    assert not decoupled_weight_decay(sgd)  # SGD's weight decay is L2: added to the update before the sign
+    assert decoupled_weight_decay(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))]))
+    with pytest.raises(DGCConfigError, match="'dgc.shared_mask' needs an Adam optimizer .* got SGD"):
+        check_adam_method(sgd, "shared_mask")
+    del sgd.param_groups[0]["lr"]
+    with pytest.raises(DGCConfigError, match="a param group of SGD has no 'lr'"):
         check_adam_method(sgd, "decoupled_momentum")
     adam = torch.optim.Adam([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
     check_adam_method(adam, "decoupled_momentum")
@@ -193,20 +199,26 @@ def test_decoupled_momentum_lossless_is_stock_adam_bit_for_bit():
     assert ours[0].stats["compression_ratio"] < 1.0  # raw fp32 plus positions: more bytes than stock's
 
 
-@pytest.mark.parametrize("fmt,bf16", [("none", False), ("int4", True)], ids=["raw", "int4-bf16"])
-def test_decoupled_momentum_against_a_float64_replay(fmt, bf16):
+SGD_DEMO = dict(SGD, optimizer={"type": "SGD", "params": {"lr": 1e-2, "momentum": 0.9, "weight_decay": 0.1}})
+
+
+@pytest.mark.parametrize("fmt,bf16,opt", [("none", False, ADAMW), ("int4", True, ADAMW), ("none", False, SGD_DEMO)],
+                         ids=["raw", "int4-bf16", "raw-sgd"])
+def test_decoupled_momentum_against_a_float64_replay(fmt, bf16, opt):
     """DeMo's method, 2 ranks, 6 steps, AdamW (weight decay 0.1), chunks of 16, 3 coefficients each, decay 0.9:
     every rank's momentum is delta = 0.9 delta + g / 2 minus what it sent, and every parameter moves by
     p <- p (1 - lr wd) - lr sign(u) with u the sum over ranks of what their momenta lost (sign checked where
-    |u| is not at rounding level). Raw values: what was sent is the float64 top-3 of each chunk's DCT, and the
+    |u| is not at rounding level). ``raw-sgd``: momentum SGD (weight decay 0.1, L2): p <- p - lr sign(u + wd p),
+    at SGD's learning rate and schedule, its momentum buffer unused. Raw values: what was sent is the float64 top-3 of each chunk's DCT, and the
     momenta equal the float64 replay. INT4: the sum the owner applies includes the quantization, and what a
     momentum lost is exactly what was sent (the rest stays); also with a bf16 engine (bf16 gradients, the fp32
     master partitions step)."""
     lr, wd, decay = 1e-2, 0.1, 0.9
-    ranks = run_scenario(Train(steps=6, local_grads=True, lr_scheduler=True, config=dict(ADAMW, dgc={
+    ranks = run_scenario(Train(steps=6, local_grads=True, lr_scheduler=True, config=dict(opt, dgc={
         "enabled": True, "decoupled_momentum": {"chunk": 16, "topk": 3, "decay": decay, "quantization": fmt}},
         **({"bf16": {"enabled": True}} if bf16 else {}))), timeout_s=300)
-    assert ranks[0].optimizer.type == "AdamW"
+    assert ranks[0].optimizer.type == opt["optimizer"]["type"]
+    l2 = opt is SGD_DEMO
     keys = ranks[0].keys
     shapes = [p.shape for p in ranks[0].params[0]]
     delta64 = [[torch.zeros(math.prod(s), dtype=torch.float64) for s in shapes] for _ in range(2)]
@@ -230,11 +242,20 @@ def test_decoupled_momentum_against_a_float64_replay(fmt, bf16):
                 else:  # INT4 codes sent: the momentum kept more than a raw top-k leaves, and lost something
                     assert float(sent.abs().max()) > 0
                 u[i] += sent
+        # ZeRO-3 clips u by its global norm before the step: only the sign is taken, so that matters with L2 alone
+        gc = ranks[0].optimizer.gradient_clipping
+        norm = math.sqrt(sum(float(x.square().sum()) for x in u))
+        clip = max(1.0, (norm + 1e-6) / gc) if gc > 0 else 1.0
         for i in range(len(keys)):
             before = ranks[0].params[t][i].double().reshape(-1)
             after = ranks[0].params[t + 1][i].double().reshape(-1)
-            clear = u[i].abs() > 1e-4 * float(u[i].abs().max())
-            want = before * (1 - lr * wd) - lr * torch.sign(u[i])
+            if l2:  # L2: the decay is part of what the sign is taken of
+                direction = u[i] / clip + wd * before
+                clear = direction.abs() > 1e-4 * float(direction.abs().max())
+                want = before - lr * torch.sign(direction)
+            else:
+                clear = u[i].abs() > 1e-4 * float(u[i].abs().max())
+                want = before * (1 - lr * wd) - lr * torch.sign(u[i])
             torch.testing.assert_close(after[clear], want[clear], rtol=1e-6, atol=1e-6)
             checked += int(clear.sum())
             assert torch.equal(ranks[1].params[t + 1][i], ranks[0].params[t + 1][i])
