@@ -223,9 +223,11 @@ class DGCConfig(BaseModel):
         "and hierarchical (results/study_convergence.md, results/multinode.md); fp32 with `momentum_correction`, "
         "which needs it")
     residual_offload: bool = Field(
-        False, description="keep the committed residuals in pinned host memory between steps (one buffer per "
-        "parameter, reused); each is copied to the device when its bucket is compressed, so it lowers the memory "
-        "held between steps, not the peak during backward")
+        False, description="keep the committed residuals in pinned host memory between steps (the device holds "
+        "none): a bucket's are fetched ahead of its reduce and written back when staged at the window's last "
+        "micro-step, on a side stream on a GPU (a thread on the CPU), beside the backward; the host holds two buffers "
+        "per bucket (docs/methods.md, \"State on the host\"). Residuals kept per parameter (the exact layout) are "
+        "copied at the commit and back when their bucket comes")
     min_numel: int = Field(2048, ge=0, description="tensors with fewer elements are not sparsified: they are sent "
                            "whole (still quantized, with error feedback) and need no positions")
     stats_interval: int = Field(100, ge=1, description="optimizer steps between telemetry log lines and monitor events. The lines "
