@@ -102,10 +102,12 @@ class DecoupledMomentumConfig(BaseModel):
         "bf16 rounds to nearest and drops changes below 2^-9 of the momentum (the 0.999 decay among them), which "
         "costs loss on long runs; `\"int8\"`: int8 codes with a bf16 absmax scale per 64, stochastically rounded, so "
         "the stored momentum is unbiased (results/study_storage.md)")
-    offload: bool = Field(False, description="keep the momentum in pinned host memory between steps (the device holds "
-                          "none): each bucket's is fetched ahead of its reduce and written back when it is staged, on "
-                          "a side stream on a GPU (a thread on the CPU), beside the backward; the host holds two "
-                          "buffers per bucket (the committed one stays for a skipped step)")
+    offload: Optional[bool] = Field(
+        None, description="keep the momentum in pinned host memory between steps (the device holds none): each "
+        "bucket's is fetched ahead of its reduce and written back when it is staged, on a side stream on a GPU (a "
+        "thread on the CPU), beside the backward; the host holds two buffers per bucket (the committed one stays for "
+        "a skipped step). Unset: on the host where the optimizer state is (`zero_optimization.offload_optimizer`), "
+        "else on the device")
 
     @model_validator(mode="after")
     def _sizes(self):

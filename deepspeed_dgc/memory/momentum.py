@@ -240,12 +240,13 @@ class DecoupledMomentum(_LocalMomentum):
 
     Args:
         cfg: the ``decoupled_momentum`` section.
+        offload: keep the momentum in host memory between steps (``cfg.offload``, resolved).
     """
 
     sending = True
 
-    def __init__(self, cfg: DecoupledMomentumConfig):
-        super().__init__(cfg.storage, cfg.offload)
+    def __init__(self, cfg: DecoupledMomentumConfig, offload: bool = False):
+        super().__init__(cfg.storage, offload)
         self.cfg = cfg
 
     def sources(self, keys, grads, divisor):

@@ -214,7 +214,7 @@ def check_adam_method(optimizer, method: str, fp16: bool = False, offload: bool 
                              "has no 'lr'")
     if fp16:
         raise DGCConfigError(f"'dgc.{method}' does not support 'fp16' engines; use bf16 or fp32")
-    if offload:
+    if offload and method != "decoupled_momentum":
         raise DGCConfigError(f"'dgc.{method}' does not support 'zero_optimization.offload_optimizer' (the owners' "
                              "state is read beside the gradients)")
 

@@ -308,7 +308,8 @@ def _momentum_state(engine, opt, cfg: DGCConfig):
         return CompressedMomentum(cfg.compressed_momentum, beta1)
     if cfg.decoupled_momentum is not None:
         owners.check_adam_method(opt.optimizer, "decoupled_momentum", engine.fp16_enabled(), offload)
-        return DecoupledMomentum(cfg.decoupled_momentum)
+        on_host = cfg.decoupled_momentum.offload
+        return DecoupledMomentum(cfg.decoupled_momentum, offload if on_host is None else on_host)
     if cfg.shared_mask is not None:  # no local momentum: the owners' Adam state chooses (share_masks)
         owners.check_adam_method(opt.optimizer, "shared_mask", engine.fp16_enabled(), offload)
     if cfg.momentum_correction:

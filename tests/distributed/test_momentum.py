@@ -10,7 +10,7 @@ from deepspeed_dgc.codec.layout import padded_elements
 
 from deepspeed_dgc.config import DGCConfigError
 from deepspeed_dgc.zero3.optimizer import V_FLOOR, check_adam_method, decoupled_weight_decay
-from dist_launch import run_scenario
+from dist_launch import run_scenario, run_scenarios
 from scenarios import Train
 
 from ..unit.codec.jobs import dct64
@@ -182,8 +182,9 @@ def test_decoupled_momentum_takes_any_optimizer_shared_masks_need_adam():
     check_adam_method(adam, "decoupled_momentum")
     with pytest.raises(DGCConfigError, match="'fp16'"):
         check_adam_method(adam, "decoupled_momentum", fp16=True)
+    check_adam_method(adam, "decoupled_momentum", offload=True)  # the sign step runs where the optimizer does
     with pytest.raises(DGCConfigError, match="offload_optimizer"):
-        check_adam_method(adam, "decoupled_momentum", offload=True)
+        check_adam_method(adam, "shared_mask", offload=True)
 
 
 def test_decoupled_momentum_lossless_is_stock_adam_bit_for_bit():
@@ -552,3 +553,27 @@ def test_compressed_momentum_on_the_hierarchical_topology_uses_the_node_level_mo
                 torch.testing.assert_close(got.double(), want, rtol=2e-5, atol=2e-6, msg=f"rank {r} step {t} param {i}")
     # local momenta (4 B) and frozen preconditioner (2 B) of 1/L of each parameter, and the owner's nothing else
     assert ranks[0].stats["state_bytes_per_param"] == pytest.approx((4.0 + 2.0) / L, rel=0.05)
+
+
+def test_decoupled_momentum_with_zero_offload_equals_it_on_the_device():
+    """ZeRO-Offload and ZeRO-Infinity's parameter offload with decoupled momentum (int8 storage), 2 ranks, 4 steps:
+    the owners' sign step runs on the offloaded fp32 partitions where the optimizer runs, and the losses, parameters
+    and momenta equal the run without offload bit for bit. The momentum goes to host memory with the optimizer state
+    (``offload`` unset) unless ``offload: false`` keeps it on the device."""
+    dm = {"chunk": 16, "topk": 3, "quantization": "int2", "storage": "int8"}
+    opt_off = {"offload_optimizer": {"device": "cpu"}}
+    cases = {"device": ({}, dm), "optimizer": (opt_off, dm),
+             "optimizer+param": (dict(opt_off, offload_param={"device": "cpu"}), dm),
+             "optimizer, momentum on the device": (opt_off, dict(dm, offload=False))}
+    runs = run_scenarios({name: Train(steps=4, config={"zero_optimization": zero, "dgc": {
+        "enabled": True, "decoupled_momentum": d}}) for name, (zero, d) in cases.items()})
+    device = runs["device"]
+    for name in cases:
+        for r in range(2):
+            rec = runs[name][r]
+            assert rec.losses == device[r].losses, name
+            assert all(torch.equal(a, b) for a, b in zip(rec.params[-1], device[r].params[-1])), name
+            assert all(torch.equal(rec.momenta[-1][k], device[r].momenta[-1][k]) for k in device[r].momenta[-1])
+            on_host = name in ("optimizer", "optimizer+param")
+            assert (rec.stats["host_state_bytes"] == 2 * rec.stats["state_bytes"]) if on_host else \
+                rec.stats["host_state_bytes"] == 0, name
