@@ -212,7 +212,7 @@ def check_adam_method(optimizer, method: str, fp16: bool = False, offload: bool 
     if any("lr" not in g for g in optimizer.param_groups):
         raise DGCConfigError(f"'dgc.{method}' steps with the optimizer's learning rate, but a param group of {name} "
                              "has no 'lr'")
-    if fp16:
+    if fp16 and method != "decoupled_momentum":
         raise DGCConfigError(f"'dgc.{method}' does not support 'fp16' engines; use bf16 or fp32")
     if offload and method != "decoupled_momentum":
         raise DGCConfigError(f"'dgc.{method}' does not support 'zero_optimization.offload_optimizer' (the owners' "

@@ -154,6 +154,11 @@ OVERFLOW = {
     "bf16_decoupled": Train(config={"dgc": {"enabled": True, "decoupled_momentum": {"chunk": 16, "topk": 3,
                                                                                      "quantization": "int2"}},
                                     "bf16": {"enabled": True}}),
+    # fp16 with dynamic loss scaling: the loss scale halves, the momenta roll back
+    "fp16_decoupled": Train(config={"dgc": {"enabled": True, "decoupled_momentum": {"chunk": 16, "topk": 3,
+                                                                                     "quantization": "int2"}},
+                                    "fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1,
+                                             "loss_scale_window": 1000}}, allow_fp16=True),
     # the same in int8 on the host: the window's write-back went to the second host buffer, the committed one stays
     "bf16_decoupled_int8_offload": Train(config={"dgc": {"enabled": True, "decoupled_momentum": {
         "chunk": 16, "topk": 3, "quantization": "int2", "storage": "int8", "offload": True}}, "bf16": {"enabled": True}}),
@@ -194,7 +199,8 @@ def test_inf_on_one_rank_skips_step_everywhere(overflow_runs, case):
     ``bf16_gas4_micro1``: 4 micro-steps per step, the Inf in the second only: the residuals the other three staged
     roll back too. ``bf16_momentum_2x2``: the same on 4 ranks as 2 nodes of 2 (hierarchical: node-level momenta, fp8
     residuals). ``bf16_decoupled``: decoupled momentum (no residual; the sign step would turn NaN into NaN
-    weights): its momenta roll back and stay finite; ``_int8_offload``: stored in int8 in host memory."""
+    weights): its momenta roll back and stay finite; ``_int8_offload``: stored in int8 in host memory;
+    ``fp16_decoupled``: the same under fp16's dynamic loss scaling (the scale halves)."""
     runs, out = overflow_runs
     job, ranks = OVERFLOW[case], runs[case]
     for r, rec in enumerate(ranks):
@@ -202,7 +208,7 @@ def test_inf_on_one_rank_skips_step_everywhere(overflow_runs, case):
         for x, y in zip(rec.params[2], rec.params[3]):  # params before / after step 2
             assert torch.equal(x, y)
         assert not all(torch.equal(x, y) for x, y in zip(rec.params[3], rec.params[4]))  # step 3 applied
-        kept = rec.momenta if case.startswith("bf16_decoupled") else rec.residuals  # what error feedback holds
+        kept = rec.momenta if "decoupled" in case else rec.residuals  # what error feedback holds
         assert kept[1], "sparse compression left no residuals"
         for res in kept:
             assert all(bool(torch.isfinite(v).all()) for v in res.values())
@@ -223,7 +229,7 @@ def test_inf_on_one_rank_skips_step_everywhere(overflow_runs, case):
             # fp8 residual + fp32 momentum + bf16 preconditioner, of full size (flat) or of the node-level sums (1/L)
             want = (1.0 + 4 / 128 + 4 + 2) / (1 if case == "bf16_momentum" else 2)
             assert rec.stats["state_bytes_per_param"] == pytest.approx(want, rel=0.03)
-    if case == "fp16":
+    if case in ("fp16", "fp16_decoupled"):
         assert [rec.loss_scale for rec in ranks][0] == [256.0, 256.0, 128.0, 128.0]
     elif case == "bf16_offload":  # telemetry reaches DeepSpeed's monitor (CSV here), one row per step (stats_interval 1)
         assert all(rec.stats["host_state_bytes"] == rec.stats["state_bytes"] > 0 for rec in ranks)  # offloaded

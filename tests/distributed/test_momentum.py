@@ -180,8 +180,9 @@ def test_decoupled_momentum_takes_any_optimizer_shared_masks_need_adam():
         check_adam_method(sgd, "decoupled_momentum")
     adam = torch.optim.Adam([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
     check_adam_method(adam, "decoupled_momentum")
+    check_adam_method(adam, "decoupled_momentum", fp16=True)  # the loss scale is divided out before the sign
     with pytest.raises(DGCConfigError, match="'fp16'"):
-        check_adam_method(adam, "decoupled_momentum", fp16=True)
+        check_adam_method(adam, "shared_mask", fp16=True)
     check_adam_method(adam, "decoupled_momentum", offload=True)  # the sign step runs where the optimizer does
     with pytest.raises(DGCConfigError, match="offload_optimizer"):
         check_adam_method(adam, "shared_mask", offload=True)
@@ -203,21 +204,26 @@ def test_decoupled_momentum_lossless_is_stock_adam_bit_for_bit():
 SGD_DEMO = dict(SGD, optimizer={"type": "SGD", "params": {"lr": 1e-2, "momentum": 0.9, "weight_decay": 0.1}})
 
 
-@pytest.mark.parametrize("fmt,bf16,opt", [("none", False, ADAMW), ("int4", True, ADAMW), ("none", False, SGD_DEMO)],
-                         ids=["raw", "int4-bf16", "raw-sgd"])
-def test_decoupled_momentum_against_a_float64_replay(fmt, bf16, opt):
+FP16 = {"fp16": {"enabled": True, "initial_scale_power": 8}}
+
+
+@pytest.mark.parametrize("fmt,half,opt", [("none", None, ADAMW), ("int4", "bf16", ADAMW), ("none", None, SGD_DEMO),
+                                          ("int4", "fp16", ADAMW)], ids=["raw", "int4-bf16", "raw-sgd", "int4-fp16"])
+def test_decoupled_momentum_against_a_float64_replay(fmt, half, opt):
     """DeMo's method, 2 ranks, 6 steps, AdamW (weight decay 0.1), chunks of 16, 3 coefficients each, decay 0.9:
     every rank's momentum is delta = 0.9 delta + g / 2 minus what it sent, and every parameter moves by
     p <- p (1 - lr wd) - lr sign(u) with u the sum over ranks of what their momenta lost (sign checked where
     |u| is not at rounding level). ``raw-sgd``: momentum SGD (weight decay 0.1, L2): p <- p - lr sign(u + wd p),
-    at SGD's learning rate and schedule, its momentum buffer unused. Raw values: what was sent is the float64 top-3 of each chunk's DCT, and the
+    at SGD's learning rate and schedule, its momentum buffer unused. ``int4-fp16``: an fp16 engine with dynamic loss
+    scaling (the owners' partitions carry u times the loss scale, and ZeRO-3 divides it out before the sign). Raw values: what was sent is the float64 top-3 of each chunk's DCT, and the
     momenta equal the float64 replay. INT4: the sum the owner applies includes the quantization, and what a
     momentum lost is exactly what was sent (the rest stays); also with a bf16 engine (bf16 gradients, the fp32
     master partitions step)."""
     lr, wd, decay = 1e-2, 0.1, 0.9
     ranks = run_scenario(Train(steps=6, local_grads=True, lr_scheduler=True, config=dict(opt, dgc={
         "enabled": True, "decoupled_momentum": {"chunk": 16, "topk": 3, "decay": decay, "quantization": fmt}},
-        **({"bf16": {"enabled": True}} if bf16 else {}))), timeout_s=300)
+        **({"bf16": {"enabled": True}} if half == "bf16" else FP16 if half == "fp16" else {})),
+        allow_fp16=half == "fp16"), timeout_s=300)
     assert ranks[0].optimizer.type == opt["optimizer"]["type"]
     l2 = opt is SGD_DEMO
     keys = ranks[0].keys
@@ -229,7 +235,7 @@ def test_decoupled_momentum_against_a_float64_replay(fmt, bf16, opt):
         for r in range(2):
             rec = ranks[r]
             for i, key in enumerate(keys):
-                g = rec.local_grads[t][i].double().reshape(-1)
+                g = rec.local_grads[t][i].double().reshape(-1) / rec.loss_scale[t]  # fp16: scaled by the loss scale
                 prev = rec.momenta[t - 1][key].double() if t else torch.zeros_like(g)
                 pre = decay * prev + g / 2
                 now = rec.momenta[t][key].double()
