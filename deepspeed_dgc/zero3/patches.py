@@ -291,11 +291,9 @@ def _check_job(engine, cfg: DGCConfig) -> int:
         raise DGCConfigError(f"'zero_optimization.zero_hpz_partition_size' = {hpz} but 'dgc.topology' = \"hierarchical\" "
                              f"uses {ranks_per_node} ranks per node (from {source}): both must describe the same node; "
                              f"set 'dgc.ranks_per_node' = {hpz} or the hpZ size to {ranks_per_node}")
-    if ((cfg.compressed_momentum is not None or cfg.decoupled_momentum is not None or cfg.momentum_correction)
-            and engine.torch_autocast_enabled()):
-        raise DGCConfigError("the momentum methods ('dgc.compressed_momentum', 'dgc.decoupled_momentum', "
-                             "'dgc.momentum_correction') do not support 'torch_autocast' "
-                             "(its loss scaling skips steps the extension does not see); use 'bf16' or fp32")
+    if (cfg.compressed_momentum is not None or cfg.momentum_correction) and engine.torch_autocast_enabled():
+        raise DGCConfigError("'dgc.compressed_momentum' and 'dgc.momentum_correction' do not support "
+                             "'torch_autocast' (untested with them); use 'bf16' or fp32, or 'dgc.decoupled_momentum'")
     return ranks_per_node
 
 

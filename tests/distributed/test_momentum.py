@@ -205,10 +205,12 @@ SGD_DEMO = dict(SGD, optimizer={"type": "SGD", "params": {"lr": 1e-2, "momentum"
 
 
 FP16 = {"fp16": {"enabled": True, "initial_scale_power": 8}}
+AUTOCAST = {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}
 
 
 @pytest.mark.parametrize("fmt,half,opt", [("none", None, ADAMW), ("int4", "bf16", ADAMW), ("none", None, SGD_DEMO),
-                                          ("int4", "fp16", ADAMW)], ids=["raw", "int4-bf16", "raw-sgd", "int4-fp16"])
+                                          ("int4", "fp16", ADAMW), ("int4", "autocast", ADAMW)],
+                         ids=["raw", "int4-bf16", "raw-sgd", "int4-fp16", "int4-autocast"])
 def test_decoupled_momentum_against_a_float64_replay(fmt, half, opt):
     """DeMo's method, 2 ranks, 6 steps, AdamW (weight decay 0.1), chunks of 16, 3 coefficients each, decay 0.9:
     every rank's momentum is delta = 0.9 delta + g / 2 minus what it sent, and every parameter moves by
@@ -222,7 +224,7 @@ def test_decoupled_momentum_against_a_float64_replay(fmt, half, opt):
     lr, wd, decay = 1e-2, 0.1, 0.9
     ranks = run_scenario(Train(steps=6, local_grads=True, lr_scheduler=True, config=dict(opt, dgc={
         "enabled": True, "decoupled_momentum": {"chunk": 16, "topk": 3, "decay": decay, "quantization": fmt}},
-        **({"bf16": {"enabled": True}} if half == "bf16" else FP16 if half == "fp16" else {})),
+        **({"bf16": {"enabled": True}} if half == "bf16" else FP16 if half == "fp16" else AUTOCAST if half else {})),
         allow_fp16=half == "fp16"), timeout_s=300)
     assert ranks[0].optimizer.type == opt["optimizer"]["type"]
     l2 = opt is SGD_DEMO
