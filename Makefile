@@ -75,9 +75,10 @@ bench-nodes: install
 profile: install
 	$(PY) -m benchmarks.profile_step
 
-# per-rank memory of the extension's state and ZeRO-3's own, flat and hierarchical (up to 8 CPU ranks, minutes)
+# per-rank memory of the extension's state (every storage and placement) and ZeRO-3's own, between steps and inside
+# a step, flat (2 CPU ranks) and hierarchical 2x2 (4), with the projection to 7B and 70B (4 to 7 min on 2 busy cores)
 bench-memory: install
-	OMP_NUM_THREADS=1 $(PY) -m benchmarks.bench_memory --json runs/bench_memory/results.json
+	OMP_NUM_THREADS=1 $(PY) -m benchmarks.bench_memory --json results/bench_memory.json --results results
 
 bench-kernels: install
 	$(PY) -m benchmarks.bench_kernels --json runs/bench_kernels.json
