@@ -8,26 +8,28 @@ Run from the repository root (CPU ranks over gloo; ``make bench-memory``)::
 What it does:
 
 1. Trains the main job's char GPT (``configs/zero3_baseline.json`` with bf16 mixed precision, Adam) for ``--steps``
-   steps under the deepspeed launcher, for every row: ``stock`` (no ``"dgc"``); ``ef`` (``{"enabled": true}``, dense
-   INT4 with error feedback) with every residual storage (``residual_dtype``: fp32, bf16, fp8, int8); ``adam``
-   (``configs/zero3_dgc_adam.json``'s decoupled momentum, DeMo's sign step) with every momentum storage
-   (``decoupled_momentum.storage``: fp32, bf16, int8); each of those on the device or on the host
-   (``residual_offload``). Every topology is one launch whose ranks train the rows one after the other (one engine
-   at a time): flat at 2 ranks and hierarchical as N nodes of L ranks (``2x2`` by default; ``4x2`` and ``2x4``,
-   8 ranks, on request). A row the installed extension refuses (a storage or placement it does not have) is listed
-   with the refusal instead of measured.
+   steps under the deepspeed launcher, for every row: ``stock`` (no ``"dgc"``); ``ef`` (``{"enabled": true, "layout":
+   "fixed"}``, dense INT4 with error feedback in the layout ``"auto"`` takes on a GPU) with every residual storage
+   (``residual_dtype``: fp32, bf16, fp8, int8); ``adam`` (``configs/zero3_dgc_adam.json``'s decoupled momentum,
+   DeMo's sign step) with every momentum storage (``decoupled_momentum.storage``: fp32, bf16, int8); each of those
+   with its state on the device or on the host (``residual_offload``, ``decoupled_momentum.offload``). Every
+   topology is one launch whose ranks train the rows one after the other (one engine at a time): flat at 2 ranks and
+   hierarchical as N nodes of L ranks (``2x2`` by default; ``4x2`` and ``2x4``, 8 ranks, on request); flat also has
+   ef and adam in their default storage with half the ``reduce_bucket_size``. A row the installed extension refuses
+   is listed with the refusal instead of measured.
 2. On every rank, from the extension's own accounting (:func:`deepspeed_dgc.get_stats`) after the last step: its
-   state between steps (committed residuals and momenta), the part of it on the host (``host_state_bytes``), and its
-   state's peak (committed plus the window's staged copies, ``peak_state_bytes``); and ZeRO-3's own state
-   (:func:`deepspeed_dgc.telemetry.zero3_state_bytes`). The table takes the largest rank.
-3. Inside the last step, measured: a dispatch mode (:class:`LiveBytes`, on from before ``deepspeed.initialize``)
-   follows every tensor that the extension's code or ZeRO-3's own code makes, from its creation until it is freed;
-   per owner, the bytes alive at the step's start and the most alive at once during the step (forward, backward
-   with the bucket path, optimizer step). The extension's peak less its state's peak is what its bucket path
-   (payloads, owner matrices, decoded copies) and its workspaces add.
-4. The formulas of each row (bytes per parameter per rank; W ranks, L per node) next to what was measured, and the
-   same formulas at 7B and 70B parameters for W = 8, 64 and 512, flat and hierarchical with L = 8, device and host
-   apart.
+   committed state (``state_bytes``), what it holds in host memory (``host_state_bytes``), and its state's peak
+   (committed plus the window's staged copies, ``peak_state_bytes``); and ZeRO-3's own state
+   (:func:`deepspeed_dgc.telemetry.zero3_state_bytes`). The tables take the largest rank.
+3. The tensors themselves: a dispatch mode (:class:`LiveBytes`, on from before ``deepspeed.initialize``) follows
+   every tensor that the extension's code or ZeRO-3's own code makes, from its creation until it is freed, on the
+   device and in host memory apart (host: what went through the accelerator's ``pin_memory``); per owner, the bytes
+   alive at the last step's start and the most alive at once during it (forward, backward with the bucket path,
+   optimizer step). The extension's peak less its state's peak is what its bucket path (payloads, owner matrices,
+   decoded copies) and its workspaces add.
+4. The formulas of each row (:func:`formula`: bytes per parameter per rank; W ranks, L per node) next to what was
+   measured, and the same formulas at 7B and 70B parameters for W = 8, 64 and 512, flat and hierarchical with L = 8,
+   device and host apart, with issue 53's floor.
 
 Units: bytes per parameter of the model per rank in the measured tables, GB (1e9 bytes) per rank in the projection.
 """
@@ -57,7 +59,7 @@ CONFIGS = ("stock", "ef", "adam")
 # a bf16 absmax scale per 64 (stochastically rounded)
 STORAGE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp8": 1.0 + 4.0 / 128, "int8": 1.0 + 2.0 / 64}
 STORAGES = {"ef": ("fp32", "bf16", "fp8", "int8"), "adam": ("fp32", "bf16", "int8")}  # fp8 is for residuals only
-PLACEMENTS = ("device", "host")  # host: "residual_offload": true
+PLACEMENTS = ("device", "host")  # host: ef's "residual_offload", adam's "decoupled_momentum.offload"
 PROJECTION = {"params": (7e9, 70e9), "W": (8, 64, 512), "L": 8}
 FLOOR = {"config": "adam", "W": 64, "L": 8}  # issue 53's floor: adam holds at most 16/W B per parameter on the device
 
@@ -308,6 +310,8 @@ class LiveBytes:
 # ---- worker: one rank of one topology, every row in turn -------------------------------------------------------
 
 def worker(args) -> None:
+    """One rank: every row of the plan (``--worker-config``) in turn, ``--steps`` steps each under :class:`LiveBytes`;
+    writes ``rank<r>.json`` into ``--worker-out`` (one record per row, bytes on this rank)."""
     import deepspeed
     import torch
     from deepspeed import comm as dist
@@ -344,7 +348,6 @@ def worker(args) -> None:
         records.append({"row": item["row"], "rank": rank, "n_params": n_params, "world": dist.get_world_size(),
                         "zero3": zero3_state_bytes(engine), "steady": stats.state_bytes if stats else 0,
                         "host": stats.host_state_bytes if stats else 0,
-                        "device_state": getattr(stats, "device_state_bytes", None) if stats else 0,
                         "peak": stats.peak_state_bytes if stats else 0, "live_start": start, "live_peak": peak,
                         "loss": float(loss.detach()), "init_s": t_init, "row_s": time.perf_counter() - t0})
         engine.destroy()
@@ -386,7 +389,6 @@ def run_topology(rows: List[Row], topology: str, args, port: int) -> List[dict]:
             **asdict(row), "name": row.name, "topology": topology, "W": W, "L": L, "n_params": n,
             "zero3": worst(lambda r: r["zero3"]["total"]), "steady": worst(lambda r: r["steady"]),
             "host": worst(lambda r: r["host"]), "peak": worst(lambda r: r["peak"]),
-            "device_state": None if ranks[0]["device_state"] is None else worst(lambda r: r["device_state"]),
             "zero3_parts": {k: worst(lambda r, k=k: r["zero3"][k]) for k in ranks[0]["zero3"]},
             "step": {f"{key}_{when}": worst(lambda r, key=key, when=when: r[f"live_{when}"][key])
                      for key in ranks[0]["live_start"] for when in ("start", "peak")},
