@@ -506,26 +506,31 @@ def projection_markdown() -> str:
     for n in P:
         lines.append(f"| {size(n)} | " + " | ".join(f"{16 / W * n / 1e9:.2f} | {8 / W * n / 1e9:.2f}" for W in Ws)
                      + " |")
+    Wl = ", ".join(map(str, Ws))
     lines += ["", "The extension's state per rank, which does not depend on W (a full-size residual or momentum per "
-              "rank, flat; of the node-level sums, 1/L, hierarchical): GB between steps on the device and on the host "
-              "(with the state on the host: two buffers per bucket's block, the committed one and the next window's), "
-              "the device's peak inside a step (the committed and the staged state; with the state on the host none "
-              "of it, but a bucket or two at a time, which follows `reduce_bucket_size`), and the device's share "
-              "against stock ZeRO-3's own 16/W, between steps / at the peak. The bucket path's own buffers (next to "
-              "the measured tables' last columns) come on top of the device's peak.", "",
-              "| config | topology | storage | placement | B/param device, host, device peak | "
-              + " | ".join(f"device GB {size(n)} | host GB {size(n)} | device peak GB {size(n)}" for n in P) + " | "
-              + " | ".join(f"device / (16/W), W = {W}" for W in Ws) + " |",
-              "|---|---|---|---|---|" + "---:|" * (3 * len(P) + len(Ws))]
+              "rank, flat; of the node-level sums, 1/L, hierarchical): bytes per parameter and GB on the device "
+              "between steps, on the host (with the state on the host: two buffers per bucket's block, the committed "
+              "one and the next window's), and the device's peak inside a step (the committed and the staged state; "
+              "with the state on the host none of it, but a bucket or two at a time, which follows "
+              "`reduce_bucket_size`). Then "
+              "the device's share at W = " + Wl + ": between steps and at the peak against stock ZeRO-3's own 16/W, "
+              "and between steps against the same job's ZeRO-3 state (16/W; 8/W for `adam`). The bucket path's own "
+              "buffers (the measured tables' last columns) come on top of the device's peak.", "",
+              "| config | topology | storage | placement | B/param: device, host, device peak | "
+              + " | ".join(f"GB {size(n)}: device, host, device peak" for n in P)
+              + f" | device / (16/W), W = {Wl} | device peak / (16/W) | device / ZeRO-3's own |",
+              "|---|---|---|---|---|" + "---|" * len(P) + "---|---|---|"]
     for config in ("ef", "adam"):
         for topo, level in (("flat", None), (f"L = {L}", L)):
             for storage in STORAGES[config]:
                 for placement in PLACEMENTS:
                     f = formula(Row(config, storage, placement), 64, level)
-                    gb = " | ".join(f"{f['device'] * n / 1e9:.2f} | {f['host'] * n / 1e9:.2f} | "
+                    gb = " | ".join(f"{f['device'] * n / 1e9:.2f}, {f['host'] * n / 1e9:.2f}, "
                                     f"{f['peak_device'] * n / 1e9:.2f}" for n in P)
-                    ratios = " | ".join(f"{f['device'] / (16 / W):.2f}x / {f['peak_device'] / (16 / W):.2f}x"
-                                        for W in Ws)
+                    own = [formula(Row(config, storage, placement), W, level)["zero3"] for W in Ws]
+                    ratios = (", ".join(f"{f['device'] / (16 / W):.2f}x" for W in Ws) + " | "
+                              + ", ".join(f"{f['peak_device'] / (16 / W):.2f}x" for W in Ws) + " | "
+                              + ", ".join(f"{f['device'] / z:.2f}x" for z in own))
                     lines.append(f"| {config} | {topo} | {storage} | {placement} | {f['device']:.3f}, "
                                  f"{f['host']:.3f}, {f['peak_device']:.3f} | {gb} | {ratios} |")
     lines += ["", floor_markdown()]
