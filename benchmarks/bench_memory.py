@@ -38,6 +38,7 @@ import argparse
 import gc
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -373,11 +374,24 @@ def run_topology(rows: List[Row], topology: str, args, port: int) -> List[dict]:
     log = args.out_dir / "logs" / f"{topology}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    with open(log, "w") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env, timeout=args.launch_timeout_s)
+    from benchmarks.soak import remove_shm_buffers
+    with open(log, "w") as f:  # a session of its own: a launch past its time is ended with all its ranks
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
+        late = False
+        try:
+            proc.wait(timeout=args.launch_timeout_s)
+        except BaseException as err:  # past its time, or the driver interrupted
+            late = isinstance(err, subprocess.TimeoutExpired)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            if not late:
+                raise
+        finally:
+            remove_shm_buffers(port)  # DeepSpeed's CPU all-reduce buffers (about 69 MB a rank) outlive the job
     files = [out / f"rank{r}.json" for r in range(W)]
     if proc.returncode != 0 or not all(p.exists() for p in files):
-        raise RuntimeError(f"{topology} failed with exit code {proc.returncode} (log: {log})")
+        why = f"ran past {args.launch_timeout_s:.0f} s" if late else f"failed with exit code {proc.returncode}"
+        raise RuntimeError(f"{topology} {why} (log: {log})")
     per_rank = [json.loads(p.read_text()) for p in files]
     results = []
     for i, row in enumerate(rows):
