@@ -608,7 +608,8 @@ def reading(rows: List[dict], refused: List[dict]) -> str:
         lines.append(f"- Inside the step the device's peak of the extension's tensors is {peak(dev)} B per parameter"
                      f" with the state on the device and {peak(host)} "
                      "with it on the host, whose own peak stays at its two buffers: the blocks go to the device a "
-                     "bucket at a time.")
+                     "bucket at a time. On the CPU that device peak depends on timing (the write-backs and fetches run "
+                     "on a thread, and a staged block stays until its copy is done), so it can differ between runs.")
     if ext:
         per_elem = [in_step(r)["extra_per_bucket_element"] for r in ext]
         extra = _span([in_step(r)["extra"] for r in ext])
