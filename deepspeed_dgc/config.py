@@ -103,8 +103,9 @@ class DecoupledMomentumConfig(BaseModel):
         "costs loss on long runs; `\"int8\"`: int8 codes with a bf16 absmax scale per 64, stochastically rounded, so "
         "the stored momentum is unbiased (results/study_storage.md)")
     offload: Optional[bool] = Field(
-        None, description="keep the momentum in pinned host memory between steps (the device holds none): each "
-        "bucket's is fetched ahead of its reduce and written back when it is staged, on a side stream on a GPU (a "
+        None, description="keep the momentum in pinned host memory between steps: the device holds only a copy "
+        "of the first bucket's, fetched for the next backward; each bucket's is fetched ahead of its reduce and "
+        "written back when it is staged, on a side stream on a GPU (a "
         "thread on the CPU), beside the backward; the host holds two buffers per bucket (the committed one stays for "
         "a skipped step). Unset: on the host where the optimizer state is (`zero_optimization.offload_optimizer`), "
         "else on the device")
@@ -226,8 +227,8 @@ class DGCConfig(BaseModel):
         "which needs it")
     residual_offload: bool = Field(
         False, description="keep the committed residuals in pinned host memory between steps (the device holds "
-        "none): a bucket's are fetched ahead of its reduce and written back when staged at the window's last "
-        "micro-step, on a side stream on a GPU (a thread on the CPU), beside the backward; the host holds two buffers "
+        "only a copy of the first bucket's, fetched for the next backward): a bucket's are fetched ahead of its "
+        "reduce and written back when staged at the window's last micro-step, on a side stream on a GPU (a thread on the CPU), beside the backward; the host holds two buffers "
         "per bucket (docs/methods.md, \"State on the host\"). Residuals kept per parameter (the exact layout) are "
         "copied at the commit and back when their bucket comes")
     min_numel: int = Field(2048, ge=0, description="tensors with fewer elements are not sparsified: they are sent "

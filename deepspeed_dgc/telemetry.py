@@ -134,9 +134,11 @@ class DGCStats:
     n_params: int = 0  # elements of the model's parameters (set at install)
     state_bytes: int = 0  # the extension's persistent state on this rank after the last step (bytes)
     # what it holds in host memory (residual_offload, decoupled_momentum.offload): the committed state there, and the
-    # second host buffer of each bucket's block that the next window writes back into (bytes); the device holds
-    # state_bytes less the committed part on the host
+    # second host buffer of each bucket's block that the next window writes back into (bytes)
     host_state_bytes: int = 0
+    # the committed state on the device (bytes): state_bytes less its part on the host (the first bucket's block,
+    # fetched ahead for the next backward, is not counted: it is a copy)
+    device_state_bytes: int = 0
     # the most the extension's state held on this rank in this process: committed plus a window's staged residuals
     # and momenta, at any stage (each at its own peak; bytes; the bucket path's buffers, one bucket at a time, aside)
     peak_state_bytes: int = 0
@@ -218,6 +220,7 @@ class DGCStats:
             "state_bytes": self.state_bytes,
             "state_bytes_per_param": self.state_bytes_per_param,
             "host_state_bytes": self.host_state_bytes,
+            "device_state_bytes": self.device_state_bytes,
             "peak_state_bytes": self.peak_state_bytes,
             "residual_storage": self.residual_storage,
             "grad_wire_bytes_total": self.wire_bytes_total,

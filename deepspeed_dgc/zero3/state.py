@@ -135,6 +135,10 @@ class DGCState:
         self.stats.state_bytes = self.memory.state_bytes() + (self.momentum.state_bytes() if self.momentum else 0)
         store = getattr(self.momentum, "store", None)
         self.stats.host_state_bytes = self.memory.host_state_bytes() + (store.host_state_bytes() if store else 0)
+        # on the device: the stores' parts there, and what a momentum state keeps beside its store (a preconditioner)
+        beside = (self.momentum.state_bytes() - (store.state_bytes() if store else 0)) if self.momentum else 0
+        self.stats.device_state_bytes = (self.memory.device_state_bytes() + beside
+                                         + (store.device_state_bytes() if store else 0))
         log_now = (self.stats.steps + 1) % self.cfg.stats_interval == 0
         s = self.stats.end_step(not applied, self.memory.residual_norm() if log_now else None, uncovered_gather_bytes)
         if log_now:

@@ -540,4 +540,6 @@ def test_decoupled_momentum_on_the_host_equals_it_on_the_device():
             mom_d, mom_h = device[r].momenta[-1], host[r].momenta[-1]
             assert mom_d.keys() == mom_h.keys() and all(torch.equal(mom_d[k], mom_h[k]) for k in mom_d)
             assert device[r].stats["host_state_bytes"] == 0
+            assert device[r].stats["device_state_bytes"] == device[r].stats["state_bytes"] > 0
             assert host[r].stats["host_state_bytes"] == 2 * host[r].stats["state_bytes"] > 0
+            assert host[r].stats["device_state_bytes"] == 0
