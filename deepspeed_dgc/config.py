@@ -71,8 +71,8 @@ class DecoupledMomentumConfig(BaseModel):
     sum: DeMo's sign update at the optimizer's learning rate (`update: "sign"`), or the optimizer's own step on it
     (`update: "optimizer"`). From the first step; the top-level `density`, `quantization` and `group_size` do not
     apply. Any optimizer DeepSpeed builds or the job passes (Adam, AdamW, SGD, Lion, ...; the sign update takes its
-    learning rate, schedule and weight decay, decoupled for AdamW-like optimizers and Lion, L2 for the others), fp32
-    or bf16. On the hierarchical topology the momentum is of the node-level sums a rank compresses (1/L of full size).
+    learning rate, schedule and weight decay, decoupled for AdamW-like optimizers and Lion, L2 for the others), fp32,
+    bf16 or fp16 engines (with ZeRO-Offload and parameter offload too). On the hierarchical topology the momentum is of the node-level sums a rank compresses (1/L of full size).
     Bytes per parameter per step: `topk * (bits(quantization) + log2(chunk)) / chunk / 8` plus the scales (a partition
     shorter than `chunk` is padded to one chunk and still sends `topk` values).
     """

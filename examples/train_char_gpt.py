@@ -206,7 +206,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--resume-from", type=Path, help="checkpoint directory to resume from (its 'latest' tag)")
     parser.add_argument("--dgc-set", action="append", default=[], metavar="KEY=JSON",
                         help="override one key of the config's \"dgc\" section, e.g. --dgc-set comm_backend='\"mpi\"' "
-                        "or --dgc-set ranks_per_node=2 (repeatable; the value is JSON)")
+                        "or --dgc-set ranks_per_node=2, or one key of a section: --dgc-set "
+                        "decoupled_momentum.storage='\"int8\"' (repeatable; the value is JSON)")
     parser.add_argument("--count-host-syncs", action="store_true",
                         help="count deepspeed_dgc's host-synchronising tensor calls per step (deepspeed_dgc.syncs) and "
                         "put them in the summary (the Python path a GPU runs: use with --dgc-set kernels='\"reference\"')")
@@ -281,7 +282,9 @@ def net_tx_path(iface: str) -> Path:
 def load_ds_config(path: str, lr: float | None, dgc_overrides=()) -> dict:
     """Read the DeepSpeed JSON config; ``lr`` (if given) replaces the optimizer lr and the
     scheduler's peak lr (``warmup_max_lr``); each ``KEY=JSON`` of ``dgc_overrides`` sets
-    ``config["dgc"][KEY]`` (validated by deepspeed_dgc at initialize like any other key)."""
+    ``config["dgc"][KEY]`` (validated by deepspeed_dgc at initialize like any other key); a dotted KEY sets a key of a
+    section and keeps its other keys (``decoupled_momentum.storage='"int8"'``), where a section given whole
+    (``decoupled_momentum='{...}'``) replaces it."""
     overrides = {}
     for item in dgc_overrides:
         key, sep, value = item.partition("=")
@@ -290,7 +293,9 @@ def load_ds_config(path: str, lr: float | None, dgc_overrides=()) -> dict:
         try:
             overrides[key] = json.loads(value)
         except json.JSONDecodeError:
-            raise SystemExit(f"--dgc-set {key}: {value!r} is not JSON (strings need quotes: {key}='\"{value}\"')") from None
+            hint = (f"strings need quotes: {key}='\"{value}\"'" if not value.lstrip().startswith(("{", "["))
+                    else "an object's strings need quotes, as JSON's do")
+            raise SystemExit(f"--dgc-set {key}: {value!r} is not JSON ({hint})") from None
     with open(path) as f:
         config = json.load(f)
     if lr is not None:
@@ -298,8 +303,17 @@ def load_ds_config(path: str, lr: float | None, dgc_overrides=()) -> dict:
         scheduler_params = config.get("scheduler", {}).get("params", {})
         if "warmup_max_lr" in scheduler_params:
             scheduler_params["warmup_max_lr"] = lr
-    if overrides:
-        config.setdefault("dgc", {}).update(overrides)
+    for key, value in overrides.items():
+        *sections, leaf = key.split(".")
+        node = config.setdefault("dgc", {})
+        for name in sections:
+            child = node.get(name)
+            if child is None:
+                child = node[name] = {}
+            if not isinstance(child, dict):
+                raise SystemExit(f"--dgc-set {key}: 'dgc.{name}' is {child!r}, not a section")
+            node = child
+        node[leaf] = value
     return config
 
 

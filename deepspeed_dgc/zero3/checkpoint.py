@@ -334,7 +334,9 @@ def load_state(state: DGCState, ckpt_dir: str, tag: str, world_size: int, device
                                      f"state, but its side-car {own} is missing (deleted, or not copied with the "
                                      f"checkpoint); {ADVICE}")
         _clear(state)
-        return f"no deepspeed_dgc state in {sdir} (checkpoint saved without DGC?): error-feedback residuals start at zero"
+        what = ("the local momentum starts at zero" if state.cfg.decoupled_momentum is not None else
+                "error-feedback residuals start at zero" + (", and so does the local momentum" if state.momentum else ""))
+        return f"no deepspeed_dgc state in {sdir} (checkpoint saved without DGC?): {what}"
     read: Dict[str, dict] = {}  # path -> payload: each file is read and checked once
 
     def read_once(path: str) -> dict:

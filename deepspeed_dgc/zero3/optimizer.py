@@ -209,9 +209,11 @@ def check_adam_method(optimizer, method: str, fp16: bool = False, offload: bool 
     if method != "decoupled_momentum" and name not in ADAM_TYPES:
         raise DGCConfigError(f"'dgc.{method}' needs an Adam optimizer ({', '.join(ADAM_TYPES)}): its learning rate, "
                              f"weight decay and state are used; got {name}")
-    if any("lr" not in g for g in optimizer.param_groups):
+    bad = [g.get("lr") for g in optimizer.param_groups
+           if isinstance(g.get("lr"), bool) or not isinstance(g.get("lr"), (int, float, torch.Tensor))]
+    if bad:
         raise DGCConfigError(f"'dgc.{method}' steps with the optimizer's learning rate, but a param group of {name} "
-                             "has no 'lr'")
+                             f"has no 'lr' (got {bad[0]!r})")
     if fp16 and method != "decoupled_momentum":
         raise DGCConfigError(f"'dgc.{method}' does not support 'fp16' engines; use bf16 or fp32")
     if offload and method != "decoupled_momentum":

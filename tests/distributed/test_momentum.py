@@ -175,8 +175,12 @@ def test_decoupled_momentum_takes_any_optimizer_shared_masks_need_adam():
     assert decoupled_weight_decay(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))]))
     with pytest.raises(DGCConfigError, match="'dgc.shared_mask' needs an Adam optimizer .* got SGD"):
         check_adam_method(sgd, "shared_mask")
+    for bad in (None, "0.1"):
+        sgd.param_groups[0]["lr"] = bad
+        with pytest.raises(DGCConfigError, match=f"a param group of SGD has no 'lr' \\(got {bad!r}\\)"):
+            check_adam_method(sgd, "decoupled_momentum")
     del sgd.param_groups[0]["lr"]
-    with pytest.raises(DGCConfigError, match="a param group of SGD has no 'lr'"):
+    with pytest.raises(DGCConfigError, match="a param group of SGD has no 'lr' \\(got None\\)"):
         check_adam_method(sgd, "decoupled_momentum")
     adam = torch.optim.Adam([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
     check_adam_method(adam, "decoupled_momentum")
