@@ -6,8 +6,9 @@ bf16 absmax scale ``s`` (the group's largest magnitude over 127, rounded up to b
 [0, 1)), so a stored value is unbiased: ``E[c s] = x``. Round-to-nearest would drop every change below
 half a step, and a momentum that decays by 0.999 per step changes by less than that at almost every element (with
 bf16 and round-to-nearest the decay itself is lost); stochastic rounding keeps such changes in expectation (Gupta et
-al., "Deep Learning with Limited Numerical Precision", ICML 2015, section 3; as in Q-GaLore's and Dettmers et al.'s
-low-bit optimizer states, arXiv 2407.08296 and 2110.02861).
+al., "Deep Learning with Limited Numerical Precision", ICML 2015, section 3; Q-GaLore rounds its INT8 weights so,
+arXiv 2407.08296; the block-wise absmax scales are those of Dettmers et al.'s 8-bit optimizer states, arXiv
+2110.02861, which round to nearest).
 
 Decoding and encoding again rounds again (a group's largest code may be 126, so its scale changes): a checkpoint keeps
 the codes and scales themselves (:meth:`~deepspeed_dgc.memory.error_feedback.ErrorFeedback.export`).
