@@ -196,27 +196,35 @@ def _owners_step(optimizer, closure, decoupled: bool, direction: Callable):
     return loss
 
 
-def check_adam_method(optimizer, method: str, fp16: bool = False, offload: bool = False) -> None:
-    """Check that the owners' optimizer fits ``shared_mask`` (``method``; an Adam whose state chooses the masks) or
-    ``decoupled_momentum`` (any optimizer with a learning rate in every param group: the sign update takes its
-    learning rate, schedule and weight decay; ``update: "optimizer"`` hands it the decoded sum).
+def check_step_optimizer(optimizer, method: str) -> None:
+    """Check that every param group of the owners' optimizer has a learning rate, which ``method``'s step takes
+    (``decoupled_momentum``'s sign update, with any optimizer: its learning rate, schedule and weight decay).
 
     Raises:
-        DGCConfigError: shared_mask without an Adam-family optimizer, a param group without ``lr`` (naming the
-            optimizer), fp16 or optimizer offload (the owners' state is read beside the gradients).
+        DGCConfigError: a param group whose ``lr`` is missing or not a number (naming the optimizer and the value).
     """
-    name = type(optimizer).__name__
-    if method != "decoupled_momentum" and name not in ADAM_TYPES:
-        raise DGCConfigError(f"'dgc.{method}' needs an Adam optimizer ({', '.join(ADAM_TYPES)}): its learning rate, "
-                             f"weight decay and state are used; got {name}")
     bad = [g.get("lr") for g in optimizer.param_groups
            if isinstance(g.get("lr"), bool) or not isinstance(g.get("lr"), (int, float, torch.Tensor))]
     if bad:
-        raise DGCConfigError(f"'dgc.{method}' steps with the optimizer's learning rate, but a param group of {name} "
-                             f"has no 'lr' (got {bad[0]!r})")
-    if fp16 and method != "decoupled_momentum":
+        raise DGCConfigError(f"'dgc.{method}' steps with the optimizer's learning rate, but a param group of "
+                             f"{type(optimizer).__name__} has no 'lr' (got {bad[0]!r})")
+
+
+def check_adam_method(optimizer, method: str, fp16: bool = False, offload: bool = False) -> None:
+    """Check that the owners' optimizer fits ``shared_mask`` (``method``): an Adam whose state chooses the masks.
+
+    Raises:
+        DGCConfigError: not an Adam-family optimizer (naming it), a param group without ``lr``, fp16 or optimizer
+            offload (the owners' state is read beside the gradients).
+    """
+    name = type(optimizer).__name__
+    if name not in ADAM_TYPES:
+        raise DGCConfigError(f"'dgc.{method}' needs an Adam optimizer ({', '.join(ADAM_TYPES)}): its learning rate, "
+                             f"weight decay and state are used; got {name}")
+    check_step_optimizer(optimizer, method)
+    if fp16:
         raise DGCConfigError(f"'dgc.{method}' does not support 'fp16' engines; use bf16 or fp32")
-    if offload and method != "decoupled_momentum":
+    if offload:
         raise DGCConfigError(f"'dgc.{method}' does not support 'zero_optimization.offload_optimizer' (the owners' "
                              "state is read beside the gradients)")
 

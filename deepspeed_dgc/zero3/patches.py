@@ -305,7 +305,7 @@ def _momentum_state(engine, opt, cfg: DGCConfig):
                                           offload)
         return CompressedMomentum(cfg.compressed_momentum, beta1)
     if cfg.decoupled_momentum is not None:
-        owners.check_adam_method(opt.optimizer, "decoupled_momentum", engine.fp16_enabled(), offload)
+        owners.check_step_optimizer(opt.optimizer, "decoupled_momentum")  # any optimizer, fp16, offload
         on_host = cfg.decoupled_momentum.offload
         return DecoupledMomentum(cfg.decoupled_momentum, offload if on_host is None else on_host)
     if cfg.shared_mask is not None:  # no local momentum: the owners' Adam state chooses (share_masks)

@@ -9,7 +9,7 @@ import torch
 from deepspeed_dgc.codec.layout import padded_elements
 
 from deepspeed_dgc.config import DGCConfigError
-from deepspeed_dgc.zero3.optimizer import V_FLOOR, check_adam_method, decoupled_weight_decay
+from deepspeed_dgc.zero3.optimizer import V_FLOOR, check_adam_method, check_step_optimizer, decoupled_weight_decay
 from dist_launch import run_scenario, run_scenarios
 from scenarios import Train
 
@@ -170,7 +170,7 @@ ADAMW = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0
 
 def test_decoupled_momentum_takes_any_optimizer_shared_masks_need_adam():
     sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1, weight_decay=0.1)
-    check_adam_method(sgd, "decoupled_momentum")
+    check_step_optimizer(sgd, "decoupled_momentum")
     assert not decoupled_weight_decay(sgd)  # SGD's weight decay is L2: added to the update before the sign
     assert decoupled_weight_decay(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))]))
     with pytest.raises(DGCConfigError, match="'dgc.shared_mask' needs an Adam optimizer .* got SGD"):
@@ -178,16 +178,18 @@ def test_decoupled_momentum_takes_any_optimizer_shared_masks_need_adam():
     for bad in (None, "0.1"):
         sgd.param_groups[0]["lr"] = bad
         with pytest.raises(DGCConfigError, match=f"a param group of SGD has no 'lr' \\(got {bad!r}\\)"):
-            check_adam_method(sgd, "decoupled_momentum")
+            check_step_optimizer(sgd, "decoupled_momentum")
     del sgd.param_groups[0]["lr"]
     with pytest.raises(DGCConfigError, match="a param group of SGD has no 'lr' \\(got None\\)"):
-        check_adam_method(sgd, "decoupled_momentum")
+        check_step_optimizer(sgd, "decoupled_momentum")
     adam = torch.optim.Adam([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
-    check_adam_method(adam, "decoupled_momentum")
-    check_adam_method(adam, "decoupled_momentum", fp16=True)  # the loss scale is divided out before the sign
-    with pytest.raises(DGCConfigError, match="'fp16'"):
+    check_adam_method(adam, "shared_mask")
+    adam.param_groups[0]["lr"] = None
+    with pytest.raises(DGCConfigError, match="a param group of Adam has no 'lr'"):
+        check_adam_method(adam, "shared_mask")
+    adam.param_groups[0]["lr"] = 0.1
+    with pytest.raises(DGCConfigError, match="'fp16'"):  # decoupled momentum runs fp16 and offload (tests below)
         check_adam_method(adam, "shared_mask", fp16=True)
-    check_adam_method(adam, "decoupled_momentum", offload=True)  # the sign step runs where the optimizer does
     with pytest.raises(DGCConfigError, match="offload_optimizer"):
         check_adam_method(adam, "shared_mask", offload=True)
 
