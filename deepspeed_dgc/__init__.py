@@ -18,10 +18,11 @@ from .comm.communicators import DGCBackendError, DGCCommError, DGCTimeoutError
 from .config import DGCConfig, DGCConfigError, parse_dgc_config
 from .trainer import HybridTrainer
 from .zero3.patches import DGCSeamError, activate, deactivate, install, uninstall
+from .zero3.ds_api import DGCStateError
 from .zero3.state import get_stats
 
 activate()
 
 __all__ = ["DGCBackendError", "DGCCommError", "DGCConfig", "DGCConfigError", "DGCKernelError", "DGCProtocolError",
-           "DGCSeamError", "DGCTimeoutError", "HybridTrainer", "activate", "deactivate", "get_stats", "install",
+           "DGCSeamError", "DGCStateError", "DGCTimeoutError", "HybridTrainer", "activate", "deactivate", "get_stats", "install",
            "parse_dgc_config", "uninstall", "__version__"]

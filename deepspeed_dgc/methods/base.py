@@ -142,6 +142,12 @@ class GradientMethod:
 
     # ---- the owners' side and the step's end --------------------------------------------------------------------
 
+    def partitions_hold(self, state) -> Optional[str]:
+        """None where ZeRO-3's gradient partitions hold the averaged gradient (as the owners reconstructed it) after
+        the reduce-scatter; else what they hold instead, in words (DeepSpeed's gradient APIs then raise, naming it:
+        :mod:`deepspeed_dgc.zero3.ds_api`)."""
+        return None
+
     def install(self, engine, opt, state) -> None:
         """Replace what the owners do with the sum (the optimizer's step, clipping), if the method changes it."""
 

@@ -20,6 +20,13 @@ from .momentum_sources import MomentumSourced
 class CompressedMomentumMethod(MomentumSourced):
     """See the module docstring."""
 
+    def partitions_hold(self, state):
+        """The averaged gradient until the freeze; after it, the sum of the ranks' momenta."""
+        if not state.momentum.frozen:
+            return None
+        return ("the sum over ranks of their local Adam momenta (sent since Adam's second moment was frozen), not "
+                "the averaged gradient")
+
     def after_step(self, opt, state, applied: bool) -> None:
         """The freeze, once ``freeze_step`` steps are done (collective with ``precondition``)."""
         momentum = state.momentum

@@ -61,6 +61,10 @@ class DecoupledMomentumMethod(GradientMethod):
             r.note_bad_senders(exchange.comm, bad)
         return Reduced(out, L.row_slices(out, exchange.row), True, kept)
 
+    def partitions_hold(self, state) -> str:
+        return ("u, the sum over ranks of their decoded DCT top-k momenta (DeMo's update; the ranks never send "
+                "gradients, so no averaged gradient is formed)")
+
     def install(self, engine, opt, state) -> None:
         """``update: "sign"``: the owners step with DeMo's sign update at the optimizer's learning rate."""
         if self.reducer.momentum.cfg.update == "sign":

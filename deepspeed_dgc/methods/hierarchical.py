@@ -29,6 +29,9 @@ class Hierarchical(GradientMethod):
     def layout(self, bucket, owners):
         return self.inner.layout(bucket, owners)
 
+    def partitions_hold(self, state):
+        return self.inner.partitions_hold(state)
+
     def install(self, engine, opt, state) -> None:
         self.inner.install(engine, opt, state)
 

@@ -17,6 +17,10 @@ from .momentum_sources import MomentumSourced
 class MomentumCorrectionMethod(MomentumSourced):
     """See the module docstring."""
 
+    def partitions_hold(self, state) -> str:
+        return ("the sum over ranks of their momentum-corrected velocities as sent (DGC's update, the momentum "
+                "applied by the senders), not the averaged gradient")
+
     def install(self, engine, opt, state) -> None:
         """The owners' SGD step without momentum (a bound method, as torch's own: LR schedulers wrap
         ``optimizer.step.__func__``); DeepSpeed's gradient clipping off (it would clip the summed velocity)."""

@@ -282,12 +282,19 @@ def sign_step(optimizer, decoupled: bool, closure=None):
     Peng et al., arXiv 2411.19870, Algorithm 1 (bloc97/DeMo ``DeMo.step``: sign-SGD on the decoded sum, decoupled
     weight decay). ``p.grad`` holds ``u``, the sum over ranks of their decoded chunked DCT top-k (any scale: only
     its sign is used, so DeepSpeed's gradient clipping does not change the step). With L2 weight decay (Adam
-    without ``decoupled_weight_decay``) ``wd p`` is added to ``u`` before the sign. Adam's state is not touched;
-    ``p.grad`` is overwritten with the direction.
+    without ``decoupled_weight_decay``) ``wd p`` is added to ``u`` before the sign. The optimizer's state holds only
+    the count of these steps, ``state[p]["step"]`` (a float32 scalar tensor, as torch's Adam keeps it), so DeepSpeed's
+    step count answers; Adam's moments are never written. ``p.grad`` is overwritten with the direction.
     Returns the closure's loss, or None.
     """
     # in place: the gradient is dead after the step (ZeRO-3 frees it)
-    return _owners_step(optimizer, closure, decoupled, lambda p, u, l2: (u.add_(p, alpha=l2) if l2 else u).sign_())
+    loss = _owners_step(optimizer, closure, decoupled, lambda p, u, l2: (u.add_(p, alpha=l2) if l2 else u).sign_())
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                st = optimizer.state[p]
+                st["step"] = st.get("step", torch.tensor(0.0)) + 1
+    return loss
 
 
 def check_sgd_optimizer(optimizer, gradient_accumulation_steps: int, fp16: bool = False, offload: bool = False) -> float:

@@ -17,11 +17,14 @@ seam                                                        scope       what rep
 ``DeepSpeedEngine.save_checkpoint`` / ``load_checkpoint``   instance    also write / read the side-car
 ``partition_parameters._dist_allgather_fn``                 module      the quantized parameter all-gather
 ``<owners' torch optimizer>.step``, ``clip_grad``           instance    the owners' steps of the momentum methods
+``DeepSpeedZeroOptimizer_Stage3.get_fp32_grad_for_param``,  instance    DeepSpeed's ``safe_*_grad`` and
+``get_full_hp_param`` and their ``set``/``local`` variants              ``safe_*_optimizer_state`` under the method
+                                                                        (:mod:`.ds_api`)
 ==========================================================  ==========  =============================================
 
 Class-level wrappers are installed by :func:`activate` (``import deepspeed_dgc``) and removed by
 :func:`deactivate`; instance patches by :func:`install` and removed by :func:`uninstall`. The work itself is
-done elsewhere: :mod:`.reduce_scatter`, :mod:`.allgather`, :mod:`.optimizer`, :mod:`.checkpoint`.
+done elsewhere: :mod:`.reduce_scatter`, :mod:`.allgather`, :mod:`.optimizer`, :mod:`.checkpoint`, :mod:`.ds_api`.
 """
 
 import functools
@@ -47,7 +50,7 @@ from ..comm.topology import resolve_ranks_per_node
 from ..config import (DGCConfig, DGCConfigError, check_engine_compatible, misspelled_section, parse_dgc_config,
                       switched_off_by_default)
 from ..memory.momentum import CompressedMomentum, DecoupledMomentum, MomentumCorrection
-from . import checkpoint, saving
+from . import checkpoint, ds_api, saving
 from . import optimizer as owners
 from .allgather import QuantizedAllGather, check_layout_seam
 from .policy import STOCK, flush_residuals, stock_result_bytes
@@ -342,6 +345,7 @@ def _patch_instance(engine, opt, state: DGCState) -> None:
     replace(engine, "save_checkpoint", _save_checkpoint(engine, state))
     replace(engine, "load_checkpoint", _load_checkpoint(engine, state))
     _method(state).install(engine, opt, state)  # the owners' side of the method (its optimizer step)
+    ds_api.install(opt, state, lambda: _method(state))  # DeepSpeed's safe_get_* APIs under the method
     _install_allgather(cfg, state)
     setattr(opt, STATE_ATTR, state)
     setattr(engine, STATE_ATTR, state)

@@ -1,0 +1,203 @@
+"""DeepSpeed's gradient and optimizer-state APIs on an engine with DGC: what they answer under each gradient method.
+
+DeepSpeed's ``deepspeed.utils`` functions reach ZeRO-3's optimizer through ``param._z3_optimizer``:
+``safe_get_full_grad`` / ``safe_set_full_grad`` / ``safe_get_local_grad`` / ``safe_set_local_grad`` /
+``safe_update_full_grad_vectorized`` read and write the gradient partitions, and ``safe_get_full_optimizer_state`` /
+``safe_set_full_optimizer_state`` / ``safe_get_local_optimizer_state`` / ``safe_set_local_optimizer_state`` the basic
+optimizer's state (``optimizer.state[<flat fp32 partition>][key]``). :func:`install` patches those methods of one
+ZeRO-3 optimizer instance so that they answer meaningfully under every method:
+
+==========================  ===================================================  ==========================================
+method                      the gradient APIs                                    the optimizer-state APIs
+==========================  ===================================================  ==========================================
+top-k / dense (default),    the averaged gradient the owners reconstructed       the optimizer's own keys, as stock;
+``shared_mask``,            (what was sent, decoded and summed): as stock        ``"dgc_residual"``: this rank's
+``compressed_momentum``                                                          error-feedback residual
+before its freeze
+``decoupled_momentum``,     :class:`DGCStateError`: the partitions hold the      the optimizer's own keys where it keeps
+``momentum_correction``,    method's update (the sum of the ranks' momenta),     them; ``"dgc_momentum"``: this rank's
+``compressed_momentum``     not a gradient, and no averaged gradient is formed   local momentum; a key the optimizer
+after its freeze                                                                 does not keep: :class:`DGCStateError`
+==========================  ===================================================  ==========================================
+
+The method's own states are per rank, not partitioned: the "full" getters return this rank's whole state of the
+parameter (shape ``param.ds_shape``, fp32, no collective), the "local" ones the slice of it at this rank's partition
+(``param.ds_tensor``'s elements); the setters replace this rank's state (the next step adds to it). Under the
+hierarchical topology a rank keeps state only for its node's share of each parameter: those keys raise
+:class:`DGCStateError`. ``decoupled_momentum``'s sign step counts its steps in the optimizer's state (``"step"``, as
+Adam does), so ``optimizer.state[...]["step"]`` follows ``engine.global_steps``; ``engine.get_global_grad_norm()`` is
+the norm of what the partitions hold (under the momentum methods, the update's norm before clipping).
+"""
+
+import functools
+from typing import Callable, Optional
+
+import torch
+
+from .swap import replace
+
+RESIDUAL = "dgc_residual"  # this rank's error-feedback residual of the parameter
+MOMENTUM = "dgc_momentum"  # this rank's local momentum of the parameter (DeMo's delta, DGC's velocity, 1-bit Adam's m)
+
+GRAD_APIS = ("get_fp32_grad_for_param", "get_local_fp32_grad_for_param", "set_fp32_grad_for_param",
+             "set_local_grad_for_param", "update_fp32_grad_for_param_vectorized")
+STATE_APIS = ("get_full_hp_param", "set_full_hp_param", "get_local_fp32_param", "set_local_hp_param",
+              "get_hp_param_device")
+
+
+class DGCStateError(RuntimeError):
+    """A DeepSpeed gradient or optimizer-state API asked for something the engine's gradient method does not have
+    (an averaged gradient where the partitions hold the method's update, an optimizer-state key the method's step
+    does not keep); the message names the method, what there is instead, and where to read it."""
+
+
+def install(opt, state, method: Callable[[], object]) -> None:
+    """Patch ``opt``'s (a ``DeepSpeedZeroOptimizer_Stage3``) gradient and optimizer-state APIs (see the module
+    docstring); ``method()`` gives the engine's gradient method (:class:`~deepspeed_dgc.methods.base.GradientMethod`)
+    at call time. :func:`~deepspeed_dgc.zero3.patches.uninstall` puts the originals back."""
+    for name in GRAD_APIS:
+        if hasattr(opt, name):
+            replace(opt, name, _guard_grad(getattr(opt, name), name, state, method))
+    for name in STATE_APIS:
+        if hasattr(opt, name):
+            replace(opt, name, _serve_state(getattr(opt, name), name, opt, state, method))
+
+
+def _method_name(state, method) -> str:
+    return f"'dgc.{getattr(method(), 'name', '') or 'enabled'}'"
+
+
+def _guard_grad(original: Callable, api: str, state, method) -> Callable:
+    """``original`` where ZeRO-3's gradient partitions hold the averaged gradient; else a :class:`DGCStateError`."""
+
+    @functools.wraps(original)
+    def guarded(*args, **kwargs):
+        held = method().partitions_hold(state)
+        if held is not None:
+            raise DGCStateError(
+                f"deepspeed_dgc: {api} (DeepSpeed's safe_*_grad) has no gradient to give under "
+                f"{_method_name(state, method)}: ZeRO-3's gradient partitions hold {held}. The method's own state is "
+                f"read with safe_get_full_optimizer_state(param, {MOMENTUM!r}) (this rank's local momentum)")
+        return original(*args, **kwargs)
+
+    return guarded
+
+
+def _serve_state(original: Callable, api: str, opt, state, method) -> Callable:
+    """``original`` for the optimizer's own keys; the method's state for :data:`RESIDUAL` / :data:`MOMENTUM`; a
+    :class:`DGCStateError` naming the method for a key the optimizer does not keep."""
+    setter = api.startswith("set_")
+    local = api in ("get_local_fp32_param", "set_local_hp_param")
+
+    @functools.wraps(original)
+    def serve(*args, **kwargs):
+        names = ("value", "param", "optim_state_key") if setter else ("param", "optim_state_key")
+        bound = dict(zip(names, args), **kwargs)
+        key, param = bound.get("optim_state_key"), bound.get("param")
+        if key is None or param is None or not getattr(param, "requires_grad", True):
+            return original(*args, **kwargs)
+        if key in (RESIDUAL, MOMENTUM):
+            store = _store_of(state, key, method)
+            if api == "get_hp_param_device":
+                return store.device if store.device is not None else param.ds_tensor.device
+            if setter:
+                return _set_own(state, store, key, param, bound["value"], local, opt)
+            return _get_own(state, store, key, param, local, opt)
+        missing = _missing_key(opt, param, key)
+        if missing is not None:
+            raise DGCStateError(
+                f"deepspeed_dgc: the optimizer ({type(opt.optimizer).__name__}) keeps no {key!r} for this parameter "
+                f"under {_method_name(state, method)}{missing}; its keys: {_own_keys(state)}")
+        return original(*args, **kwargs)
+
+    return serve
+
+
+def _missing_key(opt, param, key: str) -> Optional[str]:
+    """None where ``key`` is in the optimizer's state of ``param``'s sub-group (or the sub-group is swapped out to
+    NVMe, which stock reads); else a clause saying what the state holds."""
+    group_idx = opt.grad_position[opt.get_param_id(param)][0]
+    if opt._swappable_optimizer_subgroup(group_idx):
+        return None
+    held = opt.optimizer.state.get(opt.fp32_partitioned_groups_flat[group_idx], {})
+    if key in held:
+        return None
+    return f" (its state holds {sorted(held) or 'nothing'})"
+
+
+def _keeps_residuals(state) -> bool:
+    """Whether the engine carries error-feedback residuals (not under decoupled momentum, whose momentum keeps what
+    was not sent, nor with ``error_feedback`` off)."""
+    return state.memory is not None and state.cfg.error_feedback and state.cfg.decoupled_momentum is None
+
+
+def _own_keys(state) -> str:
+    """The method-state keys this engine answers, for messages."""
+    keys = [RESIDUAL] if _keeps_residuals(state) else []
+    if getattr(state.momentum, "store", None) is not None:
+        keys.append(MOMENTUM)
+    return ", ".join(repr(k) for k in keys) + " (this rank's, deepspeed_dgc's)" if keys else "none of deepspeed_dgc's"
+
+
+def _store_of(state, key: str, method):
+    """The :class:`~deepspeed_dgc.memory.error_feedback.ErrorFeedback` store behind ``key``."""
+    if key == RESIDUAL:
+        store = state.memory if _keeps_residuals(state) else None
+    else:
+        store = getattr(state.momentum, "store", None)
+    if store is None:
+        raise DGCStateError(f"deepspeed_dgc: {_method_name(state, method)} keeps no {key!r} (this engine's keys: "
+                            f"{_own_keys(state)})")
+    return store
+
+
+def _check_numel(state, key: str, value: torch.Tensor, param) -> None:
+    if value.numel() != param.ds_numel:
+        raise DGCStateError(f"deepspeed_dgc: this rank's {key!r} of a parameter of {param.ds_numel} elements has "
+                            f"{value.numel()}: under 'dgc.topology' \"{state.cfg.topology}\" a rank keeps state for its "
+                            "node's share of each parameter only, which this API cannot give as the parameter")
+
+
+def _partition(param, opt) -> slice:
+    """This rank's elements of ``param`` (its ``ds_tensor``) in the flat parameter."""
+    n = param.partition_numel()
+    start = opt._get_param_partition_rank(param) * n
+    return slice(start, min(start + n, param.ds_numel))
+
+
+def _get_own(state, store, key: str, param, local: bool, opt) -> torch.Tensor:
+    """This rank's state ``key`` of ``param``: fp32 ``param.ds_shape`` (zeros before the first step), or with
+    ``local`` this rank's partition of it, ``(param.partition_numel(),)`` (zero padded past the parameter's end)."""
+    value = store.committed_value(state.key_of(param))
+    if value is None:
+        value = torch.zeros(param.ds_numel, dtype=torch.float32, device=param.ds_tensor.device)
+    _check_numel(state, key, value, param)
+    value = value.float()
+    if not local:
+        return value.view(param.ds_shape)
+    part = value[_partition(param, opt)]
+    pad = param.partition_numel() - part.numel()
+    return torch.nn.functional.pad(part, (0, pad)) if pad else part.clone()
+
+
+def _set_own(state, store, key: str, param, value: torch.Tensor, local: bool, opt) -> None:
+    """Replace this rank's state ``key`` of ``param`` (its whole, or with ``local`` its partition's slice) by
+    ``value``, as if committed by the last step."""
+    k = state.key_of(param)
+    expect = param.partition_numel() if local else param.ds_numel
+    if value.numel() != expect:
+        raise DGCStateError(f"deepspeed_dgc: setting this rank's {key!r} of a parameter needs {expect} values "
+                            f"({'its partition' if local else 'the whole parameter'}), got {value.numel()}")
+    values = store.residuals()
+    current = values.get(k)
+    if current is None:
+        current = torch.zeros(param.ds_numel, dtype=torch.float32, device=value.device)
+    _check_numel(state, key, current, param)
+    current = current.clone()
+    if local:
+        sl = _partition(param, opt)
+        current[sl] = value.flatten()[:sl.stop - sl.start].to(current)
+    else:
+        current.copy_(value.flatten().to(current))
+    values[k] = current
+    store.load(values)
