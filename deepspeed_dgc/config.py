@@ -264,8 +264,9 @@ class DGCConfig(BaseModel):
         "fixed", description="`\"auto\"`: per bucket, stock ZeRO-3's reduce-scatter or the compressed one, whichever "
         "measures faster on this job's link (every rank times both on random tensors of the bucket's sizes, on the "
         "same group, when a bucket shape is first seen and every `policy_interval` applied steps; the slowest rank's "
-        "times decide, so every rank agrees; ties go to stock). A bucket sent by stock takes its residuals along. "
-        "Plain gradient codecs only (not with a momentum method). Each choice is in the telemetry (`policy`, "
+        "times decide, so every rank agrees; ties go to stock). A bucket sent by stock takes its residuals along; "
+        "under `decoupled_momentum` it sends each rank's whole momentum (`decay delta + g / W`) densely, so the "
+        "owners' step stays DeMo's. Not with the other momentum methods or `shared_mask`. Each choice is in the telemetry (`policy`, "
         "`stock_buckets_total`) and logged at INFO by DeepSpeed's logger")
     policy_interval: int = Field(500, ge=1, description="with `policy: \"auto\"`: applied steps between two "
                                  "measurements of the same bucket shape or gather size (each costs a few exchanges "
@@ -378,12 +379,16 @@ class DGCConfig(BaseModel):
     @model_validator(mode="after")
     def _policy_rules(self):
         if self.policy == "auto":
-            methods = [k for k in ("compressed_momentum", "decoupled_momentum", "shared_mask") if getattr(self, k)
+            # decoupled momentum sends its whole momentum by stock's collective (policy.py); these cannot switch:
+            # their owners' step or masks follow from what was compressed (a frozen preconditioner, Adam-chosen
+            # coordinates, velocities masked where sent)
+            methods = [k for k in ("compressed_momentum", "shared_mask") if getattr(self, k)
                        is not None] + (["momentum_correction"] if self.momentum_correction else [])
             if methods:
                 raise ValueError(f"'dgc.policy' = \"auto\" switches buckets between stock and compressed, which "
-                                 f"'dgc.{methods[0]}' cannot (it changes what the owners step with): set "
-                                 "'dgc.policy' to \"fixed\" or remove the method")
+                                 f"'dgc.{methods[0]}' cannot (what the owners step with follows from what it "
+                                 "compressed): set 'dgc.policy' to \"fixed\", or use 'dgc.decoupled_momentum', which "
+                                 "can")
         elif "policy_interval" in self.model_fields_set:
             raise ValueError("'dgc.policy_interval' is a setting of 'dgc.policy' = \"auto\" (got \"fixed\")")
         return self

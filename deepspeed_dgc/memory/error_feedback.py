@@ -276,6 +276,27 @@ class ErrorFeedback:
             return found
         return self.committed_value(key)
 
+    def flush(self, keys: Sequence[Hashable]) -> Dict[Hashable, torch.Tensor]:
+        """What a bucket sent whole takes along: the latest residual of each of ``keys`` (as :meth:`get`: fp32 flat,
+        unscaled; keys without one left out), and zero staged in its place (committed if the step is applied, so a
+        skipped step keeps the old ones). A bucket's block is decoded once and staged as one zero block."""
+        wanted, out = set(keys), {}
+        for bkey in list(dict.fromkeys(list(self.staged_blocks) + list(self.blocks))):
+            if not set(bkey) <= wanted:
+                continue
+            block = self.staged_blocks.get(bkey) or self.blocks[bkey]
+            matrix = self._block_matrix(block)
+            for i, k in enumerate(block.keys):
+                out[k] = block.layout.flat_of(matrix, i, block.numels[i])
+            self.stage_block(block.keys, block.numels, block.layout, matrix.zero_())
+        for k in keys:
+            if k not in out:
+                value = self.get(k)
+                if value is not None:
+                    out[k] = value
+                    self.stage(k, torch.zeros_like(value, dtype=torch.float32))
+        return out
+
     def committed_value(self, key: Hashable) -> Optional[torch.Tensor]:
         """The residual of ``key`` as of the last commit (ignoring this window's staged one), fp32, or None."""
         stored = self.committed.get(key)

@@ -434,8 +434,9 @@ def _stock_method(opt, name: str) -> Callable:
 
 def _by_stock(opt, state: DGCState, params, group, comm_dtype) -> bool:
     """``policy: "auto"``: whether this bucket goes by stock's reduce-scatter (:mod:`~deepspeed_dgc.zero3.policy`,
-    collective when it measures). If so, its residuals are added to the gradients stock is about to send (and staged
-    as zero), and the telemetry counts stock's bytes."""
+    collective when it measures). If so, its residuals (under decoupled momentum, its momenta times ``decay``: stock
+    then sends each rank's whole ``decay delta + g / W``) are added to the gradients stock is about to send (and
+    staged as zero), and the telemetry counts stock's bytes."""
     if state.policy is None:
         return False
     reducer = state.reducer
@@ -445,7 +446,11 @@ def _by_stock(opt, state: DGCState, params, group, comm_dtype) -> bool:
     if choice != STOCK:
         return False
     comms = reducer.comms_for(group)
-    flush_residuals(state.memory, grads, keys, comms, comms.world_size * float(opt.loss_scale))
+    dm = state.cfg.decoupled_momentum
+    if dm is not None:  # each rank's whole momentum, decay delta + g / W, so the owners' step stays DeMo's
+        flush_residuals(state.momentum.store, grads, keys, comms, comms.world_size * float(opt.loss_scale) * dm.decay)
+    else:
+        flush_residuals(state.memory, grads, keys, comms, comms.world_size * float(opt.loss_scale))
     numels = [g.numel() for g in grads]
     wire, inter = stock_result_bytes(numels, comms, torch.tensor([], dtype=comm_dtype).element_size())
     state.stats.record(reduce_result(comms, numels, wire - inter, inter, kept=sum(numels), stock_buckets=1))

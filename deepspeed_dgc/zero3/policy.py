@@ -30,9 +30,12 @@ A bucket sent by stock sends its error-feedback residuals with it (added to this
 ranks is the same mean the compressed path would have had before quantization), and its residuals become zero (staged,
 so a skipped step keeps them). What was not yet sent is thus never lost.
 
-Only the plain gradient codecs (error feedback with any density, threshold and format) can switch per bucket: the
-momentum methods change what the owners step with, and ``policy: "auto"`` refuses them (:class:`~deepspeed_dgc.config.
-DGCConfig`). Each choice is logged on rank 0 at INFO by DeepSpeed's logger (which shows INFO only when its level is
+The plain gradient codecs (error feedback with any density, threshold and format) and decoupled momentum can switch
+per bucket. Under decoupled momentum a bucket sent by stock carries each rank's whole momentum ``decay delta + g / W``
+(its gradient plus ``W loss_scale decay delta``), which becomes zero: the owners receive the sum of the momenta and
+take the same sign step, as if the method had sent every coefficient. The other momentum methods
+(``compressed_momentum``, ``momentum_correction``) and ``shared_mask`` are refused (:class:`~deepspeed_dgc.config.
+DGCConfig`): what their owners step with, or the coordinates they choose, follows from what was compressed. Each choice is logged on rank 0 at INFO by DeepSpeed's logger (which shows INFO only when its level is
 set so, e.g. ``deepspeed.utils.logger.setLevel(logging.INFO)``) and is in :func:`deepspeed_dgc.get_stats`'s
 ``policy``. Measured times are host wall-clock around the exchange; on a GPU the probe synchronises the device
 (probe steps only, never a normal step). Choices depend on measured times, so two runs (or a run and its resume,
@@ -49,6 +52,7 @@ from deepspeed.utils import logger
 from ..codec.job import real_count
 from ..comm.communicators import group_global_ranks, make_communicator
 from ..memory.error_feedback import ErrorFeedback
+from ..memory.momentum import DecoupledMomentum
 
 
 STOCK, COMPRESSED = "stock", "compressed"
@@ -161,8 +165,10 @@ class LinkPolicy:
 
         comms = reducer.comms_for(group)
         cfg = reducer.cfg.model_copy(update={"policy": "fixed"})
+        dm = cfg.decoupled_momentum  # a throwaway momentum too, zero at first, as the residuals
         probe = CompressedReduceScatter(cfg, ErrorFeedback(cfg.residual_storage, kernels=cfg.kernels),
-                                        seed=reducer.seed, ranks_per_node=reducer.ranks_per_node, ops=reducer.ops)
+                                        seed=reducer.seed, ranks_per_node=reducer.ranks_per_node, ops=reducer.ops,
+                                        momentum=DecoupledMomentum(dm) if dm is not None else None)
         probe._comms, probe.steps_applied = reducer._comms, reducer.steps_applied  # same communicators and schedule
         gen = torch.Generator(device=device).manual_seed(reducer.seed + reducer.steps_applied)
         grads = [torch.randn(n, generator=gen, device=device, dtype=torch.float32).to(comm_dtype) for n in numels]
@@ -183,6 +189,8 @@ class LinkPolicy:
             probe.reduce_scatter(grads, keys, group, comm_dtype)
             probe.end_step(True)
             probe.memory.commit()
+            if probe.momentum is not None:
+                probe.momentum.commit()
 
         def agree(values: List[float]) -> List[float]:  # read on the host (probe steps only)
             return comm.max_all_reduce(torch.tensor(values, dtype=torch.float64,
@@ -241,8 +249,9 @@ def flush_residuals(memory: ErrorFeedback, grads: Sequence[torch.Tensor], keys: 
     its place (kept if the step is applied). Flat topology: the residual is the whole tensor's (``n`` elements);
     hierarchical: the node-level rows of the owners ``k L + local`` (``N x ceil(n / W)``), added at those owners'
     slices (the node's dense sum then carries them)."""
+    residuals = memory.flush(keys)
     for g, key in zip(grads, keys):
-        residual = memory.get(key)
+        residual = residuals.get(key)
         if residual is None:
             continue
         flat = g.view(-1)
@@ -257,7 +266,6 @@ def flush_residuals(memory: ErrorFeedback, grads: Sequence[torch.Tensor], keys: 
                 count = real_count(n, owner, c)
                 if count > 0:
                     flat.narrow(0, owner * c, count).add_(rows[k, :count].to(flat.dtype), alpha=scale)
-        memory.stage(key, torch.zeros_like(residual, dtype=torch.float32))
 
 
 def stock_result_bytes(numels: List[int], comms, elem_size: int) -> Tuple[int, int]:

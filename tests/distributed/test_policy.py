@@ -103,3 +103,35 @@ def test_policy_auto_that_always_chooses_stock_is_stock_bit_for_bit():
         assert any(k.startswith("all-gather") for k in stats["policy"])
         assert stats["param_wire_bytes_total"] >= stats["param_dense_fp32_bytes_total"] * 0.99  # stock's bytes
         assert stats["compression_ratio"] == 1.0 or abs(stats["compression_ratio"] - 1.0) < 0.02
+
+
+def test_policy_auto_under_decoupled_momentum_sends_the_whole_momentum_by_stock():
+    """Decoupled momentum (fp32 momentum, top-2 of chunks of 16, INT4) with the agreed choices alternating
+    compressed and stock, 6 steps. Checked in float64 from what each rank recorded (its gradient and committed
+    momentum after every step): a bucket sent by stock carried every rank's whole momentum, so what the owners hold
+    is the sum over ranks of decay m + g / 2 and the momenta are then exactly 0; a compressed one left momenta that
+    are not; the owners' step is DeMo's sign step on what they hold, in both cases (lr 1e-2, no weight decay)."""
+    decay = 0.9
+    dm = {"enabled": True, "policy": "auto", "policy_interval": 2,
+          "decoupled_momentum": {"chunk": 16, "topk": 2, "quantization": "int4", "decay": decay}}
+    ranks = run_scenario(ScriptedPolicy(steps=6, local_grads=True, script="cs", config={
+        "dgc": dm, "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "weight_decay": 0.0, "torch_adam": True}}}))
+    keys = ranks[0].keys
+    assert ranks[0].stats["policy"] == ranks[1].stats["policy"] and ranks[0].stats["stock_buckets_total"] > 0
+    carried = compressed = 0
+    for t in range(6):
+        for i, key in enumerate(keys):
+            after = [rec.momenta[t][key].double() for rec in ranks]
+            before = [rec.momenta[t - 1][key].double() if t else torch.zeros_like(after[0]) for rec in ranks]
+            got = ranks[0].grads[t][i].double().reshape(-1)
+            if all(bool((a == 0).all()) for a in after):  # went by stock
+                total = sum(decay * b + rec.local_grads[t][i].double().reshape(-1) / 2
+                            for b, rec in zip(before, ranks))
+                torch.testing.assert_close(got, total, rtol=1e-5, atol=1e-6 * float(total.abs().max()))
+                carried += int(any(bool((b != 0).any()) for b in before))
+            else:
+                compressed += 1
+            p0, p1 = ranks[0].params[t][i].double(), ranks[0].params[t + 1][i].double()
+            step = (p0 - p1).reshape(-1)
+            torch.testing.assert_close(step, 1e-2 * torch.sign(got), rtol=1e-4, atol=1e-7)
+    assert carried > 0 and compressed > 0

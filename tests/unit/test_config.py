@@ -72,8 +72,9 @@ def test_config_defaults_and_lossless():
     ({"decoupled_momentum": {}, "density": 0.01}, "'dgc.density' is a setting of the gradient codec, which "
      "'dgc.decoupled_momentum' replaces"),
     ({"decoupled_momentum": {}, "quantization": "int2"}, "'dgc.quantization' is a setting of the gradient codec"),
-    ({"policy": "auto", "decoupled_momentum": {}}, "'dgc.policy' = \"auto\" switches buckets between stock and "
-     "compressed, which 'dgc.decoupled_momentum' cannot"),
+    ({"policy": "auto", "compressed_momentum": {"freeze_step": 10}}, "'dgc.policy' = \"auto\" switches buckets between stock and "
+     "compressed, which 'dgc.compressed_momentum' cannot"),
+    ({"policy": "auto", "shared_mask": {}}, "which 'dgc.shared_mask' cannot"),
     ({"policy": "auto", "momentum_correction": True}, "which 'dgc.momentum_correction' cannot"),
     ({"policy_interval": 5}, "'dgc.policy_interval' is a setting of 'dgc.policy' = \"auto\""),
     ({"policy": "fast"}, "'dgc.policy': Input should be 'fixed' or 'auto'"),
