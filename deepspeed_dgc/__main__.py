@@ -6,6 +6,8 @@
   unavailable, and why. ``--load`` also loads each compatible op (JIT-building it if needed).
 - ``docs``: writes ``docs/config.md``, the reference of the ``"dgc"`` section, from the pydantic model in
   :mod:`deepspeed_dgc.config`; ``--check`` writes nothing and exits 1 when the file differs from it.
+- ``universal``: DeepSpeed's ``ds_to_universal`` (a checkpoint to resume at another world size), also for checkpoints
+  whose optimizer keeps no Adam moments (decoupled momentum's sign update, SGD): :mod:`deepspeed_dgc.zero3.universal`.
 """
 
 import argparse
@@ -231,6 +233,12 @@ def main(argv=None) -> int:
     doc = sub.add_parser("docs", help="write docs/config.md from the config model")
     doc.add_argument("--check", action="store_true", help="write nothing; exit 1 if docs/config.md is stale")
     doc.add_argument("--path", type=Path, default=CONFIG_DOC, help="the file (default: docs/config.md of this checkout)")
+    sub.add_parser("universal", add_help=False,
+                   help="DeepSpeed's ds_to_universal, also without Adam's moments (--input_folder, --output_folder)")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["universal"]:  # its own options (deepspeed_dgc.zero3.universal)
+        from .zero3 import universal
+        return universal.main(argv[1:])
     args = ap.parse_args(argv)
     if args.command == "report":
         return report(args.load)

@@ -91,7 +91,12 @@ class SharedMaskMethod(GradientMethod):
         return self._cols[key]
 
     def after_load(self, opt, state) -> None:
-        """The masks chosen again from the loaded Adam state (they are not saved)."""
+        """The masks chosen again from the loaded Adam state (they are not saved). A checkpoint whose optimizer state
+        holds no Adam moments (saved by decoupled momentum's sign update: they start from zero, and the load says so)
+        has nothing to choose from: the next step goes by the warm-up codec, and the masks follow it."""
+        basic = opt.optimizer
+        if any("exp_avg" not in basic.state.get(flat, {}) for flat in opt.fp32_partitioned_groups_flat):
+            return
         self.after_step(opt, state, True)
 
     def after_step(self, opt, state, applied: bool) -> None:

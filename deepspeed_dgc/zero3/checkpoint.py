@@ -27,6 +27,7 @@ from deepspeed.utils import logger
 from ..comm.topology import resolve_ranks_per_node
 from ..memory.error_feedback import ErrorFeedback
 from ..memory.momentum import CompressedMomentum
+from . import switching
 from .state import DGCState
 
 # 3: {"format", "sha256", "body"}, body the torch.save bytes of the payload (keyed by parameter name, with its tag)
@@ -296,11 +297,11 @@ def _settings_note(state: DGCState, saved: Optional[dict]) -> str:
 NEUTRAL_SETTINGS = {"timeout_s", "stats_interval"}
 
 # what makes a "restored ..." message a warning: state dropped, rounded or loaded for other settings
-NOT_ROUTINE = ("IGNORED", "rounded once", "restarts at zero", "differ from this run's")
+NOT_ROUTINE = ("IGNORED", "rounded once", "restarts at zero", "differ from this run's") + switching.DROP_MARKS
 
 
 def load_state(state: DGCState, ckpt_dir: str, tag: str, world_size: int, device: torch.device,
-               expect_sidecars: bool = False, save_id: Optional[int] = None) -> str:
+               expect_sidecars: bool = False, save_id: Optional[int] = None, optimizer=None) -> str:
     """Restore this rank's side-car into ``state``; returns what was done, for the log.
 
     Same data-parallel world size and layout: residuals, sampling generators, thresholds, momenta and telemetry come
@@ -312,13 +313,17 @@ def load_state(state: DGCState, ckpt_dir: str, tag: str, world_size: int, device
     mean gradient, a share of ``g / W``, at any world size); thresholds are estimated afresh, the generators
     restart from this rank's seed, the step counters and telemetry are rank 0's (docs/faults.md's table). A
     checkpoint without side-cars (saved without DGC): the residuals restart at zero and the message says so.
-    Nothing is half-loaded: every side-car is read and checked before any state changes.
+    A side-car saved with another gradient method: what means the same under this run's method carries over, the
+    rest is dropped, and the message names both (:func:`switching.plan`); the optimizer state DeepSpeed loaded is
+    checked against what this run's step reads (:func:`switching.optimizer_note`). Nothing is half-loaded: every
+    side-car is read and checked before any state changes.
 
     Args:
         expect_sidecars: DeepSpeed's files say the checkpoint was saved with side-cars (DGC on): missing ones are an
             error, not a checkpoint saved without DGC.
         save_id: the save DeepSpeed's files record (their ``client_state``), or None: every side-car read must
             have been written by it (:func:`read_sidecar`).
+        optimizer: the ZeRO-3 optimizer DeepSpeed loaded the checkpoint into, or None (its state not checked).
 
     Raises:
         DGCCheckpointError: a side-car is missing where ``expect_sidecars`` (or, re-sharding, any saved rank's),
@@ -328,15 +333,20 @@ def load_state(state: DGCState, ckpt_dir: str, tag: str, world_size: int, device
     sdir = sidecar_dir(ckpt_dir, tag)
     first = os.path.join(sdir, sidecar_name(0))
     own = os.path.join(sdir, sidecar_name(state.dp_rank))
+    marker = switching.read_marker(os.path.join(ckpt_dir, str(tag)))
+
+    def said(msg: str, saved: Optional[dict]) -> str:  # and what the optimizer's loaded state means for this run
+        saved = saved or {}
+        return msg + switching.optimizer_note(optimizer, saved.get("config"), saved.get("momentum"), state.cfg, marker)
+
     if not os.path.isfile(first) and not os.path.isfile(own):
         if expect_sidecars:
             raise DGCCheckpointError(f"checkpoint {os.path.join(ckpt_dir, str(tag))} was saved with deepspeed_dgc "
                                      f"state, but its side-car {own} is missing (deleted, or not copied with the "
                                      f"checkpoint); {ADVICE}")
         _clear(state)
-        what = ("the local momentum starts at zero" if state.cfg.decoupled_momentum is not None else
-                "error-feedback residuals start at zero" + (", and so does the local momentum" if state.momentum else ""))
-        return f"no deepspeed_dgc state in {sdir} (checkpoint saved without DGC?): {what}"
+        return said(f"no deepspeed_dgc state in {sdir} (checkpoint saved without DGC?): "
+                    f"{switching.fresh_note(state.cfg)}", None)
     read: Dict[str, dict] = {}  # path -> payload: each file is read and checked once
 
     def read_once(path: str) -> dict:
@@ -346,18 +356,20 @@ def load_state(state: DGCState, ckpt_dir: str, tag: str, world_size: int, device
 
     if os.path.isfile(own):  # each rank reads its own side-car only, unless the world size changed
         payload = read_once(own)
+        saved = dict(payload)  # as read: the loaders replace some of its entries
         if payload.get("world_size") == world_size:
             if payload.get("residual_layout", "flat") == residual_layout(state):
-                return _load_same_world(state, own, payload, device)
+                return said(_load_same_world(state, own, payload, device), saved)
             # the same ranks in another topology or node size: re-sharded as at another world size
-            return _load_resharded(state, sdir, read_once(first), world_size, device, read_once)
+            return said(_load_resharded(state, sdir, read_once(first), world_size, device, read_once), saved)
     if not os.path.isfile(first):
         raise DGCCheckpointError(f"{first} is missing, though {own} is there: {ADVICE}")
     head = read_once(first)
     if head.get("world_size") == world_size:
         raise DGCCheckpointError(f"{own} is missing, though rank 0's side-car in {sdir} is there (saved at the same "
                                  f"world size, {world_size}): {ADVICE}")
-    return _load_resharded(state, sdir, head, world_size, device, read_once)
+    saved = dict(head)
+    return said(_load_resharded(state, sdir, head, world_size, device, read_once), saved)
 
 
 def _load_same_world(state: DGCState, path: str, payload: dict, device) -> str:
@@ -368,21 +380,30 @@ def _load_same_world(state: DGCState, path: str, payload: dict, device) -> str:
                                  f"{state.dp_rank}: the side-cars were renamed or mixed up; {ADVICE}")
     saved_storage = payload.get("residual_storage", "fp32")  # side-cars without it hold fp32
     rename = _key_map(state, payload, path)
+    switch = switching.plan(payload.get("config"), payload.get("momentum"), bool(payload["residuals"]), state.cfg)
     payload["residuals"] = _checked(state, {rename(k): v for k, v in payload["residuals"].items()}, "residual", path)
     payload["thresholds"] = {rename(k): v for k, v in payload.get("thresholds", {}).items()}
+    if switch is not None:  # another method's side-car: another method's momentum is not taken
+        payload["momentum"] = None
     if payload.get("momentum"):
         momenta = {rename(k): v for k, v in payload["momentum"]["momenta"].items()}
         payload["momentum"] = dict(payload["momentum"], momenta=_checked(state, momenta, "momentum", path))
-    state.memory.restore(payload["residuals"], saved_storage, device)
+    taken = {} if switch is not None and switch.residuals != "load" else payload["residuals"]
+    state.memory.restore(taken, saved_storage, device)
     stats = payload["stats"]
-    state.reducer.restore_state({"generators": payload["generators"], "thresholds": payload.get("thresholds", {}),
+    state.reducer.restore_state({"generators": payload["generators"],
+                                 "thresholds": payload.get("thresholds", {}) if taken else {},
                                  # side-cars without it: the steps taken, as the clock counted then
                                  "steps_applied": payload.get("steps_applied", stats.get("steps", 0))})
     state.stats.restore_totals(stats)
-    momentum = payload.get("momentum")
-    note = _momentum_note(state, momentum)
-    if state.momentum is not None and momentum:
-        state.momentum.restore(momentum, device)
+    if switch is not None:
+        _switch_momentum(state, switch, payload["residuals"], device)
+        note = switch.note
+    else:
+        momentum = payload.get("momentum")
+        note = _momentum_note(state, momentum)
+        if state.momentum is not None and momentum:
+            state.momentum.restore(momentum, device)
     if saved_storage != state.memory.storage and len(state.memory):
         if state.memory.storage == "fp32":  # every fp8 or bf16 value (times its scale) is an fp32 value
             note += (f"; the residuals were stored in {saved_storage} and are now stored in fp32 "
@@ -390,8 +411,21 @@ def _load_same_world(state: DGCState, path: str, payload: dict, device) -> str:
         else:
             note += (f"; the residuals were stored in {saved_storage} and are now stored in {state.memory.storage} "
                      "('dgc.residual_dtype'), so they were rounded once")
-    note += _settings_note(state, payload.get("config"))
+    if switch is None:  # another method's settings all differ: the note above says what that means
+        note += _settings_note(state, payload.get("config"))
     return f"restored deepspeed_dgc state from {path}: {len(state.memory)} residuals, step {state.stats.steps}{note}"
+
+
+def _switch_momentum(state: DGCState, switch: "switching.Plan", residuals: Dict, device) -> None:
+    """A side-car of another method loaded (:func:`switching.plan`): this run's momentum starts at zero, or (decoupled
+    momentum) from the saved residuals of the gradient not yet sent, decoded to fp32 (``residuals``: by key, in
+    their storage form)."""
+    if state.momentum is None:
+        return
+    state.momentum.clear()
+    if switch.residuals == "momentum" and residuals:
+        state.momentum.restore({"momenta": {k: ErrorFeedback.decode(v).float() for k, v in residuals.items()},
+                                "steps_done": 0}, device)
 
 
 def _load_resharded(state: DGCState, sdir: str, head: dict, world_size: int, device,
@@ -435,9 +469,10 @@ def _load_resharded(state: DGCState, sdir: str, head: dict, world_size: int, dev
                                      f"side-car does not: nothing was loaded; {ADVICE}")
         sides.append(side)
     numels = {state.key_of(p): getattr(p, "ds_numel", p.numel()) for p in state.params}
+    switch = switching.plan(head.get("config"), head.get("momentum"), bool(head["residuals"]), state.cfg)
     total = _gather_all(sides, lambda s: s["residuals"], numels, saved_world, saved_rpn, "residual", sdir)
     momenta = None
-    if head.get("momentum"):
+    if head.get("momentum") and switch is None:  # another method's momentum is not taken (switching.plan)
         momenta = _gather_all(sides, lambda s: s["momentum"]["momenta"], numels, saved_world, saved_rpn,
                               "momentum", sdir)
     rank = state.dp_rank
@@ -447,15 +482,20 @@ def _load_resharded(state: DGCState, sdir: str, head: dict, world_size: int, dev
         saved = {"momenta": {k: split_shard(v, world_size, rpn, rank).float() for k, v in momenta.items()},
                  "steps_done": int(sides[0]["momentum"]["steps_done"])}
     # everything read and checked: load
-    state.memory.load(mine)
+    state.memory.load(mine if switch is None or switch.residuals == "load" else {})
     state.reducer.clear_thresholds()  # each rank's own: estimated afresh on the new ranks
     state.stats.restore_totals(head["stats"])  # step counters (the density schedule's clock) are global: rank 0's
     state.reducer.restore_state({"steps_applied": head.get("steps_applied", head["stats"].get("steps", 0))})
-    note = _momentum_note(state, saved) + _settings_note(state, head.get("config"))
-    if state.momentum is not None and saved:
-        state.momentum.restore(saved, device)
+    if switch is not None:
+        _switch_momentum(state, switch, mine, device)
+        note = switch.note
+    else:
+        note = _momentum_note(state, saved) + _settings_note(state, head.get("config"))
+        if state.momentum is not None and saved:
+            state.momentum.restore(saved, device)
     layouts = f"{head.get('residual_layout', 'flat')} -> {residual_layout(state)}"
-    return (f"{where}: re-sharded {len(total)} residuals ({layouts}: put together from the {saved_world} saved "
+    count = 0 if switch is not None and switch.residuals == "drop" else len(total)
+    return (f"{where}: re-sharded {count} residuals ({layouts}: put together from the {saved_world} saved "
             f"ranks and split evenly over this run's nodes and ranks, so the gradient not yet sent is conserved); "
             f"sampling restarts from this rank's seed{note}")
 
@@ -640,6 +680,40 @@ def _key_map(state: DGCState, side: dict, where: str):
         return by_id[k - shift]
 
     return rename
+
+
+def load_without_dgc(optimizer, load_dir: str, tag: str, load_path: str, dp_rank: int,
+                     save_id: Optional[int] = None) -> Optional[str]:
+    """What a ZeRO-3 run with DGC off makes of the checkpoint DeepSpeed just loaded into ``optimizer``, for the log;
+    None where there is nothing to say (a stock checkpoint, its optimizer state as the run uses it).
+
+    Its side-cars, when there are any, are not loaded: this rank's (rank 0's at another world size) is read only to
+    name what is dropped (:func:`switching.dropped_without_dgc`: the residuals, the method's per-rank momentum), and
+    the optimizer's state is checked against what stock's step reads (:func:`switching.optimizer_note`: Adam's
+    moments left empty by decoupled momentum's sign update are rebuilt from zero, and so on). A side-car that cannot
+    be read is named, not raised: this run does not need it."""
+    sdir, found = sidecars_in(load_dir, tag)
+    payload, problem = None, ""
+    if found:
+        own = os.path.join(sdir, sidecar_name(dp_rank))
+        try:
+            payload = read_sidecar(own if os.path.isfile(own) else os.path.join(sdir, sidecar_name(0)), tag, save_id)
+        except (DGCCheckpointError, OSError) as err:
+            problem = f" (it could not be read to say more: {_error_text(err, 160)})"
+    payload = payload or {}
+    note = switching.optimizer_note(optimizer, payload.get("config"), payload.get("momentum"), None,
+                                    switching.read_marker(os.path.join(load_dir, str(tag))))
+    if not found:
+        return f"checkpoint {load_path}: {note[2:]}" if note else None
+    method = switching.method_of(payload.get("config"))
+    saved = f"saved with {switching.TITLES[method]}" if method else "saved with DGC on"
+    drops = switching.dropped_without_dgc(payload) if payload else []
+    what = "; ".join(drops) if drops else ("its state is IGNORED" + problem if problem or not payload else
+                                           "it holds nothing this run would use")
+    loaded = "DeepSpeed's weights loaded as usual" + note if note else (
+        "DeepSpeed's weights and optimizer state loaded as usual")
+    return (f"checkpoint {load_path} holds deepspeed_dgc state {saved} ({len(found)} dgc_state_dp_rank_*.pt files in "
+            f"{sdir}); this run has DGC off, so {what}. {loaded}")
 
 
 def tag_of(load_dir: str, tag, universal: bool = False) -> str:

@@ -609,7 +609,8 @@ def _load_checkpoint(engine, state: DGCState) -> Callable:
         loaded = _loaded_tag(engine, load_dir, tag)
         try:
             msg = checkpoint.load_state(state, load_dir, loaded, engine.dp_world_size, engine.device,
-                                        expect_sidecars=marked is not None, save_id=_save_id_of(marked))
+                                        expect_sidecars=marked is not None, save_id=_save_id_of(marked),
+                                        optimizer=engine.optimizer)
         except checkpoint.DGCCheckpointError as e:
             err = e
         _agree(err is None, f"loading the side-cars of checkpoint {os.path.join(str(load_dir), loaded)}", state, err)
@@ -623,10 +624,12 @@ def _load_checkpoint(engine, state: DGCState) -> Callable:
 
 
 def _patch_plain_loading(engine) -> None:
-    """For a ZeRO-3 engine without DGC: say so when ``load_checkpoint`` meets a DGC side-car.
+    """For a ZeRO-3 engine without DGC: say what a checkpoint saved with DGC leaves behind.
 
-    DeepSpeed's weights and optimizer state load as usual; the residuals of the side-car (what a DGC run had not
-    sent yet) are ignored, and this logs a warning naming the files, on every rank.
+    DeepSpeed's weights and optimizer state load as usual; the side-car's state (the residuals, a method's per-rank
+    momentum) is dropped, and the optimizer's state is made usable where a method left it so (Adam's moments, which
+    decoupled momentum's sign update never writes, start from zero): a warning on every rank names each
+    (:func:`checkpoint.load_without_dgc`).
     """
     load = engine.load_checkpoint
 
@@ -634,15 +637,14 @@ def _patch_plain_loading(engine) -> None:
     def load_checkpoint(load_dir, tag=None, *args, **kwargs):
         _refuse_incomplete(engine, load_dir, tag, None)
         load_path, client_state = load(load_dir, tag, *args, **kwargs)
-        _take_mark(client_state)
+        marked = _take_mark(client_state)
         if load_path is not None:
-            sdir, found = checkpoint.sidecars_in(load_dir, _loaded_tag(engine, load_dir, tag))
-            if found:
-                logger.warning(f"[deepspeed_dgc] rank {engine.global_rank}: checkpoint {load_path} holds deepspeed_dgc "
-                               f"state ({len(found)} dgc_state_dp_rank_*.pt files in {sdir}, saved with DGC on); this run "
-                               "has DGC off, so its error-feedback residuals are ignored (and so are any local momenta "
-                               "of 'momentum_correction', 'compressed_momentum' or 'decoupled_momentum'). DeepSpeed's "
-                               "weights and optimizer state loaded as usual")
+            opt = engine.optimizer
+            msg = checkpoint.load_without_dgc(opt, load_dir, _loaded_tag(engine, load_dir, tag), load_path,
+                                              dist.get_rank(group=getattr(opt, "dp_process_group", None)),
+                                              _save_id_of(marked))
+            if msg:
+                logger.warning(f"[deepspeed_dgc] rank {engine.global_rank}: {msg}")
         return load_path, client_state
 
     replace(engine, "load_checkpoint", load_checkpoint)

@@ -170,13 +170,14 @@ def test_a_damaged_sidecar_fails_on_every_rank_naming_it():
 def test_dgc_checkpoint_into_a_run_without_dgc_says_what_is_ignored():
     """Saved with DGC, loaded with DGC off: DeepSpeed's weights load as usual (the first step after loading starts
     from the saved weights: its loss equals the uninterrupted DGC run's sixth loss), and every rank says that the
-    side-car's residuals are ignored."""
+    side-car's residuals are dropped (every method, both ways: tests/distributed/test_switching.py)."""
     _, full = uninterrupted()
     out = saved_at_step_5()
     second, results = resume(out, {})
     for r in range(2):
         log = results[r].stderr + results[r].stdout
-        assert "this run has DGC off, so its error-feedback residuals are ignored" in log, log[-2000:]
+        assert ("this run has DGC off, so its error-feedback residuals (the gradient not yet sent) are DROPPED"
+                in log), log[-2000:]
         assert "dgc_state_dp_rank_" in log
         assert second[r].stats is None
         assert second[r].losses[0] == full[r].losses[5]  # same weights at the start of step 6

@@ -28,8 +28,6 @@ small model (the state's effect on the loss of 5 steps is small): negating the r
 momentum correction only; the conservation checks are what pin the rule down.
 """
 
-import glob
-import os
 import subprocess
 import sys
 import tempfile
@@ -101,13 +99,15 @@ def _run_cases(cases):
                                        world=old, timeout_s=600))
     for c in todo:
         tag = open(f"{out}/{name[c]}/latest").read().strip()
-        if c[0] in ("momentum_correction", "decoupled_momentum"):
-            give_adam_moments(f"{out}/{name[c]}/{tag}")
-        conv = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                               f"{out}/{name[c]}/{tag}", "--output_folder", f"{out}/{name[c]}/{tag}_universal",
-                               "--num_extract_workers", "1", "--num_merge_workers", "1"],
+        # deepspeed_dgc's converter: DeepSpeed's ds_to_universal, with zero Adam moments (step 0) staged for the
+        # checkpoints whose optimizer keeps none (momentum correction's SGD, decoupled momentum's sign update), on
+        # which DeepSpeed's raises KeyError; the load then says that they start from zero
+        conv = subprocess.run([sys.executable, "-m", "deepspeed_dgc", "universal", "--input_folder",
+                               f"{out}/{name[c]}/{tag}", "--output_folder", f"{out}/{name[c]}/{tag}_universal"],
                               capture_output=True, text=True, timeout=300)
         assert conv.returncode == 0, conv.stderr[-3000:]
+        if c[0] in ("momentum_correction", "decoupled_momentum"):
+            assert "the universal checkpoint holds zeros for them" in conv.stdout, conv.stdout[-2000:]
         old = DIRECTIONS[c[2]][0]
         sides = [read_sidecar(f"{out}/{name[c]}/{tag}/dgc_state_dp_rank_{r:05d}.pt", tag) for r in range(old)]
         by_new.setdefault(DIRECTIONS[c[2]][1], []).append(c)
@@ -125,24 +125,6 @@ def _run_cases(cases):
     seconds = time.time() - began
     for c in todo:
         _RUNS[c]["seconds"] = seconds / len(todo)
-
-
-def give_adam_moments(tag_dir: str) -> None:
-    """Make a checkpoint whose basic optimizer keeps no Adam moments convertible by DeepSpeed 0.19.8's
-    ``ds_to_universal``, whose ZeRO-3 path reads ``exp_avg``, ``exp_avg_sq`` and ``step`` of every sub-group (and
-    raises ``KeyError: 0`` without them): momentum correction's SGD (which keeps the weight-decay momentum there) and
-    decoupled momentum's sign step (which keeps nothing). Zeros are added; the universal load then puts them into
-    the optimizer's state, where neither step reads them: SGD's weight-decay momentum restarts at zero (a small
-    term: weight decay 0.01). The DGC side-cars, which hold those methods' own momenta, are not touched."""
-    for path in sorted(glob.glob(os.path.join(tag_dir, "*optim_states.pt"))):
-        sd = torch.load(path, weights_only=False)
-        inner = sd["optimizer_state_dict"]
-        for idx, flat in enumerate(inner["fp32_flat_groups"]):
-            st = inner["optimizer_state_dict"]["state"].setdefault(idx, {})
-            st.setdefault("exp_avg", torch.zeros_like(flat))
-            st.setdefault("exp_avg_sq", torch.zeros_like(flat))
-            st.setdefault("step", torch.tensor(float(SAVE_AT)))
-        torch.save(sd, path)
 
 
 def whole(entries_per_rank, world, ranks_per_node):
