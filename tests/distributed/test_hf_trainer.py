@@ -22,7 +22,9 @@ HF_STEPS = 200
 HF_WARMUP = 60
 # measured on this job (docs/huggingface.md): the method ends +2.65% above stock's loss at 200 steps (+5.4% at 300);
 # the 1% the issue asks for does not hold, so the test is an expected failure while the gap stays below this guard
-# and fails outright above it (a regression)
+# and fails outright above it (a regression). Why (docs/huggingface.md, "Why: controlled experiments"): not the
+# Trainer (its schedule reaches the sign step exactly; the main job with the Trainer's settings trails as much at this
+# size) nor stock's betas, but the sign update's lag at 2 layers and 200 steps, widened by GPT-2's 0.02 init
 HF_GAP_GUARD = 0.04
 HF_JOB = ["--max-steps", str(HF_STEPS), "--warmup-steps", str(HF_WARMUP), "--lr", "3e-3", "--lr-scheduler", "cosine",
           "--grad-accum", "2", "--max-grad-norm", "1.0", "--bf16"]
