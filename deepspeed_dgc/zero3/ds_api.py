@@ -2,7 +2,8 @@
 
 DeepSpeed's ``deepspeed.utils`` functions reach ZeRO-3's optimizer through ``param._z3_optimizer``:
 ``safe_get_full_grad`` / ``safe_set_full_grad`` / ``safe_get_local_grad`` / ``safe_set_local_grad`` /
-``safe_update_full_grad_vectorized`` read and write the gradient partitions, and ``safe_get_full_optimizer_state`` /
+``safe_update_full_grad_vectorized`` (and the optimizer's ``get_fp32_grad_partitions``) read and write the gradient
+partitions, and ``safe_get_full_optimizer_state`` /
 ``safe_set_full_optimizer_state`` / ``safe_get_local_optimizer_state`` / ``safe_set_local_optimizer_state`` the basic
 optimizer's state (``optimizer.state[<flat fp32 partition>][key]``). :func:`install` patches those methods of one
 ZeRO-3 optimizer instance so that they answer meaningfully under every method:
@@ -40,7 +41,7 @@ RESIDUAL = "dgc_residual"  # this rank's error-feedback residual of the paramete
 MOMENTUM = "dgc_momentum"  # this rank's local momentum of the parameter (DeMo's delta, DGC's velocity, 1-bit Adam's m)
 
 GRAD_APIS = ("get_fp32_grad_for_param", "get_local_fp32_grad_for_param", "set_fp32_grad_for_param",
-             "set_local_grad_for_param", "update_fp32_grad_for_param_vectorized")
+             "set_local_grad_for_param", "update_fp32_grad_for_param_vectorized", "get_fp32_grad_partitions")
 STATE_APIS = ("get_full_hp_param", "set_full_hp_param", "get_local_fp32_param", "set_local_hp_param",
               "get_hp_param_device")
 
@@ -75,7 +76,7 @@ def _guard_grad(original: Callable, api: str, state, method) -> Callable:
         held = method().partitions_hold(state)
         if held is not None:
             raise DGCStateError(
-                f"deepspeed_dgc: {api} (DeepSpeed's safe_*_grad) has no gradient to give under "
+                f"deepspeed_dgc: {api} (DeepSpeed's gradient API) has no gradient to give under "
                 f"{_method_name(state, method)}: ZeRO-3's gradient partitions hold {held}. The method's own state is "
                 f"read with safe_get_full_optimizer_state(param, {MOMENTUM!r}) (this rank's local momentum)")
         return original(*args, **kwargs)

@@ -65,7 +65,7 @@ def test_under_dense_int4_the_gradient_and_adam_state_apis_answer_as_stock(recor
 
 def test_under_decoupled_momentum_the_gradient_apis_refuse_naming_the_method(records):
     for rec in records["dm"]:
-        for api in ("full_grad", "local_grad", "set_full_grad"):
+        for api in ("full_grad", "local_grad", "set_full_grad", "grad_partitions"):
             for answer in rec.answers[api]:
                 err = _error(answer)
                 assert err.startswith("DGCStateError") and "'dgc.decoupled_momentum'" in err, err
