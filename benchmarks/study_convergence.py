@@ -179,12 +179,14 @@ def run_all(jobs: list[tuple[str, dict | None, int]], args: argparse.Namespace) 
     return {(name, steps): s for (name, _, steps), s in zip(jobs, summaries)}
 
 
-def run(name: str, dgc: dict | None, steps: int, args: argparse.Namespace, port: int = 29720) -> dict:
-    """Train one setting for ``steps`` (or reuse its summary); returns the summary dict.
+def run(name: str, dgc: dict | None, steps: int, args: argparse.Namespace, port: int = 29720,
+        base: dict | None = None) -> dict:
+    """Train one setting for ``steps`` (or reuse its summary); returns the summary dict. ``base``: the ds_config to
+    start from instead of ``configs/zero3_baseline.json`` (benchmarks/study_jobs.py's edited configs), not modified.
 
     Raises RuntimeError when the run fails.
     """
-    ds = json.loads(BASE_CONFIG.read_text())
+    ds = json.loads(json.dumps(base) if base is not None else BASE_CONFIG.read_text())
     if dgc is not None:
         ds["dgc"] = dgc
     model_args = []
