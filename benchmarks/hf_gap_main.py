@@ -1,13 +1,11 @@
 """examples/train_char_gpt.py (the main job), with GPT-2's initialization when MWX_INIT=gpt2: weights and embeddings
 N(0, 0.02), the residual projections N(0, 0.02 / sqrt(2 n_layer)), biases 0 (docs/huggingface.md, "Why"); the example
-itself is not changed. Run as the example: ``deepspeed --num_gpus 2 --master_port PORT benchmarks/hf_gap_main.py
---deepspeed_config CONFIG --n-layer 2 --max-steps 200``.
+itself is not changed. Run as a module, from the repository root: ``deepspeed --num_gpus 2 --master_port PORT --module
+benchmarks.hf_gap_main --deepspeed_config CONFIG --n-layer 2 --max-steps 200``.
 """
 import os, sys, math
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT); sys.path.insert(0, os.path.join(ROOT, "examples"))
 import torch
-import train_char_gpt as t
+from examples import train_char_gpt as t
 
 if os.environ.get("MWX_INIT") == "gpt2":
     _init = t.CharGPT.__init__

@@ -10,13 +10,12 @@ with one thing changed at a time, chosen by environment variables (the example i
 - HFX_LOGLR=1 (default): rank 0 writes the learning rate of every owners' step (the sign step) to
   runs/hfexp/$HFX_NAME.signlr.json, to compare with the Trainer's logged learning rates.
 
-Run as the example, from the repository root: ``deepspeed --num_gpus 2 --master_port PORT
-benchmarks/hf_gap_trainer.py --stock --max-steps 200 --warmup-steps 60 --grad-accum 2 --bf16``.
+Run as a module, from the repository root: ``deepspeed --num_gpus 2 --master_port PORT --module
+benchmarks.hf_gap_trainer --stock --max-steps 200 --warmup-steps 60 --grad-accum 2 --bf16``.
 """
 import json, math, os, sys
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 import torch
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 import deepspeed_dgc  # noqa
 from examples import hf_common, hf_trainer_gpt2
 import deepspeed_dgc.zero3.optimizer as zo
