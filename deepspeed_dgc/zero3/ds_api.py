@@ -65,7 +65,11 @@ def install(opt, state, method: Callable[[], object]) -> None:
 
 
 def _method_name(state, method) -> str:
-    return f"'dgc.{getattr(method(), 'name', '') or 'enabled'}'"
+    """The method as the config names it: its own section, or the default codec."""
+    name = getattr(method(), "name", "") or ""
+    if name.startswith("topk") or not name:
+        return "the default codec ('dgc.density', 'dgc.quantization': top-k or dense with error feedback)"
+    return f"'dgc.{name}'"
 
 
 def _guard_grad(original: Callable, api: str, state, method) -> Callable:
@@ -73,10 +77,11 @@ def _guard_grad(original: Callable, api: str, state, method) -> Callable:
 
     @functools.wraps(original)
     def guarded(*args, **kwargs):
-        held = method().partitions_hold(state)
+        frozen = any(isinstance(a, torch.nn.Parameter) and not a.requires_grad for a in args + tuple(kwargs.values()))
+        held = None if frozen else method().partitions_hold(state)  # a frozen parameter: stock's None
         if held is not None:
             raise DGCStateError(
-                f"deepspeed_dgc: {api} (DeepSpeed's gradient API) has no gradient to give under "
+                f"deepspeed_dgc: {api} (DeepSpeed's gradient API) has no gradient to read or write under "
                 f"{_method_name(state, method)}: ZeRO-3's gradient partitions hold {held}. The method's own state is "
                 f"read with safe_get_full_optimizer_state(param, {MOMENTUM!r}) (this rank's local momentum)")
         return original(*args, **kwargs)
@@ -97,6 +102,9 @@ def _serve_state(original: Callable, api: str, opt, state, method) -> Callable:
         key, param = bound.get("optim_state_key"), bound.get("param")
         if key is None or param is None or not getattr(param, "requires_grad", True):
             return original(*args, **kwargs)
+        if key == "step":  # a scalar, which DeepSpeed's per-parameter narrow() cannot take (stock fails too)
+            raise DGCStateError("deepspeed_dgc: 'step' is one count per sub-group, not per element: read "
+                                "engine.optimizer.optimizer.state[<flat fp32 partition>]['step'] (or engine.global_steps)")
         if key in (RESIDUAL, MOMENTUM):
             store = _store_of(state, key, method)
             if api == "get_hp_param_device":

@@ -159,8 +159,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--keep_temp_folder", action="store_true")
     ap.add_argument("--no_strict", dest="strict", action="store_false")
     args = ap.parse_args(argv)
-    note = convert(args.input_folder, args.output_folder, args.num_extract_workers, args.num_merge_workers,
-                   args.keep_temp_folder, args.strict)
+    src, out = os.path.abspath(args.input_folder), os.path.abspath(args.output_folder)
+    if os.path.basename(out) != os.path.basename(src) + "_universal" or os.path.dirname(out) != os.path.dirname(src):
+        print(f"deepspeed_dgc universal: --output_folder must be {src}_universal, beside the input's tag folder (a run "
+              f"with DGC on finds the saved run's side-cars through that name), got {out}", file=sys.stderr)
+        return 2
+    try:
+        note = convert(args.input_folder, args.output_folder, args.num_extract_workers, args.num_merge_workers,
+                       args.keep_temp_folder, args.strict)
+    except DGCUniversalError as e:
+        print(f"deepspeed_dgc universal: {e}", file=sys.stderr)
+        return 1
     if note:
         print(f"deepspeed_dgc: {args.input_folder}'s optimizer state held no {' and '.join(note['filled'])} "
               f"({note['reason']}): the universal checkpoint holds zeros for them and step 0, so they start from zero "

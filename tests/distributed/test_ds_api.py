@@ -54,6 +54,7 @@ def test_under_dense_int4_the_gradient_and_adam_state_apis_answer_as_stock(recor
             torch.testing.assert_close(residual.flatten(), rec.stored["residual"][i].float(), rtol=0, atol=0)
             err = _error(rec.answers["full:dgc_momentum"][i])
             assert err.startswith("DGCStateError") and "keeps no 'dgc_momentum'" in err, err
+            assert "the default codec" in err, err
         assert rec.steps == [float(rec.global_steps)] * len(rec.steps)  # Adam's own count
         assert math.isfinite(rec.grad_norm) and rec.grad_norm > 0
         # the residual set through the API is what the store holds, full and at this rank's partition
@@ -88,6 +89,8 @@ def test_under_decoupled_momentum_adam_keys_refuse_and_the_method_state_answers(
             torch.testing.assert_close(local[:want.numel()], want, rtol=0, atol=0)
             assert not local[want.numel():].any()  # the padding past the parameter's end
             assert _error(rec.answers["full:dgc_residual"][i]).startswith("DGCStateError")
+            err = _error(rec.answers["full:step"][i])  # a scalar per sub-group: where to read it instead
+            assert err.startswith("DGCStateError") and "engine.global_steps" in err, err
         # the sign step counts its steps as Adam would: DeepSpeed's step count answers
         assert rec.steps == [float(STEPS)] * len(rec.steps) and rec.global_steps == STEPS
         assert math.isfinite(rec.grad_norm) and rec.grad_norm > 0

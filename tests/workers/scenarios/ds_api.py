@@ -23,7 +23,7 @@ class QueryAPIs(Train):
         keys: the optimizer-state keys asked for (the optimizer's own and the extension's).
         ckpt: where to save a checkpoint after training, before the APIs are asked (None: none).
     """
-    keys: List[str] = field(default_factory=lambda: ["exp_avg", "exp_avg_sq", "dgc_momentum", "dgc_residual"])
+    keys: List[str] = field(default_factory=lambda: ["exp_avg", "exp_avg_sq", "dgc_momentum", "dgc_residual", "step"])
     ckpt: Optional[str] = None
 
 
