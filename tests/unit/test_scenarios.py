@@ -9,6 +9,8 @@ from scenarios import (SCENARIOS, ConfigCase, CrashWhileSaving, Evaluate, FullDi
                        SaveMidwaySameData, TrainSameData, MismatchedBucket, OddModel,
                        PeerFault, QuantizedGather, ReduceCases, Resume, SaveMidway, ScriptedPolicy, Train, run_job,
                        scenario)
+from scenarios.ds_api import QueryAPIs
+from scenarios.switching import SwitchResume
 
 # job type, the keyword arguments of a bad job, the field its error must name
 BAD_JOBS = [
@@ -45,6 +47,8 @@ BAD_JOBS = [
     (TrainSameData, dict(virtual_world=0), "virtual_world"),
     (SaveMidwaySameData, dict(ckpt="/tmp/ckpt", virtual_world=0), "virtual_world"),
     (ResumeSameData, dict(ckpt="/tmp/ckpt", virtual_world=-1), "virtual_world"),
+    (QueryAPIs, dict(steps=0), "steps"),
+    (SwitchResume, dict(ckpt="/tmp/ckpt", steps=4, resume_at=4), "resume_at"),
 ]
 
 
@@ -61,6 +65,7 @@ def test_every_job_type_is_checked_above_and_its_defaults_are_accepted():
     required = {SaveMidway: dict(ckpt="/tmp/ckpt"), Resume: dict(ckpt="/tmp/ckpt"), PeerFault: dict(out="/tmp/out"),
                 CrashWhileSaving: dict(ckpt="/tmp/ckpt"), FullDisk: dict(ckpt="/tmp/ckpt"),
                 SaveMidwaySameData: dict(ckpt="/tmp/ckpt"), ResumeSameData: dict(ckpt="/tmp/ckpt"),
+                SwitchResume: dict(ckpt="/tmp/ckpt"),
                 InitConfigs: dict(cases={"ok": ConfigCase()})}
     for job_type in SCENARIOS:
         job_type(**required.get(job_type, {}))
