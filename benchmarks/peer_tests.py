@@ -44,6 +44,7 @@ SELECTED = VENDORED / "selected.txt"
 DISCOVER_DIRS = ("unit/v1/zero", "unit/runtime/zero")
 DGC_ERROR_MODULE = "deepspeed_dgc."
 CLASSES = ("unchanged", "refused", "failed")
+MESSAGE_CHARS = 500  # of an error's message in the committed JSON (runs/peer_tests keeps it whole)
 SHM = "/dev/shm/deepspeed_allreduce_buffer_*_127.0.0.1_{port}_*"
 
 
@@ -261,9 +262,9 @@ def _minutes(seconds) -> str:
     return f"{seconds / 60:.0f} min" if seconds is not None else ""
 
 
-def _rows(tests: dict, ids: list, cls: str, stock: dict, whole: bool) -> list:
-    """The tests of class ``cls``: their errors grouped (how many of each; ``whole``: the whole message), then one row
-    per test."""
+def _rows(tests: dict, ids: list, cls: str, stock: dict, whole: bool, each: bool = True) -> list:
+    """The tests of class ``cls``: their errors grouped (how many of each; ``whole``: the whole message), then (``each``)
+    one row per test."""
     rows = [(nodeid, tests[nodeid]) for nodeid in ids if tests.get(nodeid, {}).get("class") == cls]
     kinds, example = Counter(), {}
     for _, t in rows:  # grouped by type and first line, its numbers aside
@@ -273,6 +274,8 @@ def _rows(tests: dict, ids: list, cls: str, stock: dict, whole: bool) -> list:
     out = [f"| tests | error | message ({'whole' if whole else 'first line'}; the first test's where numbers differ) |",
            "| --- | --- | --- |"]
     out += [f"| {n} | `{key[0]}` | {_cell(example[key], 1000)} |" for key, n in kinds.most_common()]
+    if not each:
+        return out
     out += ["", "| test | stock | error | message (first line) |", "| --- | --- | --- | --- |"]
     out += [f"| `{nodeid}` | {stock.get(nodeid, {}).get('outcome', 'no record')} | `{t.get('type')}` | "
             f"{_cell(said(t), 160)} |" for nodeid, t in rows]
@@ -304,10 +307,18 @@ def markdown(report: dict, results: dict, meta: dict) -> str:
             c = report["sections"][section]["counts"]
             out.append(f"| {section} | {sum(c.values())} | {c['unchanged']} | {c['refused']} | {c['failed']} | {tail}")
     out += ["", "Times are wall clock on 2 CPU cores shared with other jobs."]
+    for section in report["sections"]:
+        unreached = [i for i in ids if i in results[section] and not any(
+            call.get("stage") == 3 for call in results[section][i].get("injections", []))]
+        if unreached:
+            how = Counter(results[section][i]["outcome"] for i in unreached)
+            out += ["", f"In the {section} run, {len(unreached)} tests ({', '.join(f'{n} {o}' for o, n in how.items())}"
+                       ") ended before any ZeRO-3 config reached `deepspeed.initialize` (on this CPU), so the section "
+                       "never took effect in them: they count as unchanged."]
     for section, run in runs.items():
         for rerun in run.get("reruns", []):
-            out.append(f"{section}: {rerun['tests']} tests run again since, by `{rerun['command']}` "
-                       f"(deepspeed_dgc {rerun['deepspeed_dgc']}); their records replace the first ones.")
+            out += ["", f"{section}: {rerun['tests']} tests run again since, by `{rerun['command']}` "
+                       f"(deepspeed_dgc {rerun['deepspeed_dgc']}); their records replace the first ones."]
     for section, data in report["sections"].items():
         for cls in ("refused", "failed"):
             n = data["counts"][cls]
@@ -316,8 +327,9 @@ def markdown(report: dict, results: dict, meta: dict) -> str:
     failing = [nodeid for nodeid in ids if stock.get(nodeid, {}).get("outcome") == "failed"]
     if failing:
         out += ["", f"## Tests that fail stock ({len(failing)})", "",
-                "On this CPU; a section's *unchanged* for them says it fails too (a different error is listed).", "",
-                *_rows({i: {"class": "x", **stock[i]["error"]} for i in failing}, ids, "x", stock, False)]
+                "On this CPU (the tests are listed in *Every test* below); a section's *unchanged* for them says it "
+                "fails too (where with another error, the tests are listed).", "",
+                *_rows({i: {"class": "x", **stock[i]["error"]} for i in failing}, ids, "x", stock, False, False)]
         for section, data in report["sections"].items():
             other = {i: t for i, t in data["tests"].items() if t.get("note")}
             if other:
@@ -373,6 +385,22 @@ def note_run(setup: Setup, section: str, command: str, seconds, tests: int) -> N
     path.write_text(json.dumps(runs, indent=1))
 
 
+def brief(record: dict) -> dict:
+    """A test's record for the committed JSON: its outcome, time, error (message cut) and skip reason, and how many
+    ZeRO-3 configs reached ``deepspeed.initialize`` (with the errors it raised)."""
+    out = {k: record[k] for k in ("outcome", "duration", "when") if k in record}
+    if record.get("error"):
+        out["error"] = {**record["error"], "message": str(record["error"].get("message"))[:MESSAGE_CHARS]}
+    if record.get("skip_reason"):
+        out["skip_reason"] = first_line(record["skip_reason"])[:MESSAGE_CHARS]
+    calls = record.get("injections", [])
+    out["zero3_initialize"] = sum(1 for c in calls if c.get("stage") == 3)
+    errors = [c["error"] for c in calls if c.get("error")]
+    if errors:
+        out["initialize_errors"] = errors
+    return out
+
+
 def write_report(setup: Setup, ids: list, md_path: Path, json_path: Path) -> dict:
     results = {s: json.loads((setup.out_dir / f"{s}.json").read_text()) for s in SECTIONS
                if (setup.out_dir / f"{s}.json").exists()}
@@ -384,7 +412,12 @@ def write_report(setup: Setup, ids: list, md_path: Path, json_path: Path) -> dic
             "local_size": "/".join(sorted({str(r["local_size"]) for r in runs.values()})) or setup.local_size}
     md_path.parent.mkdir(parents=True, exist_ok=True)
     md_path.write_text(markdown(report, results, meta))
-    json_path.write_text(json.dumps({"meta": meta, "report": report, "records": results}, indent=1))
+    classes = {section: {"counts": data["counts"], "class": {i: t["class"] for i, t in data["tests"].items()}}
+               for section, data in report["sections"].items()}
+    meta.pop("ids")  # the order of selected.txt; the records are keyed by test id
+    json_path.write_text(json.dumps({"meta": meta, "stock": report["stock"], "sections": classes, "records": {
+        section: {nodeid: brief(record) for nodeid, record in records.items() if nodeid in ids}
+        for section, records in results.items()}}, indent=1))
     return report
 
 

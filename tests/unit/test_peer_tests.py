@@ -7,7 +7,7 @@ import textwrap
 
 from benchmarks import peer_inject, peer_tests
 from benchmarks.peer_inject import dgc_section, with_section, wrap_initialize
-from benchmarks.peer_tests import build_report, classify
+from benchmarks.peer_tests import build_report, classify, markdown
 
 ZERO3 = {"train_batch_size": 2, "zero_optimization": {"stage": 3}}
 
@@ -131,7 +131,14 @@ def test_records_timeout_and_classes(tmp_path, monkeypatch):
                          {"outcome": "failed", "error": {"type": "builtins.KeyError", "message": "'step'"}})
     assert both_fail["class"] == "unchanged" and both_fail["type"] == "builtins.KeyError" and both_fail["note"]
     assert classify({"outcome": "passed"}, {"outcome": "skipped", "skip_reason": "r"})["class"] == "failed"
-    report = build_report({"stock": stock, "recommended": records}, ids)["sections"]["recommended"]
+    results = {"stock": stock, "recommended": records}
+    whole = build_report(results, ids)
+    report = whole["sections"]["recommended"]
+    meta = {"ids": ids, "runs": {}, "deepspeed_commit": "edaa72212", "deepspeed": "0.19.8", "torch": "2.13.0",
+            "local_size": 4, "machine": "2 CPU cores", "timeout": "3"}
+    text = markdown(whole, results, meta)
+    assert "| recommended | 5 | 2 | 1 | 2 |" in text and "## recommended: refused (1)" in text
+    assert f"| `{ids[2]}` | passed | `builtins.KeyError` | 'exp_avg' |" in text
     classes = {nodeid.split("::")[1]: t["class"] for nodeid, t in report["tests"].items()}
     assert classes == {"test_pass": "unchanged", "test_refused": "refused", "test_key_error": "failed",
                        "test_hangs": "failed", "test_after": "unchanged"}
