@@ -265,8 +265,9 @@ class DGCConfig(BaseModel):
         "measures faster on this job's link (every rank times both on random tensors of the bucket's sizes, on the "
         "same group, when a bucket shape is first seen and every `policy_interval` applied steps; the slowest rank's "
         "times decide, so every rank agrees; ties go to stock). A bucket sent by stock takes its residuals along; "
-        "under `decoupled_momentum` it sends each rank's whole momentum (`decay delta + g / W`) densely, so the "
-        "owners' step stays DeMo's. Not with the other momentum methods or `shared_mask`. Each choice is in the telemetry (`policy`, "
+        "under `decoupled_momentum` it sends each rank's DeMo extraction (the decoded top-k DCT coefficients of "
+        "`decay delta + g / W`, the rest kept as the momentum) densely, so the owners take the method's step (flat "
+        "topology only). Not with the other momentum methods or `shared_mask`. Each choice is in the telemetry (`policy`, "
         "`stock_buckets_total`) and logged at INFO by DeepSpeed's logger")
     policy_interval: int = Field(500, ge=1, description="with `policy: \"auto\"`: applied steps between two "
                                  "measurements of the same bucket shape or gather size (each costs a few exchanges "
@@ -379,7 +380,7 @@ class DGCConfig(BaseModel):
     @model_validator(mode="after")
     def _policy_rules(self):
         if self.policy == "auto":
-            # decoupled momentum sends its whole momentum by stock's collective (policy.py); these cannot switch:
+            # decoupled momentum sends its extraction by stock's collective (policy.py); these cannot switch:
             # their owners' step or masks follow from what was compressed (a frozen preconditioner, Adam-chosen
             # coordinates, velocities masked where sent)
             methods = [k for k in ("compressed_momentum", "shared_mask") if getattr(self, k)
@@ -389,6 +390,12 @@ class DGCConfig(BaseModel):
                                  f"'dgc.{methods[0]}' cannot (what the owners step with follows from what it "
                                  "compressed): set 'dgc.policy' to \"fixed\", or use 'dgc.decoupled_momentum', which "
                                  "can")
+            if self.decoupled_momentum is not None and self.topology == "hierarchical":
+                raise ValueError("'dgc.policy' = \"auto\" with 'dgc.decoupled_momentum' needs 'dgc.topology' = "
+                                 "\"flat\" (got \"hierarchical\"): a bucket sent by stock carries each rank's "
+                                 "extraction of its own momentum, and on the hierarchical topology the momentum is of "
+                                 "the node's sums, which stock's reduce-scatter never forms; set 'dgc.policy' to "
+                                 "\"fixed\" or 'dgc.topology' to \"flat\"")
         elif "policy_interval" in self.model_fields_set:
             raise ValueError("'dgc.policy_interval' is a setting of 'dgc.policy' = \"auto\" (got \"fixed\")")
         return self

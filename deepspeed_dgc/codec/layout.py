@@ -120,6 +120,20 @@ class BucketLayout:
                     pieces.append(zeros.narrow(0, 0, width - real))
         return torch.cat(pieces, out=out.view(-1)).view(self.rows, self.columns)
 
+    def scatter(self, matrix: torch.Tensor, dsts: Sequence[torch.Tensor]) -> None:
+        """The inverse of :meth:`gather` (owner rows): copy the real part of each block of ``matrix`` ``(R, C)`` into
+        ``dsts[i].view(-1)[o_r c_i : o_r c_i + real]`` (converted to the destinations' dtype), as one batched copy
+        (``torch._foreach_copy_`` over views); the padding is dropped."""
+        to, frm = [], []
+        for r, owner in enumerate(self.key.owners):
+            for i in self.placement:
+                c, real = self.chunks[i], self.real[r][i]
+                if real:
+                    to.append(dsts[i].view(-1).narrow(0, owner * c, real))
+                    frm.append(matrix[r].narrow(0, self.cols[i], real))
+        if to:
+            torch._foreach_copy_(to, frm)
+
     def row_slices(self, row_vec: torch.Tensor, row: int) -> List[torch.Tensor]:
         """Per tensor, in bucket order, the real part of its block in one row vector ``(C,)`` (views)."""
         return [row_vec.narrow(0, self.cols[i], self.real[row][i]) for i in range(self.tensors)]

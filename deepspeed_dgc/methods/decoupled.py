@@ -61,6 +61,40 @@ class DecoupledMomentumMethod(GradientMethod):
             r.note_bad_senders(exchange.comm, bad)
         return Reduced(out, L.row_slices(out, exchange.row), True, kept)
 
+    def extract_for_stock(self, bucket: Bucket, scale: float) -> int:
+        """``policy: "auto"``, a bucket stock's reduce-scatter sends: this rank's DeMo extraction of it, densely.
+
+        The same steps as :meth:`reduce` on the flat topology up to the exchange (``delta = decay delta + g / W``, each
+        chunk's top-k DCT coefficients quantized as they would be sent, what was not sent staged as the momentum), then
+        the extraction ``q = IDCT(deq(top-k))`` itself is written over ``bucket.grads`` times ``scale``
+        (``W * loss_scale``: stock's reduce-scatter divides by W and the optimizer by the loss scale), in the
+        gradients' dtype. The owners then receive ``u = sum_r q_r``, the sum the compressed exchange would have decoded
+        (to the rounding of stock's dtype), and take the same step.
+
+        Args:
+            bucket: the bucket (flat topology: one row per rank); its ``grads`` are overwritten.
+            scale: what the extraction is multiplied by in the gradients.
+
+        Returns:
+            the coefficients kept (all ranks' rows).
+        """
+        r, state = self.reducer, self.reducer.momentum
+        owners_ = tuple(range(bucket.world))
+        plan, L = self.plan(bucket), self.layout(bucket, owners_)
+        ws = bucket.workspace
+        A = fixed.owner_matrix(bucket.world, L.columns, bucket.device)
+        L.gather(bucket.grads, A)
+        if bucket.divisor != 1:
+            A.div_(bucket.divisor)
+        numels = list(bucket.numels)
+        state.store.add_block(bucket.keys, numels, L, A, ws, scale=state.cfg.decay)
+        extraction = A.clone()
+        _, kept = dct.encode(A, L, plan, bucket.fingerprint, ws)  # A: what is not sent
+        extraction.sub_(A).mul_(scale)
+        state.store.stage_block(bucket.keys, numels, L, A, ws)
+        L.scatter(extraction, bucket.grads)
+        return kept
+
     def partitions_hold(self, state) -> str:
         return ("u, the sum over ranks of their decoded DCT top-k momenta (DeMo's update; the ranks never send "
                 "gradients, so no averaged gradient is formed)")

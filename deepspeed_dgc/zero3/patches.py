@@ -434,9 +434,9 @@ def _stock_method(opt, name: str) -> Callable:
 
 def _by_stock(opt, state: DGCState, params, group, comm_dtype) -> bool:
     """``policy: "auto"``: whether this bucket goes by stock's reduce-scatter (:mod:`~deepspeed_dgc.zero3.policy`,
-    collective when it measures). If so, its residuals (under decoupled momentum, its momenta times ``decay``: stock
-    then sends each rank's whole ``decay delta + g / W``) are added to the gradients stock is about to send (and
-    staged as zero), and the telemetry counts stock's bytes."""
+    collective when it measures). If so, its residuals are added to the gradients stock is about to send (and staged as
+    zero; under decoupled momentum the gradients are replaced by this rank's DeMo extraction, its rest staged as the
+    momentum), and the telemetry counts stock's bytes."""
     if state.policy is None:
         return False
     reducer = state.reducer
@@ -447,8 +447,9 @@ def _by_stock(opt, state: DGCState, params, group, comm_dtype) -> bool:
         return False
     comms = reducer.comms_for(group)
     dm = state.cfg.decoupled_momentum
-    if dm is not None:  # each rank's whole momentum, decay delta + g / W, so the owners' step stays DeMo's
-        flush_residuals(state.momentum.store, grads, keys, comms, comms.world_size * float(opt.loss_scale) * dm.decay)
+    if dm is not None:  # each rank's DeMo extraction, sent densely: the owners' step is the method's
+        bucket = reducer._enter(grads, keys, comms, comm_dtype, float(opt.loss_scale), consume=False)
+        reducer.method_for(bucket.device.type).extract_for_stock(bucket, bucket.divisor)
     else:
         flush_residuals(state.memory, grads, keys, comms, comms.world_size * float(opt.loss_scale))
     numels = [g.numel() for g in grads]

@@ -31,9 +31,14 @@ ranks is the same mean the compressed path would have had before quantization), 
 so a skipped step keeps them). What was not yet sent is thus never lost.
 
 The plain gradient codecs (error feedback with any density, threshold and format) and decoupled momentum can switch
-per bucket. Under decoupled momentum a bucket sent by stock carries each rank's whole momentum ``decay delta + g / W``
-(its gradient plus ``W loss_scale decay delta``), which becomes zero: the owners receive the sum of the momenta and
-take the same sign step, as if the method had sent every coefficient. The other momentum methods
+per bucket. Under decoupled momentum a bucket sent by stock carries each rank's DeMo extraction, sent densely: the
+momentum ``decay delta + g / W`` is transformed and its top-k DCT coefficients per chunk quantized as the compressed
+exchange would send them, what was not sent stays as the momentum, and the decoded extraction (times ``W loss_scale``)
+replaces the gradient stock sends
+(:meth:`~deepspeed_dgc.methods.decoupled.DecoupledMomentumMethod.extract_for_stock`). The owners receive the same sum
+``u`` and take the same step as on the compressed path: the choice changes the bytes and the time, not the training
+(flat topology; with the hierarchical topology the momentum is of node-level sums that stock never forms, refused at
+initialize). The other momentum methods
 (``compressed_momentum``, ``momentum_correction``) and ``shared_mask`` are refused (:class:`~deepspeed_dgc.config.
 DGCConfig`): what their owners step with, or the coordinates they choose, follows from what was compressed. Each choice is logged on rank 0 at INFO by DeepSpeed's logger (which shows INFO only when its level is
 set so, e.g. ``deepspeed.utils.logger.setLevel(logging.INFO)``) and is in :func:`deepspeed_dgc.get_stats`'s

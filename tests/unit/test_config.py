@@ -76,6 +76,8 @@ def test_config_defaults_and_lossless():
      "compressed, which 'dgc.compressed_momentum' cannot"),
     ({"policy": "auto", "shared_mask": {}}, "which 'dgc.shared_mask' cannot"),
     ({"policy": "auto", "momentum_correction": True}, "which 'dgc.momentum_correction' cannot"),
+    ({"policy": "auto", "decoupled_momentum": {}, "topology": "hierarchical"},
+     "'dgc.policy' = \"auto\" with 'dgc.decoupled_momentum' needs 'dgc.topology' = \"flat\""),
     ({"policy_interval": 5}, "'dgc.policy_interval' is a setting of 'dgc.policy' = \"auto\""),
     ({"policy": "fast"}, "'dgc.policy': Input should be 'fixed' or 'auto'"),
     ({"policy": "auto", "policy_interval": 0}, "'dgc.policy_interval'"),
