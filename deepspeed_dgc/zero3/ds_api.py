@@ -27,11 +27,15 @@ parameter (shape ``param.ds_shape``, fp32, no collective), the "local" ones the 
 hierarchical topology a rank keeps state only for its node's share of each parameter: those keys raise
 :class:`DGCStateError`. ``decoupled_momentum``'s sign step counts its steps in the optimizer's state (``"step"``, as
 Adam does), so ``optimizer.state[...]["step"]`` follows ``engine.global_steps``; ``engine.get_global_grad_norm()`` is
-the norm of what the partitions hold (under the momentum methods, the update's norm before clipping).
+the norm of what the partitions hold (under the momentum methods, the update's norm before clipping). ZeRO-3's
+internal ``optimizer.averaged_gradients``, read from outside DeepSpeed (DeepSpeed's own tests do), raises the gradient
+APIs' :class:`DGCStateError` under the methods that form no averaged gradient (the optimizer's class becomes a subclass
+with a guarded property; :func:`uninstall` puts the class back).
 """
 
 import functools
-from typing import Callable, Optional
+import sys
+from typing import Callable, Dict, Optional
 
 import torch
 
@@ -62,6 +66,65 @@ def install(opt, state, method: Callable[[], object]) -> None:
     for name in STATE_APIS:
         if hasattr(opt, name):
             replace(opt, name, _serve_state(getattr(opt, name), name, opt, state, method))
+    _guard_averaged_gradients(opt, state, method)
+
+
+def uninstall(opt) -> None:
+    """Undo what :func:`install` did to ``opt``'s class (``averaged_gradients`` a plain attribute again); the patched
+    methods are put back by :func:`~deepspeed_dgc.zero3.swap.restore`."""
+    base = getattr(type(opt), "_dgc_guarded_base", None)
+    if base is not None:
+        opt.__class__ = base
+        opt.__dict__["averaged_gradients"] = opt.__dict__.pop(_AVERAGED, None)
+        opt.__dict__.pop(_AVERAGED_GUARD, None)
+
+
+_AVERAGED, _AVERAGED_GUARD = "_dgc_averaged_gradients", "_dgc_averaged_gradients_guard"
+_GUARDED: Dict[type, type] = {}
+
+
+def _from_deepspeed(frame) -> bool:
+    """Whether the code at ``frame`` is DeepSpeed's own or this package's (ZeRO-3's internal use of the attribute)."""
+    name = frame.f_globals.get("__name__", "") if frame is not None else ""
+    return name == "deepspeed" or name.startswith(("deepspeed.", "deepspeed_dgc"))
+
+
+def _guarded_class(cls: type) -> type:
+    """A subclass of ``cls`` whose ``averaged_gradients`` (ZeRO-3's gradient partitions by sub-group, an internal
+    attribute that code outside DeepSpeed reads as the averaged gradient) calls the instance's guard first when read
+    from outside DeepSpeed (made once per class)."""
+    if cls not in _GUARDED:
+        def get(self):
+            guard = self.__dict__.get(_AVERAGED_GUARD)
+            if guard is not None and not _from_deepspeed(sys._getframe(1)):
+                guard()
+            return self.__dict__.get(_AVERAGED)
+
+        def set_(self, value):
+            self.__dict__[_AVERAGED] = value
+
+        _GUARDED[cls] = type(cls.__name__, (cls, ), {"averaged_gradients": property(get, set_),
+                                                      "_dgc_guarded_base": cls, "__module__": cls.__module__,
+                                                      "__qualname__": cls.__qualname__})
+    return _GUARDED[cls]
+
+
+def _guard_averaged_gradients(opt, state, method) -> None:
+    """``opt.averaged_gradients`` read from outside DeepSpeed raises :class:`DGCStateError` where the partitions do
+    not hold the averaged gradient (as the gradient APIs do); DeepSpeed's own reads and writes are untouched."""
+
+    def guard():
+        held = method().partitions_hold(state)
+        if held is not None:
+            raise DGCStateError(
+                f"deepspeed_dgc: ZeRO-3's optimizer.averaged_gradients holds no averaged gradient under "
+                f"{_method_name(state, method)}: its partitions hold {held}. The method's own state is read with "
+                f"safe_get_full_optimizer_state(param, {MOMENTUM!r}) (this rank's local momentum)")
+
+    value = opt.__dict__.pop("averaged_gradients", {})
+    opt.__class__ = _guarded_class(type(opt))
+    opt.__dict__[_AVERAGED] = value
+    opt.__dict__[_AVERAGED_GUARD] = guard
 
 
 def _method_name(state, method) -> str:

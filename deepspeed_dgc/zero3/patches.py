@@ -238,6 +238,7 @@ def uninstall(engine) -> None:
     if state is None:
         return
     opt = engine.optimizer
+    ds_api.uninstall(opt)
     for obj in (opt, engine, opt.optimizer):
         for name in list(getattr(obj, ORIGINALS, {})):
             restore(obj, name)

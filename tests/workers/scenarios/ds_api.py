@@ -65,7 +65,8 @@ def query_apis(job: QueryAPIs, rank: int) -> APIRecord:
     answers = {"full_grad": [_ask(safe_get_full_grad, p) for p in params],
                "local_grad": [_ask(safe_get_local_grad, p) for p in params],
                "set_full_grad": [_ask(safe_set_full_grad, p, torch.zeros(p.ds_shape)) for p in params[:1]],
-               "grad_partitions": [_ask(lambda: opt.get_fp32_grad_partitions()[0][0])]}
+               "grad_partitions": [_ask(lambda: opt.get_fp32_grad_partitions()[0][0])],
+               "averaged_gradients": [_ask(lambda: sorted(opt.averaged_gradients))]}
     for key in job.keys:
         answers[f"full:{key}"] = [_ask(safe_get_full_optimizer_state, p, key) for p in params]
         answers[f"local:{key}"] = [_ask(safe_get_local_optimizer_state, p, key) for p in params]
@@ -93,6 +94,12 @@ def query_apis(job: QueryAPIs, rank: int) -> APIRecord:
     after_set["loss_after"] = float(loss)
     after_set["momentum_after"] = None if state.momentum is None else state.momentum.store.committed_value(
         state.key_of(params[0]))
+    import deepspeed_dgc
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    deepspeed_dgc.uninstall(engine)  # stock again: the class, and averaged_gradients read without a guard
+    after_set["uninstalled"] = (type(opt) is DeepSpeedZeroOptimizer_Stage3, _ask(lambda: sorted(opt.averaged_gradients)),
+                                _ask(safe_get_full_grad, params[0]) is None or torch.is_tensor(_ask(safe_get_full_grad,
+                                                                                                   params[0])))
     return APIRecord(train, answers, steps, global_steps, grad_norm,
                      stored, partitions, after_set)
 
