@@ -143,6 +143,9 @@ def test_records_timeout_and_classes(tmp_path, monkeypatch):
     assert classes == {"test_pass": "unchanged", "test_refused": "refused", "test_key_error": "failed",
                        "test_hangs": "failed", "test_after": "unchanged"}
     assert report["counts"] == {"unchanged": 2, "refused": 1, "failed": 2}
+    assert "Why the" not in text  # no known cause among the fake failures
+    monkeypatch.setitem(peer_tests.WHY_FAILED, "test_fake.py::test_key", "a known cause")
+    assert "Why the 1 of `test_fake.py::test_key` fail: a known cause." in markdown(whole, results, meta)
     assert report["tests"][ids[1]]["message"].startswith("'dgc.decoupled_momentum'")
     assert report["tests"][ids[2]]["message"] == "'exp_avg'"
     line = textwrap.dedent(FAKE_TESTS).splitlines().index('    raise KeyError("exp_avg")') + 1
