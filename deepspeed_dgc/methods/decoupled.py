@@ -14,6 +14,7 @@ import torch
 
 from ..codec import dct, fixed, wire
 from ..codec.layout import layout_for
+from ..config import DGCConfigError
 from ..zero3 import optimizer as owners
 from ..zero3.swap import replace
 from .base import Bucket, Exchange, GradientMethod, Reduced, register
@@ -100,8 +101,25 @@ class DecoupledMomentumMethod(GradientMethod):
                 "gradients, so no averaged gradient is formed)")
 
     def install(self, engine, opt, state) -> None:
-        """``update: "sign"``: the owners step with DeMo's sign update at the optimizer's learning rate."""
-        if self.reducer.momentum.cfg.update == "sign":
+        """``update: "sign"``: the owners step with DeMo's sign update at the optimizer's learning rate.
+
+        Raises:
+            DGCConfigError: ``update: "optimizer"`` with a momentum ``decay`` above 0 and an SGD with momentum: ``u``
+                carries DeMo's momentum (up to ``1 / (1 - decay)`` times the gradient) and SGD's momentum would
+                integrate it again, about ``1 / ((1 - decay) (1 - momentum))`` times the gradient per step (10,000 at
+                the defaults and 0.9): no learning rate of the stock job survives that (results/study_jobs.md).
+        """
+        cfg = self.reducer.momentum.cfg
+        momenta = [g.get("momentum", 0) or 0 for g in opt.optimizer.param_groups] \
+            if isinstance(opt.optimizer, torch.optim.SGD) else []
+        if cfg.update != "sign" and cfg.decay > 0 and any(m > 0 for m in momenta):
+            raise DGCConfigError(
+                f"'dgc.decoupled_momentum.update' = \"{cfg.update}\" hands SGD the sum of the ranks' decoupled "
+                f"momenta (decay {cfg.decay}: up to {1 / (1 - cfg.decay):.0f} times the gradient), and SGD's own "
+                f"momentum ({max(momenta)}) would integrate it again: set 'dgc.decoupled_momentum.update' to \"sign\" "
+                "(DeMo's step at SGD's learning rate, schedule and weight decay), or SGD's 'momentum' to 0, or "
+                "'dgc.decoupled_momentum.decay' to 0")
+        if cfg.update == "sign":
             decoupled = owners.decoupled_weight_decay(opt.optimizer)
             replace(opt.optimizer, "step", types.MethodType(lambda basic, closure=None: owners.sign_step(
                 basic, decoupled, closure), opt.optimizer))

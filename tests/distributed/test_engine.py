@@ -289,6 +289,9 @@ BAD = {  # case -> ds_config override (merged into the worker's BASE; None remov
     "mc_and_compressed_momentum": {"dgc": {"enabled": True, "momentum_correction": True,
                                            "compressed_momentum": {"freeze_step": 2}}},
     "local_clip_without_mc": {"dgc": {"enabled": True, "local_clip_norm": 1.0}},
+    "demo_optimizer_update_momentum_sgd": {"dgc": {"enabled": True, "decoupled_momentum": {"update": "optimizer"}},
+                                           "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
+                                           "zero_allow_untested_optimizer": True},
 }
 
 EXPECTED = {  # case -> what its DGCConfigError names
@@ -321,6 +324,7 @@ EXPECTED = {  # case -> what its DGCConfigError names
     "momentum_autocast": "'torch_autocast'",
     "mc_and_compressed_momentum": "exclude each other",
     "local_clip_without_mc": "dgc.local_clip_norm",
+    "demo_optimizer_update_momentum_sgd": "SGD's own momentum (0.9) would integrate it again",
 }
 MISMATCH = {  # rank 1 differs: case -> (rank 1's difference, key named, value on rank 0, value on rank 1)
     "mismatch_density": ({"rank1_config": {"dgc": {"density": 0.2}}}, "'dgc.density'", "0.1", "0.2"),
