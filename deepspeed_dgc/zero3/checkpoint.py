@@ -413,7 +413,17 @@ def _load_same_world(state: DGCState, path: str, payload: dict, device) -> str:
                      "('dgc.residual_dtype'), so they were rounded once")
     if switch is None:  # another method's settings all differ: the note above says what that means
         note += _settings_note(state, payload.get("config"))
-    return f"restored deepspeed_dgc state from {path}: {len(state.memory)} residuals, step {state.stats.steps}{note}"
+    return f"restored deepspeed_dgc state from {path}: {_held(state)}, step {state.stats.steps}{note}"
+
+
+def _held(state: DGCState) -> str:
+    """What the state holds after a load, in words: its residuals, and its momentum method's per-rank momenta."""
+    store = getattr(state.momentum, "store", None)
+    if store is None:
+        return f"{len(state.memory)} residuals"
+    if not len(state.memory):
+        return f"{len(store)} momenta"
+    return f"{len(state.memory)} residuals and {len(store)} momenta"
 
 
 def _switch_momentum(state: DGCState, switch: "switching.Plan", residuals: Dict, device) -> None:
