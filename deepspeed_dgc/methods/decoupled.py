@@ -96,6 +96,26 @@ class DecoupledMomentumMethod(GradientMethod):
         L.scatter(extraction, bucket.grads)
         return kept
 
+    def after_step(self, opt, state, applied: bool) -> None:
+        """``update: "optimizer"``: SGD's momentum may have been turned on since initialize (a momentum-cycling
+        schedule): refused as at initialize (see :meth:`install`), after the first step that had it."""
+        self._refuse_double_momentum(opt.optimizer, " (set after initialize, e.g. by a schedule that cycles momentum)")
+
+    def _refuse_double_momentum(self, basic, when: str) -> None:
+        """:class:`~deepspeed_dgc.config.DGCConfigError` where the optimizer's own momentum would integrate ``u`` again
+        (see :meth:`install`); nothing under ``update: "sign"`` or ``decay`` 0."""
+        cfg = self.reducer.momentum.cfg
+        if cfg.update == "sign" or cfg.decay == 0 or not isinstance(basic, torch.optim.SGD):
+            return
+        momenta = [g.get("momentum", 0) or 0 for g in basic.param_groups]
+        if any(m > 0 for m in momenta):
+            raise DGCConfigError(
+                f"'dgc.decoupled_momentum.update' = \"{cfg.update}\" hands SGD the sum of the ranks' decoupled "
+                f"momenta (decay {cfg.decay}: up to {1 / (1 - cfg.decay):.0f} times the gradient), and SGD's own "
+                f"momentum ({max(momenta)}{when}) would integrate it again: set 'dgc.decoupled_momentum.update' to "
+                "\"sign\" (DeMo's step at SGD's learning rate, schedule and weight decay), or SGD's 'momentum' to 0, "
+                "or 'dgc.decoupled_momentum.decay' to 0")
+
     def partitions_hold(self, state) -> str:
         return ("u, the sum over ranks of their decoded DCT top-k momenta (DeMo's update; the ranks never send "
                 "gradients, so no averaged gradient is formed)")
@@ -110,15 +130,7 @@ class DecoupledMomentumMethod(GradientMethod):
                 the defaults and 0.9): no learning rate of the stock job survives that (results/study_jobs.md).
         """
         cfg = self.reducer.momentum.cfg
-        momenta = [g.get("momentum", 0) or 0 for g in opt.optimizer.param_groups] \
-            if isinstance(opt.optimizer, torch.optim.SGD) else []
-        if cfg.update != "sign" and cfg.decay > 0 and any(m > 0 for m in momenta):
-            raise DGCConfigError(
-                f"'dgc.decoupled_momentum.update' = \"{cfg.update}\" hands SGD the sum of the ranks' decoupled "
-                f"momenta (decay {cfg.decay}: up to {1 / (1 - cfg.decay):.0f} times the gradient), and SGD's own "
-                f"momentum ({max(momenta)}) would integrate it again: set 'dgc.decoupled_momentum.update' to \"sign\" "
-                "(DeMo's step at SGD's learning rate, schedule and weight decay), or SGD's 'momentum' to 0, or "
-                "'dgc.decoupled_momentum.decay' to 0")
+        self._refuse_double_momentum(opt.optimizer, "")
         if cfg.update == "sign":
             decoupled = owners.decoupled_weight_decay(opt.optimizer)
             replace(opt.optimizer, "step", types.MethodType(lambda basic, closure=None: owners.sign_step(

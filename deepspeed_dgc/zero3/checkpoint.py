@@ -290,11 +290,12 @@ def _settings_note(state: DGCState, saved: Optional[dict]) -> str:
     if not changed:
         return ""
     return ("; the saved run's 'dgc' settings differ from this run's (" + ", ".join(changed) + "): the state it "
-            "left was loaded for this run's settings, and what they do not use is dropped")
+            "left (as counted above) goes on under this run's settings, which would not have built it so")
 
 
-# settings that change nothing the saved state means (how long to wait, how often to log): not reported as changed
-NEUTRAL_SETTINGS = {"timeout_s", "stats_interval"}
+# settings that change nothing the saved state means (how long to wait, how often to log, which collective or kernels
+# carry the same values, whether a bucket goes by stock's collective, the parameter all-gather): not reported
+NEUTRAL_SETTINGS = {"timeout_s", "stats_interval", "policy", "policy_interval", "comm_backend", "kernels", "weights"}
 
 # what makes a "restored ..." message a warning: state dropped, rounded or loaded for other settings
 NOT_ROUTINE = ("IGNORED", "rounded once", "restarts at zero", "differ from this run's") + switching.DROP_MARKS

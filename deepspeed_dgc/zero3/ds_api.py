@@ -56,6 +56,12 @@ class DGCStateError(RuntimeError):
     does not keep); the message names the method, what there is instead, and where to read it."""
 
 
+class DGCAttributeError(DGCStateError, AttributeError):
+    """:class:`DGCStateError` for ZeRO-3's ``optimizer.averaged_gradients`` where no averaged gradient is formed: also
+    an ``AttributeError``, so ``hasattr`` says False and ``getattr(opt, "averaged_gradients", default)`` gives the
+    default, as for an attribute that is not there."""
+
+
 def install(opt, state, method: Callable[[], object]) -> None:
     """Patch ``opt``'s (a ``DeepSpeedZeroOptimizer_Stage3``) gradient and optimizer-state APIs (see the module
     docstring); ``method()`` gives the engine's gradient method (:class:`~deepspeed_dgc.methods.base.GradientMethod`)
@@ -110,13 +116,14 @@ def _guarded_class(cls: type) -> type:
 
 
 def _guard_averaged_gradients(opt, state, method) -> None:
-    """``opt.averaged_gradients`` read from outside DeepSpeed raises :class:`DGCStateError` where the partitions do
-    not hold the averaged gradient (as the gradient APIs do); DeepSpeed's own reads and writes are untouched."""
+    """``opt.averaged_gradients`` read from outside DeepSpeed raises :class:`DGCAttributeError` (a
+    :class:`DGCStateError`) where the partitions do not hold the averaged gradient (as the gradient APIs do);
+    DeepSpeed's own reads and writes are untouched."""
 
     def guard():
         held = method().partitions_hold(state)
         if held is not None:
-            raise DGCStateError(
+            raise DGCAttributeError(
                 f"deepspeed_dgc: ZeRO-3's optimizer.averaged_gradients holds no averaged gradient under "
                 f"{_method_name(state, method)}: its partitions hold {held}. The method's own state is read with "
                 f"safe_get_full_optimizer_state(param, {MOMENTUM!r}) (this rank's local momentum)")

@@ -58,6 +58,7 @@ def test_under_dense_int4_the_gradient_and_adam_state_apis_answer_as_stock(recor
         assert rec.steps == [float(rec.global_steps)] * len(rec.steps)  # Adam's own count
         assert math.isfinite(rec.grad_norm) and rec.grad_norm > 0
         assert rec.answers["averaged_gradients"] == [[0]]  # ZeRO-3's internal dict, read as stock
+        assert rec.answers["has_averaged_gradients"] == [True]
         # the residual set through the API is what the store holds, full and at this rank's partition
         got, want = rec.after_set["full"], rec.after_set["set_full"]
         # fp8 (e4m3) storage with a scale per group: 3 mantissa bits, so within 1/16 of each value
@@ -70,8 +71,11 @@ def test_under_decoupled_momentum_the_gradient_apis_refuse_naming_the_method(rec
         for api in ("full_grad", "local_grad", "set_full_grad", "grad_partitions", "averaged_gradients"):
             for answer in rec.answers[api]:
                 err = _error(answer)
-                assert err.startswith("DGCStateError") and "'dgc.decoupled_momentum'" in err, err
+                # averaged_gradients: a DGCStateError that is also an AttributeError (hasattr says False)
+                kind = "DGCAttributeError" if api == "averaged_gradients" else "DGCStateError"
+                assert err.startswith(kind) and "'dgc.decoupled_momentum'" in err, err
                 assert "DCT top-k momenta" in err and "'dgc_momentum'" in err, err
+        assert rec.answers["has_averaged_gradients"] == [False]
         # deepspeed_dgc.uninstall(engine): ZeRO-3's class, attribute and gradient API as stock again
         assert rec.after_set["uninstalled"] == (True, [0], True), rec.after_set["uninstalled"]
 

@@ -292,6 +292,9 @@ BAD = {  # case -> ds_config override (merged into the worker's BASE; None remov
     "demo_optimizer_update_momentum_sgd": {"dgc": {"enabled": True, "decoupled_momentum": {"update": "optimizer"}},
                                            "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
                                            "zero_allow_untested_optimizer": True},
+    "demo_optimizer_update_sgd_momentum_later": {"dgc": {"enabled": True, "decoupled_momentum": {"update": "optimizer"}},
+                                                 "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                                                 "zero_allow_untested_optimizer": True},
 }
 
 EXPECTED = {  # case -> what its DGCConfigError names
@@ -325,6 +328,8 @@ EXPECTED = {  # case -> what its DGCConfigError names
     "mc_and_compressed_momentum": "exclude each other",
     "local_clip_without_mc": "dgc.local_clip_norm",
     "demo_optimizer_update_momentum_sgd": "SGD's own momentum (0.9) would integrate it again",
+    "demo_optimizer_update_sgd_momentum_later": "SGD's own momentum (0.95 (set after initialize, e.g. by a schedule "
+                                                "that cycles momentum)) would integrate it again",
 }
 MISMATCH = {  # rank 1 differs: case -> (rank 1's difference, key named, value on rank 0, value on rank 1)
     "mismatch_density": ({"rank1_config": {"dgc": {"density": 0.2}}}, "'dgc.density'", "0.1", "0.2"),
@@ -332,7 +337,8 @@ MISMATCH = {  # rank 1 differs: case -> (rank 1's difference, key named, value o
     "mismatch_disabled": ({"rank1_config": {"dgc": {"enabled": False}}}, "'dgc.enabled'", "True", "False"),
 }
 SPECIAL = {"mpi4py_missing": {"hide_mpi4py": True}, "fused_missing_on_rank1": {"hide_fused_op_on_rank": 1},
-           "momentum_fp16": {"allow_fp16": True}}
+           "momentum_fp16": {"allow_fp16": True},
+           "demo_optimizer_update_sgd_momentum_later": {"step": True, "param_groups_after_init": {"momentum": 0.95}}}
 
 
 @pytest.fixture(scope="module")

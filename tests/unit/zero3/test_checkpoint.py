@@ -284,16 +284,19 @@ def test_a_run_resumed_with_other_dgc_settings_is_told_which(tmp_path, world):
 def test_widening_the_residual_storage_is_exact_and_neutral_settings_are_not_reported(tmp_path):
     """fp8 residuals resumed with fp32 storage: the message says they were converted exactly (not rounded), and they
     equal the fp8 values decoded. A resume that changes only ``timeout_s`` or ``stats_interval`` reports no changed
-    setting (it changes nothing the state means); one that changes ``density`` does."""
+    setting, nor one of the policy, the kernels or the weights' all-gather (they change nothing the state means); one
+    that changes ``density`` does."""
     state = _state(DGCConfig(enabled=True, residual_dtype="fp8"))
     state.memory.load({"a": torch.randn(10) * 3, "b": torch.randn(5)})
     saved = {k: state.memory.get(k).clone() for k in ("a", "b")}
     save_state(state, str(tmp_path), "tag", world_size=2)
-    wide = _state(DGCConfig(enabled=True, residual_dtype="fp32", timeout_s=8.0, stats_interval=7))
+    wide = _state(DGCConfig(enabled=True, residual_dtype="fp32", timeout_s=8.0, stats_interval=7, policy="auto",
+                            policy_interval=3, kernels="reference", weights={"quantization": "int8"}))
     msg = load_state(wide, str(tmp_path), "tag", world_size=2, device=CPU)
     assert "stored in fp8 and are now stored in fp32 ('dgc.residual_dtype'), converted exactly" in msg, msg
     assert "rounded once" not in msg and "settings differ from this run's (residual_dtype 'fp8' -> 'fp32')" in msg, msg
-    assert "timeout_s" not in msg and "stats_interval" not in msg, msg
+    assert "timeout_s" not in msg and "stats_interval" not in msg and "policy" not in msg, msg
+    assert "kernels" not in msg and "weights" not in msg, msg
     for k, v in saved.items():
         assert torch.equal(wide.memory.get(k), v)
     msg = load_state(_state(DGCConfig(enabled=True, residual_dtype="fp8", density=0.5)), str(tmp_path), "tag",

@@ -26,6 +26,8 @@ class ConfigCase:
         hide_fused_op_on_rank: on that rank no loaded or prebuilt op, no compiler (for good: put such a case last).
         allow_fp16: DeepSpeed's CPU accelerator accepts fp16 (so our check is what refuses).
         step: run one optimizer step after initialize (errors of the first exchange).
+        param_groups_after_init: set in every param group of the basic optimizer after initialize, before the step
+            (a schedule changing, say, SGD's momentum).
     """
     config: dict = field(default_factory=dict)
     rank1_config: dict = field(default_factory=dict)
@@ -34,6 +36,7 @@ class ConfigCase:
     hide_fused_op_on_rank: Optional[int] = None
     allow_fp16: bool = False
     step: bool = False
+    param_groups_after_init: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if not isinstance(self.config, dict) or not isinstance(self.rank1_config, dict):
@@ -87,6 +90,8 @@ def run_case(case: ConfigCase, rank: int) -> Optional[str]:
         get_accelerator().is_fp16_supported = lambda: True
     try:
         engine = make_engine(cfg)
+        for group in engine.optimizer.optimizer.param_groups if case.param_groups_after_init else ():
+            group.update(case.param_groups_after_init)
         if case.step:
             (x, y), = batches(rank, 1, 1, torch.float32)[0]
             engine.backward(engine(x, y))

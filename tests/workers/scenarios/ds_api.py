@@ -66,7 +66,8 @@ def query_apis(job: QueryAPIs, rank: int) -> APIRecord:
                "local_grad": [_ask(safe_get_local_grad, p) for p in params],
                "set_full_grad": [_ask(safe_set_full_grad, p, torch.zeros(p.ds_shape)) for p in params[:1]],
                "grad_partitions": [_ask(lambda: opt.get_fp32_grad_partitions()[0][0])],
-               "averaged_gradients": [_ask(lambda: sorted(opt.averaged_gradients))]}
+               "averaged_gradients": [_ask(lambda: sorted(opt.averaged_gradients))],
+               "has_averaged_gradients": [hasattr(opt, "averaged_gradients")]}
     for key in job.keys:
         answers[f"full:{key}"] = [_ask(safe_get_full_optimizer_state, p, key) for p in params]
         answers[f"local:{key}"] = [_ask(safe_get_local_optimizer_state, p, key) for p in params]
