@@ -25,7 +25,7 @@ from typing import Callable, ClassVar, Dict, Hashable, List, Optional, Sequence,
 
 import torch
 
-from ..codec.layout import BucketLayout, Workspace
+from ..codec.layout import BucketLayout, Workspace, real_count
 
 
 @dataclass
@@ -139,6 +139,36 @@ class GradientMethod:
         updates it here too."""
         out = A[0].div_(bucket.divisor) if bucket.divisor != 1 else A[0]
         return Reduced(out, L.row_slices(out, 0), True, sum(L.real[0]))
+
+    def send_by_stock(self, grads: Sequence[torch.Tensor], keys: Sequence[Hashable], comms, comm_dtype: torch.dtype,
+                      loss_scale: float) -> None:
+        """``policy: "auto"``: this bucket goes by stock's reduce-scatter instead. Make ``grads`` (this rank's full
+        gradients, times ``loss_scale``, which stock is about to divide by W and sum) carry what the method has not
+        sent yet, and stage what it keeps, so that the owners' step stays the method's.
+
+        Here: the error-feedback residuals go along. Each residual (unscaled, in the units of the mean) is added to
+        this rank's gradient times ``W * loss_scale``, and a zero residual is staged in its place (kept if the step is
+        applied). Flat topology: the residual is the whole tensor's (``n`` elements); hierarchical: the node-level
+        rows of the owners ``k L + local`` (``N x ceil(n / W)``), added at those owners' slices (the node's dense sum
+        then carries them)."""
+        scale = comms.world_size * loss_scale
+        residuals = self.reducer.memory.flush(keys)
+        for g, key in zip(grads, keys):
+            residual = residuals.get(key)
+            if residual is None:
+                continue
+            flat = g.view(-1)
+            if not comms.hierarchical:
+                flat.add_(residual.view(-1)[:flat.numel()].to(flat.dtype), alpha=scale)
+                continue
+            n, L, W = flat.numel(), comms.ranks_per_node, comms.world_size
+            c = -(-n // W)
+            rows = residual.view(-1, c)
+            for k in range(rows.shape[0]):
+                owner = k * L + comms.local_rank
+                count = real_count(n, owner, c)
+                if count > 0:
+                    flat.narrow(0, owner * c, count).add_(rows[k, :count].to(flat.dtype), alpha=scale)
 
     # ---- the owners' side and the step's end --------------------------------------------------------------------
 

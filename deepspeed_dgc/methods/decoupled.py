@@ -34,19 +34,26 @@ class DecoupledMomentumMethod(GradientMethod):
     def layout(self, bucket, owners_):
         return layout_for(bucket.numels, bucket.world, owners_, self.reducer.momentum.cfg.chunk)
 
-    def reduce(self, bucket: Bucket, exchange: Exchange, A: Optional[torch.Tensor] = None) -> Reduced:
-        r, state = self.reducer, self.reducer.momentum
-        plan, L = self.plan(bucket), self.layout(bucket, exchange.owners)
-        R, device, ws = exchange.rows, bucket.device, bucket.workspace
+    def _momentum_matrix(self, bucket: Bucket, L, rows: int, A: Optional[torch.Tensor] = None):
+        """``delta = decay delta + g / W`` as the owner matrix ``(rows, C)`` of ``L`` (from ``bucket.grads`` where
+        ``A`` is None, else from the node-level sums ``A``), and the momenta's lengths."""
         if A is None:
-            A = fixed.owner_matrix(R, L.columns, device)
+            A = fixed.owner_matrix(rows, L.columns, bucket.device)
             L.gather(bucket.grads, A)  # the gradients as given (not rounded to the communication dtype)
             res_numels = list(bucket.numels)
         else:
-            res_numels = [R * c for c in bucket.chunks]
+            res_numels = [rows * c for c in bucket.chunks]
         if bucket.divisor != 1:
             A.div_(bucket.divisor)
-        state.store.add_block(bucket.keys, res_numels, L, A, ws, scale=state.cfg.decay)  # delta = decay delta + g/W
+        state = self.reducer.momentum
+        state.store.add_block(bucket.keys, res_numels, L, A, bucket.workspace, scale=state.cfg.decay)
+        return A, res_numels
+
+    def reduce(self, bucket: Bucket, exchange: Exchange, A: Optional[torch.Tensor] = None) -> Reduced:
+        r, state = self.reducer, self.reducer.momentum
+        plan, L = self.plan(bucket), self.layout(bucket, exchange.owners)
+        ws = bucket.workspace
+        A, res_numels = self._momentum_matrix(bucket, L, exchange.rows, A)
         fingerprint = wire.fingerprint([bucket.fingerprint, "decoupled", plan.chunk, plan.topk, plan.transform,
                                         plan.value_format, plan.group_size])
         payloads, kept = dct.encode(A, L, plan, fingerprint, ws)
@@ -62,39 +69,25 @@ class DecoupledMomentumMethod(GradientMethod):
             r.note_bad_senders(exchange.comm, bad)
         return Reduced(out, L.row_slices(out, exchange.row), True, kept)
 
-    def extract_for_stock(self, bucket: Bucket, scale: float) -> int:
+    def send_by_stock(self, grads, keys, comms, comm_dtype, loss_scale) -> None:
         """``policy: "auto"``, a bucket stock's reduce-scatter sends: this rank's DeMo extraction of it, densely.
 
         The same steps as :meth:`reduce` on the flat topology up to the exchange (``delta = decay delta + g / W``, each
         chunk's top-k DCT coefficients quantized as they would be sent, what was not sent staged as the momentum), then
-        the extraction ``q = IDCT(deq(top-k))`` itself is written over ``bucket.grads`` times ``scale``
-        (``W * loss_scale``: stock's reduce-scatter divides by W and the optimizer by the loss scale), in the
-        gradients' dtype. The owners then receive ``u = sum_r q_r``, the sum the compressed exchange would have decoded
-        (to the rounding of stock's dtype), and take the same step.
-
-        Args:
-            bucket: the bucket (flat topology: one row per rank); its ``grads`` are overwritten.
-            scale: what the extraction is multiplied by in the gradients.
-
-        Returns:
-            the coefficients kept (all ranks' rows).
+        the extraction ``q = IDCT(deq(top-k))`` itself is written over ``grads`` times ``W * loss_scale`` (stock's
+        reduce-scatter divides by W and the optimizer by the loss scale), in the gradients' dtype. The owners then
+        receive ``u = sum_r q_r``, the sum the compressed exchange would have decoded (to the rounding of stock's
+        dtype), and take the same step. (The hierarchical topology is refused with ``policy: "auto"`` at initialize:
+        its momentum is of node-level sums, which stock never forms.)
         """
-        r, state = self.reducer, self.reducer.momentum
-        owners_ = tuple(range(bucket.world))
-        plan, L = self.plan(bucket), self.layout(bucket, owners_)
-        ws = bucket.workspace
-        A = fixed.owner_matrix(bucket.world, L.columns, bucket.device)
-        L.gather(bucket.grads, A)
-        if bucket.divisor != 1:
-            A.div_(bucket.divisor)
-        numels = list(bucket.numels)
-        state.store.add_block(bucket.keys, numels, L, A, ws, scale=state.cfg.decay)
+        bucket = self.reducer.enter(grads, keys, comms, comm_dtype, loss_scale, consume=False)
+        plan, L = self.plan(bucket), self.layout(bucket, tuple(range(bucket.world)))
+        A, numels = self._momentum_matrix(bucket, L, bucket.world)
         extraction = A.clone()
-        _, kept = dct.encode(A, L, plan, bucket.fingerprint, ws)  # A: what is not sent
-        extraction.sub_(A).mul_(scale)
-        state.store.stage_block(bucket.keys, numels, L, A, ws)
+        dct.encode(A, L, plan, bucket.fingerprint, bucket.workspace)  # A: what is not sent
+        extraction.sub_(A).mul_(bucket.divisor)
+        self.reducer.momentum.store.stage_block(bucket.keys, numels, L, A, bucket.workspace)
         L.scatter(extraction, bucket.grads)
-        return kept
 
     def after_step(self, opt, state, applied: bool) -> None:
         """``update: "optimizer"``: SGD's momentum may have been turned on since initialize (a momentum-cycling

@@ -128,9 +128,10 @@ def _guard_averaged_gradients(opt, state, method) -> None:
                 f"{_method_name(state, method)}: its partitions hold {held}. The method's own state is read with "
                 f"safe_get_full_optimizer_state(param, {MOMENTUM!r}) (this rank's local momentum)")
 
-    value = opt.__dict__.pop("averaged_gradients", {})
-    opt.__class__ = _guarded_class(type(opt))
-    opt.__dict__[_AVERAGED] = value
+    if getattr(type(opt), "_dgc_guarded_base", None) is None:  # not guarded yet (an install again keeps the class)
+        value = opt.__dict__.pop("averaged_gradients", {})
+        opt.__class__ = _guarded_class(type(opt))
+        opt.__dict__[_AVERAGED] = value
     opt.__dict__[_AVERAGED_GUARD] = guard
 
 

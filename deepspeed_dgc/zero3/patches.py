@@ -53,7 +53,7 @@ from ..memory.momentum import CompressedMomentum, DecoupledMomentum, MomentumCor
 from . import checkpoint, ds_api, saving
 from . import optimizer as owners
 from .allgather import QuantizedAllGather, check_layout_seam
-from .policy import STOCK, flush_residuals, stock_result_bytes
+from .policy import STOCK, stock_result_bytes
 from .reduce_scatter import reduce_result
 from .state import STATE_ATTR, DGCState
 from .swap import ORIGINALS, replace, restore
@@ -435,9 +435,9 @@ def _stock_method(opt, name: str) -> Callable:
 
 def _by_stock(opt, state: DGCState, params, group, comm_dtype) -> bool:
     """``policy: "auto"``: whether this bucket goes by stock's reduce-scatter (:mod:`~deepspeed_dgc.zero3.policy`,
-    collective when it measures). If so, its residuals are added to the gradients stock is about to send (and staged as
-    zero; under decoupled momentum the gradients are replaced by this rank's DeMo extraction, its rest staged as the
-    momentum), and the telemetry counts stock's bytes."""
+    collective when it measures). If so, the method makes the gradients stock is about to send carry what it has not
+    sent yet (:meth:`~deepspeed_dgc.methods.base.GradientMethod.send_by_stock`: the residuals, or under decoupled
+    momentum this rank's DeMo extraction), and the telemetry counts stock's bytes."""
     if state.policy is None:
         return False
     reducer = state.reducer
@@ -447,12 +447,7 @@ def _by_stock(opt, state: DGCState, params, group, comm_dtype) -> bool:
     if choice != STOCK:
         return False
     comms = reducer.comms_for(group)
-    dm = state.cfg.decoupled_momentum
-    if dm is not None:  # each rank's DeMo extraction, sent densely: the owners' step is the method's
-        bucket = reducer._enter(grads, keys, comms, comm_dtype, float(opt.loss_scale), consume=False)
-        reducer.method_for(bucket.device.type).extract_for_stock(bucket, bucket.divisor)
-    else:
-        flush_residuals(state.memory, grads, keys, comms, comms.world_size * float(opt.loss_scale))
+    reducer.method_for(grads[0].device.type).send_by_stock(grads, keys, comms, comm_dtype, float(opt.loss_scale))
     numels = [g.numel() for g in grads]
     wire, inter = stock_result_bytes(numels, comms, torch.tensor([], dtype=comm_dtype).element_size())
     state.stats.record(reduce_result(comms, numels, wire - inter, inter, kept=sum(numels), stock_buckets=1))

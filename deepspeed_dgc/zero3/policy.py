@@ -35,7 +35,7 @@ per bucket. Under decoupled momentum a bucket sent by stock carries each rank's 
 momentum ``decay delta + g / W`` is transformed and its top-k DCT coefficients per chunk quantized as the compressed
 exchange would send them, what was not sent stays as the momentum, and the decoded extraction (times ``W loss_scale``)
 replaces the gradient stock sends
-(:meth:`~deepspeed_dgc.methods.decoupled.DecoupledMomentumMethod.extract_for_stock`). The owners receive the same sum
+(:meth:`~deepspeed_dgc.methods.decoupled.DecoupledMomentumMethod.send_by_stock`). The owners receive the same sum
 ``u`` and take the same step as on the compressed path: the choice changes the bytes and the time, not the training
 (flat topology; with the hierarchical topology the momentum is of node-level sums that stock never forms, refused at
 initialize). The other momentum methods
@@ -49,12 +49,11 @@ which measures again) may choose differently.
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Hashable, List, Sequence, Tuple
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 from deepspeed.utils import logger
 
-from ..codec.job import real_count
 from ..comm.communicators import group_global_ranks, make_communicator
 from ..memory.error_feedback import ErrorFeedback
 from ..memory.momentum import DecoupledMomentum
@@ -245,32 +244,6 @@ def _sent(comms) -> int:
 def _sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def flush_residuals(memory: ErrorFeedback, grads: Sequence[torch.Tensor], keys: Sequence[Hashable], comms,
-                    scale: float) -> None:
-    """A bucket sent by stock takes its residuals along: each residual (unscaled, in the units of the mean) is added
-    to this rank's gradient times ``scale`` (``W * loss_scale``: stock sums ``g / W``), and a zero residual is staged in
-    its place (kept if the step is applied). Flat topology: the residual is the whole tensor's (``n`` elements);
-    hierarchical: the node-level rows of the owners ``k L + local`` (``N x ceil(n / W)``), added at those owners'
-    slices (the node's dense sum then carries them)."""
-    residuals = memory.flush(keys)
-    for g, key in zip(grads, keys):
-        residual = residuals.get(key)
-        if residual is None:
-            continue
-        flat = g.view(-1)
-        if not comms.hierarchical:
-            flat.add_(residual.view(-1)[:flat.numel()].to(flat.dtype), alpha=scale)
-        else:
-            n, L, W = flat.numel(), comms.ranks_per_node, comms.world_size
-            c = -(-n // W)
-            rows = residual.view(-1, c)
-            for k in range(rows.shape[0]):
-                owner = k * L + comms.local_rank
-                count = real_count(n, owner, c)
-                if count > 0:
-                    flat.narrow(0, owner * c, count).add_(rows[k, :count].to(flat.dtype), alpha=scale)
 
 
 def stock_result_bytes(numels: List[int], comms, elem_size: int) -> Tuple[int, int]:

@@ -3,7 +3,7 @@
 Per bucket of full local gradients ``g_1..g_T`` on a group of W ranks, :meth:`CompressedReduceScatter.reduce_scatter`
 runs these steps in order (GRACE's ``step``, Xu et al., ICDCS 2021):
 
-1. entry (:meth:`~CompressedReduceScatter._enter`): the loss scale and the averaging over W are to be removed once, by
+1. entry (:meth:`~CompressedReduceScatter.enter`): the loss scale and the averaging over W are to be removed once, by
    dividing the sources by ``W * loss_scale`` in the first fp32 pass; the bucket's density, codec and fingerprint are
    fixed; where the caller allows it, the gradients' memory becomes the bucket's workspace once read;
 2. to 6. the method (:mod:`deepspeed_dgc.methods`, one class per method behind one interface, picked from the config
@@ -136,7 +136,7 @@ class CompressedReduceScatter:
             DGCTimeoutError: an exchange did not finish within ``dgc.timeout_s``.
         """
         comms = self.comms_for(group)
-        bucket = self._enter(grads, keys, comms, comm_dtype, loss_scale, consume)
+        bucket = self.enter(grads, keys, comms, comm_dtype, loss_scale, consume)
         before = [(c, c.wire_bytes) for c in (comms.flat, comms.intra, comms.inter) if c is not None]
         reduced = self.method_for(bucket.device.type).reduce_all(bucket, comms)
         if comms.hierarchical:
@@ -147,8 +147,9 @@ class CompressedReduceScatter:
         outputs = self._exit(reduced, bucket)
         return outputs, reduce_result(comms, bucket.numels, intra_bytes, inter_bytes, reduced.kept, reduced.finite)
 
-    def _enter(self, grads, keys, comms: ReduceComms, comm_dtype, loss_scale: float, consume: bool) -> Bucket:
-        """Step 1: what is compressed, divided by what, with which codec."""
+    def enter(self, grads, keys, comms: ReduceComms, comm_dtype, loss_scale: float, consume: bool) -> Bucket:
+        """Step 1: what is compressed, divided by what, with which codec (the :class:`Bucket` a method takes; also
+        built for a bucket that ``policy: "auto"`` sends by stock, where the method says what it carries)."""
         world = comms.world_size
         numels = [g.numel() for g in grads]
         # stock casts to the communication dtype and pre-divides by W; the loss scale goes with the division
