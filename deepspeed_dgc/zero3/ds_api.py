@@ -123,10 +123,8 @@ def _guard_averaged_gradients(opt, state, method) -> None:
     def guard():
         held = method().partitions_hold(state)
         if held is not None:
-            raise DGCAttributeError(
-                f"deepspeed_dgc: ZeRO-3's optimizer.averaged_gradients holds no averaged gradient under "
-                f"{_method_name(state, method)}: its partitions hold {held}. The method's own state is read with "
-                f"safe_get_full_optimizer_state(param, {MOMENTUM!r}) (this rank's local momentum)")
+            raise DGCAttributeError(_no_gradient("ZeRO-3's optimizer.averaged_gradients holds no averaged gradient",
+                                                 "its", held, state, method))
 
     if getattr(type(opt), "_dgc_guarded_base", None) is None:  # not guarded yet (an install again keeps the class)
         value = opt.__dict__.pop("averaged_gradients", {})
@@ -143,6 +141,13 @@ def _method_name(state, method) -> str:
     return f"'dgc.{name}'"
 
 
+def _no_gradient(what: str, whose: str, held: str, state, method) -> str:
+    """The message of a gradient read where the partitions hold no averaged gradient: ``what`` under the method,
+    ``whose`` partitions hold ``held``, and where the method's own state is read."""
+    return (f"deepspeed_dgc: {what} under {_method_name(state, method)}: {whose} partitions hold {held}. The method's "
+            f"own state is read with safe_get_full_optimizer_state(param, {MOMENTUM!r}) (this rank's local momentum)")
+
+
 def _guard_grad(original: Callable, api: str, state, method) -> Callable:
     """``original`` where ZeRO-3's gradient partitions hold the averaged gradient; else a :class:`DGCStateError`."""
 
@@ -151,10 +156,8 @@ def _guard_grad(original: Callable, api: str, state, method) -> Callable:
         frozen = any(isinstance(a, torch.nn.Parameter) and not a.requires_grad for a in args + tuple(kwargs.values()))
         held = None if frozen else method().partitions_hold(state)  # a frozen parameter: stock's None
         if held is not None:
-            raise DGCStateError(
-                f"deepspeed_dgc: {api} (DeepSpeed's gradient API) has no gradient to read or write under "
-                f"{_method_name(state, method)}: ZeRO-3's gradient partitions hold {held}. The method's own state is "
-                f"read with safe_get_full_optimizer_state(param, {MOMENTUM!r}) (this rank's local momentum)")
+            raise DGCStateError(_no_gradient(f"{api} (DeepSpeed's gradient API) has no gradient to read or write",
+                                             "ZeRO-3's gradient", held, state, method))
         return original(*args, **kwargs)
 
     return guarded
