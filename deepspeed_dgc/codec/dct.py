@@ -19,7 +19,11 @@ Sizes depend on ``(c_i, s, k)`` only: one ``all_to_all_single`` of equal rows, n
 is one padded owner matrix (:class:`~deepspeed_dgc.codec.layout.BucketLayout`, blocks aligned to s), so every chunk of
 every tensor is transformed by one matrix product and topped by one batched selection along the chunk axis. Products
 that a tensor alone would have made of one or two rows are computed as such (a batched product of those rows): BLAS
-rounds those by another kernel, and this keeps every result bit for bit what the per-tensor computation gave.
+rounds those by another kernel, and this keeps every result bit for bit what the per-tensor computation gave where
+BLAS rounds every product of more rows as it rounds a large one's (MKL on Intel CPUs). Where it does not (MKL on AMD
+EPYC rounds products of 3, 5-7 and 9-11 rows, and batched products of 5-7 and 9-11, by other kernels), tensors of
+those many rows get coefficients within fp32 rounding of their own products', not the same bits; nothing else
+depends on it (the slabs are products of at least ``GEMM_MIN_ROWS`` rows).
 A row's payload (:attr:`ChunkPlan.payload_bytes` bytes)::
 
     int32[3]  header: MAGIC, fingerprint, 0

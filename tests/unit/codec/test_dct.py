@@ -182,13 +182,15 @@ def _per_tensor(senders, sizes, world, plan):
     return coded, owners
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("fmt", ["int2", "int4", "none"])
 def test_the_same_bits_as_transforming_each_tensor_on_its_own(world, fmt):
     """One product for the whole bucket gives every coefficient, value, residual and decoded element bit for bit as
     each tensor's own products do, tensors whose products have one or two rows (a chunk or two) included: BLAS
-    rounds those by another kernel, and the codec computes them as such."""
-    sizes = [5000, 128, 40, 300, 64, 130, 7]
+    rounds those by another kernel, and the codec computes them as such. Each tensor's own product here has 1, 2, 4,
+    8 or at least 12 rows: MKL rounds products of 3, 5-7 and 9-11 rows by other kernels on some CPUs (AMD EPYC; not
+    on Intel's), and the codec does not promise those tensors their own products' bits (module docstring)."""
+    sizes = [5000, 128, 40, 500, 64, 250, 7, 900]
     senders = _senders(sizes, world, _seed())
     plan = _plan(sizes, world, 64, 2, "dct", fmt, 128)
     coded, owners = _per_tensor(senders, sizes, world, plan)
