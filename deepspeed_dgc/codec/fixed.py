@@ -400,7 +400,7 @@ def first_estimates(A: torch.Tensor, plan: FixedPlan, positions: torch.Tensor, t
     C = L.columns
     c = m.chunks[tensor]
     flat = (positions // c) * C + plan.dense_columns + m.start[tensor] + positions % c
-    mags = A.view(-1)[flat].abs_()
+    mags = A.view(-1)[flat].float().abs_()
     key = (tensor << 32) | (0x7FFFFFFF - mags.view(torch.int32).long())
     key = torch.sort(key).values
     sizes = m.sample_sizes
@@ -438,16 +438,17 @@ class Selection:
 
     Attributes:
         valid: bool ``(R, K_s)``, the filled slots;
-        values: fp32 ``(R, K_s)``, 0 in empty slots; positions: int32 ``(R, K_s)``, the column inside the tensor's
-        slice (past its last chunk in empty slots); flat: int32 or int64 ``(R, K_s)``, the element of the owner matrix
-        each slot came from (the tensor's first column of the row for empty slots, which send 0);
-        slot_tensor: int32 ``(K_s,)``, each slot's tensor (column order).
+        values: ``(R, K_s)`` in the owner matrix's dtype, 0 in empty slots; flat: int32 or int64 ``(R, K_s)``, the
+        element of the owner matrix each slot came from (the tensor's first column of the row for empty slots, which
+        send 0; :func:`slot_positions` turns it into the slots' positions once the values are coded);
+        slot_tensor: int32 ``(K_s,)``, each slot's tensor (column order); spare: dead memory of the selection (the
+        search's scratch, ``4 R K_s`` bytes) for what follows.
     """
     values: torch.Tensor
-    positions: torch.Tensor
     flat: torch.Tensor
     valid: torch.Tensor
     slot_tensor: torch.Tensor
+    spare: Workspace
 
 
 def _accumulate(total: Optional[torch.Tensor], part: torch.Tensor) -> torch.Tensor:
@@ -455,7 +456,10 @@ def _accumulate(total: Optional[torch.Tensor], part: torch.Tensor) -> torch.Tens
 
 
 def _high_halves(S3: torch.Tensor) -> torch.Tensor:
-    """int16 view ``(R, G, a)`` of the high 16 bits of fp32 ``S3`` (sign, exponent, 7 mantissa bits: bf16's)."""
+    """int16 view ``(R, G, a)`` of the high 16 bits of fp32 ``S3`` (sign, exponent, 7 mantissa bits: bf16's), or of
+    bf16 ``S3`` itself."""
+    if S3.dtype == torch.bfloat16:
+        return S3.view(torch.int16)
     return S3.view(torch.int16)[..., 1::2]  # little-endian, as every device torch runs on
 
 
@@ -463,7 +467,7 @@ def select(A: torch.Tensor, plan: FixedPlan, ws: Workspace, generator: Optional[
     """DGC's threshold per sparsified tensor and the capacity cut per owner slice, in a fixed number of batched ops
     (see the module docstring), in passes over slabs of the sparse region sized to the workspace's free memory.
 
-    ``A``: the owner matrix ``(R, C)`` fp32, contiguous; read only. Returns the slots in ``ws`` (valid until the
+    ``A``: the owner matrix ``(R, C)`` fp32 or bf16, contiguous; read only. Returns the slots in ``ws`` (valid until the
     caller releases it).
     """
     R, device = A.shape[0], A.device
@@ -511,7 +515,11 @@ def _levels_and_top_bytes(S3, asc, slice_group, slices: int, ws: Workspace) -> T
     hist_l = hist_0 = None
     for g0, g1 in slabs(G, R * (8 * a + 4 * LEVELS), ws):
         mark, n = ws.mark(), g1 - g0
-        mag = torch.abs(S3[:, g0:g1], out=ws.take((R, n, a), torch.float32))
+        mag = ws.take((R, n, a), torch.float32)
+        if S3.dtype == torch.float32:
+            torch.abs(S3[:, g0:g1], out=mag)
+        else:  # a bf16 matrix: its magnitudes in fp32 (exact)
+            mag.copy_(S3[:, g0:g1]).abs_()
         seq = ws.take((R, n, LEVELS), torch.float32)
         seq.copy_(asc[None, g0:g1])
         level = torch.searchsorted(seq, mag, right=True, out_int32=True, out=ws.take((R, n, a), torch.int32))
@@ -599,7 +607,6 @@ def _compact(A, sel, filled, plan, ws) -> Selection:
     # each slot's target count (past the row's selection for the slots a slice leaves empty), replaced by -1 - its
     # column once found: a negative target is never found again
     col = ws.take((R, K), torch.int32)
-    mark_found = ws.mark()
     found, here = ws.take((R, K), torch.int32), ws.take((R, K), torch.bool)
     mark = ws.mark()
     st = slot_tensor(plan, ws, device)
@@ -608,6 +615,7 @@ def _compact(A, sel, filled, plan, ws) -> Selection:
     ends = torch.cumsum(filled, dim=1).to(torch.int32)  # (R, T) selected in the row up to each slice's end
     torch.index_select(ends - filled.to(torch.int32), 1, st, out=col).add_(local)
     col.masked_fill_(torch.gt(col, torch.index_select(ends, 1, st, out=found), out=here), 2**31 - 1)
+    del local, st
     ws.release(mark)
     carry = torch.zeros(R, 1, dtype=torch.int32, device=device)
     for g0, g1 in slabs(G, R * a * 4, ws):
@@ -618,25 +626,40 @@ def _compact(A, sel, filled, plan, ws) -> Selection:
         torch.gt(col, carry, out=here).logical_and_(col <= count[:, -1:])
         torch.where(here, found.add_(g0 * a + 1).neg_(), col, out=col)
         carry.copy_(count[:, -1:])
+        del count
         ws.release(inner)
-    del found, here
-    spent = Workspace([sel.view(-1).view(torch.uint8)])  # the selection is read: its memory takes what follows
-    ws.release(mark_found)
-    positions = ws.take((R, K), torch.int32)
-    valid = torch.lt(col, 0, out=ws.take((R, K), torch.bool, device))  # found (all up to filled, NaN aside)
+    # the selection is read: its memory takes the slots' values; the search's scratch is spare
+    spent = Workspace([sel.view(-1).view(torch.uint8)])
+    valid = torch.lt(col, 0, out=here)  # found (all up to filled, NaN aside)
     col.add_(1).neg_()
     st = slot_tensor(plan, ws, device)
-    mark = ws.mark()
-    start = _per_slot(m.start32, st, ws)
-    torch.where(valid, torch.sub(col, start, out=positions), _per_slot(m.empty32, st, ws), out=positions)
-    flat = torch.where(valid, col, start, out=col)
-    ws.release(mark)
+    mark = spent.mark()
+    flat = torch.where(valid, col, _per_slot(m.start32, st, spent), out=col)
+    spent.release(mark)
     if R * C + 1 >= 2**31:
         flat = flat.long()
-    flat.add_(torch.arange(0, R * C, C, device=device, dtype=flat.dtype)[:, None] + plan.dense_columns)
-    values = torch.index_select(A.view(-1), 0, flat.view(-1), out=spent.take((R * K, ), torch.float32, device))
+    flat.add_(_row_starts(R, C, plan.dense_columns, flat.dtype, device))
+    values = torch.index_select(A.view(-1), 0, flat.view(-1), out=spent.take((R * K, ), A.dtype, device))
     values = values.view(R, K).mul_(valid)
-    return Selection(values, positions, flat, valid, st)
+    return Selection(values, flat, valid, st, Workspace([found.view(-1).view(torch.uint8)]))
+
+
+def _row_starts(R: int, C: int, dense_columns: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """``(R, 1)``: the flat index of each row's sparse region in an ``(R, C)`` owner matrix (cached)."""
+    return _host(range(dense_columns, R * C + dense_columns, C), device, dtype).view(R, 1)
+
+
+def slot_positions(sel: Selection, plan: FixedPlan, ws: Workspace) -> torch.Tensor:
+    """The slots' positions, the column inside the tensor's slice (past its last chunk in empty slots), int32 or
+    int64 ``(R, K_s)``, computed in place of ``sel.flat`` (which is spent)."""
+    R, C = sel.flat.shape[0], plan.layout.columns
+    m, device = meta(plan, sel.flat.device), sel.flat.device
+    mark = ws.mark()
+    cols = sel.flat.sub_(_row_starts(R, C, plan.dense_columns, sel.flat.dtype, device))
+    cols.sub_(_per_slot(m.start32, sel.slot_tensor, ws))
+    positions = torch.where(sel.valid, cols, _per_slot(m.empty32, sel.slot_tensor, ws), out=cols)
+    ws.release(mark)
+    return positions
 
 
 # ---- positions ----------------------------------------------------------------------------------------------------
@@ -703,14 +726,15 @@ def unpack_positions(data: torch.Tensor, count: int, bits: int, out: Optional[to
     return out
 
 
-def _chunk_counts(sel: Selection, plan: FixedPlan, ws: Workspace) -> torch.Tensor:
-    """int32 ``(R, NC)``: the filled slots of every chunk of every sparsified tensor (column order)."""
-    R, K, device = sel.positions.shape[0], plan.sparse_slots, sel.positions.device
+def _chunk_counts(positions: torch.Tensor, st: torch.Tensor, plan: FixedPlan, ws: Workspace) -> torch.Tensor:
+    """int32 ``(R, NC)``: the filled slots of every chunk of every sparsified tensor (column order), from the slots'
+    ``positions`` (:func:`slot_positions`) and tensors ``st``."""
+    R, K, device = positions.shape[0], plan.sparse_slots, positions.device
     m = meta(plan, device)
     width = sum(plan.n_chunks) + len(plan.sparse_tensors)  # each tensor's chunks, then its gap bin (empty slots)
     mark = ws.mark()
-    bins = torch.bitwise_right_shift(sel.positions, plan.bits, out=ws.take((R, K), torch.int32))
-    bins.add_(_per_slot(m.chunk_base32, sel.slot_tensor, ws))
+    bins = torch.bitwise_right_shift(positions, plan.bits, out=ws.take((R, K), torch.int32))
+    bins.add_(_per_slot(m.chunk_base32, st, ws))
     bins.add_(torch.arange(0, R * width, width, dtype=torch.int32, device=device)[:, None])
     counts = torch.bincount(bins.view(-1), minlength=R * width).view(R, width)
     ws.release(mark)
@@ -740,17 +764,22 @@ def _decode_positions(data: torch.Tensor, plan: FixedPlan, st: torch.Tensor,
     bins[:, m.chunk_bins] = counts
     bins[:, m.gap_bins] = m.slots32 - filled
     ends = torch.cumsum(bins, dim=1, dtype=torch.int32)  # each row ends at K
-    slots = ws.take((W, K), torch.int32)
+    slots, valid = ws.take((W, K), torch.int32), ws.take((W, K), torch.bool)  # what is returned
+    mark = ws.mark()  # the rest is released before the return
     slots.copy_(torch.arange(K, dtype=torch.int32, device=device, out=ws.take((K, ), torch.int32))[None, :])
+    ws.release(mark)
     found = torch.searchsorted(ends, slots, right=True, out_int32=True, out=ws.take((W, K), torch.int32))
     chunk = torch.index_select(m.bin_chunk32, 0, found.view(-1), out=slots.view(-1)).view(W, K)  # -1: a gap bin
-    valid = torch.ge(chunk, 0, out=ws.take((W, K), torch.bool))
+    torch.ge(chunk, 0, out=valid)
     offsets = unpack_positions(data[:, plan.count_bytes:], K, plan.offset_bits, out=found, ws=ws)
     positions = chunk.clamp_(min=0).bitwise_left_shift_(plan.bits).add_(offsets)
+    del found, offsets
     outside = torch.ge(positions, _per_slot(m.chunks32, st, ws), out=ws.take((W, K), torch.bool))
     outside.logical_and_(valid)
     bad |= outside.any(dim=1)
     valid.logical_and_(outside.logical_not_())
+    del outside
+    ws.release(mark)
     return positions.mul_(valid), valid, bad
 
 
@@ -769,9 +798,21 @@ def _header(fingerprint: int, device) -> torch.Tensor:
     return _HEADERS[key]
 
 
-def owner_matrix(rows: int, columns: int, device) -> torch.Tensor:
-    """A new fp32 ``(rows, columns)`` owner matrix (uninitialised)."""
-    return torch.empty(rows, columns, dtype=torch.float32, device=device)
+def owner_matrix(rows: int, columns: int, device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A new ``(rows, columns)`` owner matrix (uninitialised): fp32, or bf16 for a bucket of bf16 gradients whose
+    residuals are stored in 2 bytes or fewer (see :func:`matrix_dtype`)."""
+    return torch.empty(rows, columns, dtype=dtype, device=device)
+
+
+def matrix_dtype(srcs, residual_storage: Optional[str]) -> torch.dtype:
+    """The owner matrix's dtype for a bucket of ``srcs`` whose residuals are stored as ``residual_storage`` (None: no
+    error feedback): bf16 where every source is bf16 and the residuals keep no more than bf16 does (``"bf16"``,
+    ``"fp8"``, ``"int8"``), so that the bucket's one copy costs 2 bytes per element, not 4; else fp32. The values are
+    the same bf16 sums ZeRO-3 would reduce; every scale, threshold and decoded value is still computed in fp32, and
+    the residual rounds to bf16 before its storage rounds it further."""
+    if residual_storage != "fp32" and srcs and all(s.dtype == torch.bfloat16 for s in srcs):
+        return torch.bfloat16
+    return torch.float32
 
 
 def _unit(plan: FixedPlan) -> int:
@@ -796,7 +837,8 @@ def encode(A: torch.Tensor, plan: FixedPlan, fingerprint: int, ws: Workspace, ra
     """Every row's payload of the owner matrix ``A``, which becomes what error feedback keeps: ``A - decoded``.
 
     Args:
-        A: fp32 ``(R, C)``, contiguous (padding zero), overwritten in place with the residual.
+        A: fp32 or bf16 (:func:`matrix_dtype`) ``(R, C)``, contiguous (padding zero), overwritten in place with the
+            residual (rounded to its dtype).
         plan: the bucket's plan; fingerprint: int31 of config and bucket (written in every header).
         ws: the temporaries' memory (the payloads too); raw_scale: raw values travel multiplied by it.
         sample_generator: draws the threshold samples; rounding_generator: stochastic rounding (INT4/INT2).
@@ -813,29 +855,36 @@ def encode(A: torch.Tensor, plan: FixedPlan, fingerprint: int, ws: Workspace, ra
     s_at, v_at, c_at, p_at = plan.sections
     g = plan.group if plan.quantize else L.align
     grouped = A.view(R, L.columns // g, g)
-    gmax, gmin = grouped.amax(dim=-1), grouped.amin(dim=-1)
+    gmax, gmin = grouped.amax(dim=-1).float(), grouped.amin(dim=-1).float()  # exact for a bf16 matrix
     not_finite = ~(torch.isfinite(gmax).all() & torch.isfinite(gmin).all())
     header = payload[:, :HEADER_BYTES].view(torch.int32)
     header.copy_(_header(fingerprint, device))
     header[:, 2] = not_finite.to(torch.int32) * FLAG_NOT_FINITE
     sel = select(A, plan, ws, sample_generator) if plan.sparse_slots else None
     if plan.quantize and rounding_generator is None and hasattr(ops, "fixed_encode") and A.is_cuda and \
-            (sel is None or sel.flat.dtype == torch.int32):
+            A.dtype == torch.float32 and (sel is None or sel.flat.dtype == torch.int32):
         ops.fixed_encode(A, plan, sel, payload)
     else:
         inner = ws.mark()
         code = _code_values if plan.quantize else _raw_values
         decoded = code(A, sel, plan, payload, gmax, gmin, ws, raw_scale, rounding_generator)
         if sel is not None:  # what the slots sent leaves A (an empty slot sent 0)
-            A.view(-1).index_put_((sel.flat.view(-1), ), decoded.view(-1).neg_(), accumulate=True)
+            sent = decoded.neg_() if decoded.dtype == A.dtype else sel.values.view(decoded.shape).copy_(decoded.neg_())
+            A.view(-1).index_put_((sel.flat.view(-1), ), sent.view(-1), accumulate=True)
+            del sent
+        del decoded
         ws.release(inner)
     if sel is not None:
-        counts = _chunk_counts(sel, plan, ws)
+        # the slots' values are coded and their elements spent: the positions take the elements' memory, and the
+        # values' and the selection's spare memory the counting's and the packing's temporaries
+        spent = Workspace([sel.values.view(-1).view(torch.uint8)] + sel.spare.regions)
+        positions = slot_positions(sel, plan, spent)
+        counts = _chunk_counts(positions, sel.slot_tensor, plan, spent)
         both = payload[:, c_at:p_at].view(R, -1, 2)
         both[..., 0] = counts & 0xFF
         both[..., 1] = counts >> 8
-        offsets = sel.positions.bitwise_and_((1 << plan.bits) - 1)
-        pack_positions(offsets, plan.offset_bits, payload[:, p_at:p_at + plan.position_bytes], ws)
+        offsets = positions.bitwise_and_((1 << plan.bits) - 1)
+        pack_positions(offsets, plan.offset_bits, payload[:, p_at:p_at + plan.position_bytes], spent)
     ws.release(mark)
     return payload
 
@@ -871,8 +920,8 @@ def _code_values(A, sel, plan, payload, gmax, gmin, ws, raw_scale, generator) ->
     decoded = None
     if sel is not None:
         slots = sel.values.view(R, -1, gs)
-        decoded = ws.take(slots.shape, torch.float32)
-        scales[:, Cd // gs:] = fmt.scales(slots, slots.amax(dim=-1), slots.amin(dim=-1), decoded)
+        decoded = sel.spare.take(slots.shape, torch.float32)
+        scales[:, Cd // gs:] = fmt.scales(slots, slots.amax(dim=-1).float(), slots.amin(dim=-1).float(), decoded)
         fmt.encode_(slots, scales[:, Cd // gs:], codes[:, Cd - tail:K - tail].view(slots.shape), decoded, generator)
     pack_codes(codes, fmt.name, packed[:, tail // per:])
     return decoded
@@ -890,7 +939,7 @@ def _raw_values(A, sel, plan, payload, gmax, gmin, ws, raw_scale, generator) -> 
         ws.release(mark)
     if sel is None:
         return None
-    decoded = ws.take((R, K - Cd), torch.float32)
+    decoded = sel.spare.take((R, K - Cd), torch.float32)
     _round_trip_(sel.values, values[:, Cd:K], raw_scale, decoded)
     return decoded
 
@@ -966,7 +1015,9 @@ def decode_sum(received: torch.Tensor, plan: FixedPlan, fingerprint: int, row: i
         st = slot_tensor(plan, ws, device)
         positions, valid, bad_pos = _decode_positions(received[:, plan.sections[2]:], plan, st, ws)
         bad |= bad_pos
+        inner = ws.mark()
         cols = positions.add_(_per_slot(meta(plan, device).start32, st, ws))
+        ws.release(inner)
     if plan.quantize and hasattr(ops, "fixed_decode") and received.is_cuda:
         D = ws.take((W, L.columns - Cd), torch.float32) if cols is not None else None
         ops.fixed_decode(received, plan, cols, valid, D, out)

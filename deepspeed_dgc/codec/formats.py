@@ -634,13 +634,14 @@ class _Int1(ValueFormat):
     name, per_byte = "int1", 5
 
     def scales(self, groups, gmax, gmin, tmp, padding=None):
-        mag = torch.abs(groups, out=tmp)
+        mag = torch.abs(groups, out=tmp) if groups.dtype == tmp.dtype else tmp.copy_(groups).abs_()  # bf16 groups
         counts = torch.count_nonzero(groups, dim=-1).clamp_(min=1)
         sums = mag.sum(dim=-1)
         return int1_mean(sums, mag.mul_(INT1_DOWN).sum(dim=-1), counts)
 
     def encode_(self, groups, scales, codes, tmp, generator=None):
-        codes.copy_(torch.sign(groups, out=tmp).add_(1))
+        sign = torch.sign(groups, out=tmp) if groups.dtype == tmp.dtype else tmp.copy_(groups).sign_()  # bf16 groups
+        codes.copy_(sign.add_(1))
         groups.sub_(tmp.sub_(1).mul_(scales[..., None]))
 
     def decode(self, codes, scales, out):

@@ -329,7 +329,8 @@ class ErrorFeedback:
 
         Args:
             keys: the bucket's keys (in ``layout``'s tensor order); numels: each key's residual length.
-            layout: the padded owner matrix of ``A`` ``(R, C)`` (fp32, padding 0); ws: memory for a decoded copy.
+            layout: the padded owner matrix of ``A`` ``(R, C)`` (fp32 or bf16, padding 0); ws: memory for a decoded
+                copy.
 
         Returns:
             Whether there was anything to add. Residuals kept per key (from the exact layout or an older checkpoint)
@@ -371,15 +372,16 @@ class ErrorFeedback:
 
     def stage_block(self, keys: Sequence[Hashable], numels: Sequence[int], layout: BucketLayout,
                     A: torch.Tensor, ws: Optional[Workspace] = None) -> bool:
-        """Stage ``A`` (fp32 ``(R, C)``, padding 0, unscaled) as the bucket's residuals for commit after the step
-        (``ws``: dead memory for the encoding's temporaries).
+        """Stage ``A`` (fp32, or bf16 where the storage is not fp32, ``(R, C)``, padding 0, unscaled) as the bucket's
+        residuals for commit after the step (``ws``: dead memory for the encoding's temporaries).
 
         Returns:
-            True when the store now holds ``A`` itself (fp32 storage, or any storage before the window's last
-            micro-step); False when ``A`` was encoded into the storage form, in place (its memory is then free).
+            True when the store now holds ``A`` itself (fp32 storage, bf16 storage of a bf16 ``A``, or any storage
+            before the window's last micro-step); False when ``A`` was encoded into the storage form, in place (its
+            memory is then free).
         """
         bkey = tuple(keys)
-        if self.storage == "fp32" or not self.final:
+        if self.storage == "fp32" or not self.final or (self.storage == "bf16" and A.dtype == torch.bfloat16):
             parts, held = (A, ), True
         else:
             parts, held = self._encode_block_(A, layout, bkey, ws), False
@@ -478,7 +480,8 @@ class ErrorFeedback:
             self.committed[k] = self._store(k, v)
         self.staged = {}
         for bkey, block in self.staged_blocks.items():
-            if self.storage != "fp32" and len(block.parts) == 1 and block.parts[0].dtype == torch.float32:
+            if self.storage != "fp32" and len(block.parts) == 1 and \
+                    not (self.storage == "bf16" and block.parts[0].dtype == torch.bfloat16):
                 block = Block(block.layout, block.keys, block.numels,  # staged before the window's end: encode now
                               self._encode_block_(block.parts[0], block.layout, bkey))
             if self.offload and not block.host:
@@ -616,11 +619,12 @@ def _in_columns(keys: Sequence[Hashable], layout: BucketLayout) -> List[Hashable
 
 
 def _fp8_encode_(A: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """fp8 e4m3 codes and absmax scales per 128 columns of each row of ``A`` ``(R, C)`` (``C`` a multiple of 128),
-    as :func:`~deepspeed_dgc.codec.formats.quantize_weights` codes them; ``A`` is overwritten."""
+    """fp8 e4m3 codes and fp32 absmax scales per 128 columns of each row of ``A`` ``(R, C)`` (fp32 or bf16, ``C`` a
+    multiple of 128), as :func:`~deepspeed_dgc.codec.formats.quantize_weights` codes them; ``A`` is overwritten (a
+    bf16 ``A`` holds the scaled values in bf16 before they round to e4m3)."""
     R, C = A.shape
     groups = A.view(R, C // FP8_RESIDUAL_GROUP, FP8_RESIDUAL_GROUP)
-    scales = torch.maximum(groups.amax(dim=-1), groups.amin(dim=-1).neg_()).div_(FP8_MAX["fp8_e4m3"])
+    scales = torch.maximum(groups.amax(dim=-1), groups.amin(dim=-1).neg_()).float().div_(FP8_MAX["fp8_e4m3"])
     groups.div_(torch.where(scales > 0, scales, torch.ones_like(scales))[..., None])
     codes = torch.empty(R, C, dtype=torch.uint8, device=A.device)
     codes.view(torch.float8_e4m3fn).copy_(A)

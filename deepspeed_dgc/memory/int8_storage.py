@@ -65,7 +65,7 @@ def encode_(A: torch.Tensor, group: int, seed: int, ws=None) -> Tuple[torch.Tens
     """INT8 codes and bf16 absmax scales of ``A``, rounded stochastically; ``A`` is overwritten.
 
     Args:
-        A: fp32 ``(R, C)``, ``C`` a multiple of ``group``; group: values per scale (a power of two); seed: the noise's
+        A: fp32 or bf16 ``(R, C)``, ``C`` a multiple of ``group``; group: values per scale (a power of two); seed: the noise's
             seed (:func:`round_seed`); ws: a :class:`~deepspeed_dgc.codec.layout.Workspace` of dead memory for the
             noise (4 bytes per value of a slab), or None.
 
@@ -75,7 +75,7 @@ def encode_(A: torch.Tensor, group: int, seed: int, ws=None) -> Tuple[torch.Tens
     """
     R, C = A.shape
     groups = A.view(R, C // group, group)
-    amax = torch.maximum(groups.amax(dim=-1), groups.amin(dim=-1).neg_())
+    amax = torch.maximum(groups.amax(dim=-1), groups.amin(dim=-1).neg_()).float()
     scales = _round_up_bf16(amax.div_(127.0))
     s = scales.float()
     groups.div_(torch.where(s > 0, s, torch.ones_like(s))[..., None])  # now |v| <= 127 (up to one fp32 rounding)

@@ -145,11 +145,13 @@ class TopKFixed(GradientMethod):
         L, R, device, ws = plan.layout, exchange.rows, bucket.device, bucket.workspace
         ops = r.ops_for(device.type)
         res_numels = residual_numels or (list(bucket.numels) if A is None else [R * c for c in bucket.chunks])
+        ef = _want_residual(cfg, bucket, None)
         if A is None:
-            A = fixed.owner_matrix(R, L.columns, device)
             by_row = sources is not None and residual_numels is not None  # hierarchical: node-level rows
             values, divisor = (sources, 1.0) if sources is not None else (bucket.srcs, bucket.divisor)
-            if hasattr(ops, "gather"):  # the CUDA op: one launch, divided on the way
+            dtype = fixed.matrix_dtype(values, r.memory.storage if ef else None) if sources is None else torch.float32
+            A = fixed.owner_matrix(R, L.columns, device, dtype)
+            if hasattr(ops, "gather") and A.dtype == torch.float32:  # the CUDA op: one launch, divided on the way
                 ops.gather(L, values, A, divisor, by_row)
             else:
                 L.gather(values, A, by_row=by_row)
@@ -157,7 +159,6 @@ class TopKFixed(GradientMethod):
                     A.div_(divisor)
         elif bucket.divisor != 1:
             A.div_(bucket.divisor)
-        ef = _want_residual(cfg, bucket, None)
         before = None
         if ef:
             if on_exchanged is not None:

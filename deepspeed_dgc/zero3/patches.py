@@ -383,6 +383,11 @@ def _avg_scatter_grads(opt, state: DGCState) -> Callable:
         averaging_world_size = opt._gradient_averaging_world_size(params_to_reduce, world)
         if averaging_world_size != world:  # sequence/expert parallel averaging, as stock
             partitions = [g.mul(world / float(averaging_world_size)) for g in partitions]
+        if not getattr(opt, "zenflow", False):
+            # fp32 views of the bucket's row: partition_grads copies each into its gradient_accumulation_dtype buffer
+            # (the same rounding as .to) or converts it before adding, so no narrower copy of the whole row is made
+            # beside it (1 B per bucket element at 2 ranks with bf16)
+            return partitions
         return [g.to(opt.gradient_accumulation_dtype) for g in partitions]
 
     return avg_scatter_grads

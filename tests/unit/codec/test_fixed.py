@@ -41,9 +41,9 @@ def _sources(sizes, g, zeros=0.0, ties=False):
     return srcs
 
 
-def _matrix(plan, srcs):
+def _matrix(plan, srcs, dtype=torch.float32):
     L = plan.layout
-    A = fixed.owner_matrix(L.rows, L.columns, "cpu")
+    A = fixed.owner_matrix(L.rows, L.columns, "cpu", dtype)
     return L.gather(srcs, A)
 
 
@@ -79,18 +79,21 @@ def _oracle_threshold(mag, k, sample):
 
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("density", [0.3, 0.01, 0.002])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("factor", [2.0, 1.0])
-def test_each_slice_sends_its_largest_above_dgcs_threshold_up_to_capacity(rows, density, factor):
+def test_each_slice_sends_its_largest_above_dgcs_threshold_up_to_capacity(rows, density, dtype, factor):
     """From the same sample, each owner's slice sends exactly the oracle's set: the elements at or above DGC's
     threshold (first estimate on the sample, lowered by 0.8 while it keeps fewer than 0.8 k), non-zero, the largest up
-    to the slice's slots by magnitude in bf16 precision (the high 16 bits), ties by the lower column. Heavy tails, ties on 40% of one bucket, zeros on 90% of another."""
+    to the slice's slots by magnitude in bf16 precision (the high 16 bits), ties by the lower column. Heavy tails, ties
+    on 40% of one bucket, zeros on 90% of another. An fp32 owner matrix and a bf16 one (bf16 gradients; the oracle
+    then sees the same bf16 values)."""
     g = torch.Generator().manual_seed(_seed())
     for sizes, kw in (([5000, 300, 70001, 20000, 40], {}), ([3000, 2500], {"ties": True}), ([4000], {"zeros": 0.9})):
         plan = _plan(sizes, rows, density, quantize=False, factor=factor)
         L = plan.layout
-        srcs = _sources(sizes, g, **kw)
-        A = _matrix(plan, srcs)
-        acc = A.clone()
+        srcs = [s.to(dtype).float() for s in _sources(sizes, g, **kw)]
+        A = _matrix(plan, srcs, dtype)
+        acc = A.to(torch.float32, copy=True)
         seed = _seed()
         positions, tensor = fixed.draw_sample(plan, torch.Generator().manual_seed(seed), "cpu")
         fixed.encode(A, plan, 1, Workspace(), sample_generator=torch.Generator().manual_seed(seed))
@@ -101,7 +104,7 @@ def test_each_slice_sends_its_largest_above_dgcs_threshold_up_to_capacity(rows, 
             for r in range(rows):
                 real = L.real[r][i]
                 a = acc[r, L.cols[i]:L.cols[i] + real]
-                sent = A[r, L.cols[i]:L.cols[i] + real] != a  # raw fp32: a sent value leaves nothing behind
+                sent = A[r, L.cols[i]:L.cols[i] + real].float() != a  # raw fp32: a sent value leaves nothing behind
                 eligible = (a != 0) & (a.abs() >= threshold)
                 key = (a.abs().view(torch.int32) >> 16).long()  # bf16 precision, then the lower column
                 order = torch.sort(torch.where(eligible, -key, 1 << 20), stable=True).indices
@@ -118,15 +121,18 @@ def _exchange(plans_and_payloads, plan, rows):
 
 @pytest.mark.parametrize("fmt", FORMAT_NAMES + ["none"])
 @pytest.mark.parametrize("density", [1.0, 0.1, 0.003])
-def test_conservation_and_exact_zeros_over_senders(fmt, density):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conservation_and_exact_zeros_over_senders(fmt, density, dtype):
     """3 senders, each row summed by its owner: decoded sum + the senders' new residuals = the float64 sum of their
-    accumulators (error feedback loses nothing); every exact zero of every sender arrives as exactly 0."""
+    accumulators (error feedback loses nothing but the rounding of the residual to the owner matrix's dtype: fp32, or
+    bf16 for bf16 gradients); every exact zero of every sender arrives as exactly 0."""
     sizes = [5, 3000, 2, 65537, 64]
     plan = _plan(sizes, 3, density, fmt if fmt != "none" else "int4", quantize=fmt != "none")
     g = torch.Generator().manual_seed(_seed())
     accs, residuals, payloads = [], [], []
+    unit = 2**-24 if dtype == torch.float32 else 2**-8  # the dtype's unit roundoff
     for _ in range(3):
-        A = _matrix(plan, _sources(sizes, g, zeros=0.2))
+        A = _matrix(plan, _sources(sizes, g, zeros=0.2), dtype)
         accs.append(A.double().clone())
         payloads.append(fixed.encode(A, plan, 7, Workspace(), sample_generator=g))
         residuals.append(A.double())
@@ -136,7 +142,7 @@ def test_conservation_and_exact_zeros_over_senders(fmt, density):
         kept = sum(x[r] for x in residuals)
         # fp32 rounding: of each residual and of the sum over senders (decoded values may exceed what was accumulated)
         magnitude = sum(a[r].abs() for a in accs) + sum(x[r].abs() for x in residuals) + row.double().abs()
-        assert bool(((row.double() + kept - total).abs() <= 4 * 2**-24 * magnitude).all())
+        assert bool(((row.double() + kept - total).abs() <= 4 * unit * magnitude).all())
         zero = torch.stack([a[r] == 0 for a in accs]).all(dim=0)
         assert int(zero.sum()) > 10 and bool((row[zero] == 0).all()), "exact zeros must arrive as zeros"
 
@@ -299,3 +305,14 @@ def test_a_bucket_is_a_fixed_number_of_ops_whatever_its_tensors(density, fmt):
         assert ops.syncs == 0, ops.sync_names
         counts.append(ops.launches)
     assert counts[0] == counts[1], counts
+
+
+def test_the_owner_matrix_is_bf16_only_for_bf16_gradients_whose_residuals_keep_no_more():
+    """A bucket of bf16 gradients gets a bf16 owner matrix (2 B per element, not 4) where its residuals are stored in
+    bf16, fp8 or int8, or not kept; fp32 residual storage, fp32 or mixed gradients keep fp32."""
+    b, f = torch.zeros(3, dtype=torch.bfloat16), torch.zeros(3)
+    for storage in ("fp8", "int8", "bf16", None):
+        assert fixed.matrix_dtype([b, b], storage) == torch.bfloat16
+    assert fixed.matrix_dtype([b, b], "fp32") == torch.float32
+    assert fixed.matrix_dtype([b, f], "fp8") == torch.float32
+    assert fixed.matrix_dtype([f], "fp8") == torch.float32

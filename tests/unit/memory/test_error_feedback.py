@@ -270,3 +270,51 @@ def check_offloaded_blocks(storage: str, device: str) -> None:
         seen.append(off.blocks[buckets[0]].parts[0].data_ptr())
     assert len(set(seen)) == 2 and seen[0] != seen[1]  # two host buffers, alternating
     assert off.export().keys() == plain.export().keys()
+
+
+@pytest.mark.parametrize("storage, rel", [("bf16", 2.0**-7), ("fp8", 2.0**-4 + 2.0**-7), ("int8", None)])
+@pytest.mark.parametrize("final", [True, False])
+def test_a_bf16_owner_matrix_is_staged_and_committed_in_the_storage_form(storage, rel, final):
+    """A bf16 owner matrix (bf16 gradients, ``fixed.matrix_dtype``) through a window of two micro-steps: the first
+    stages the matrix itself (bf16, 2 B per element), the second adds it and stages its sum, in the storage form at
+    once when it is the window's end (``final``) or at the commit when the window's end was not known. What is
+    committed is the storage form (fp8 / int8 codes, or the bf16 matrix), as many bytes as an fp32 matrix's, and
+    within the storage's and bf16's rounding of the float64 sum (int8: its stochastic step, absmax / 127 per group of
+    64). Fresh random inputs."""
+    from deepspeed_dgc.codec.layout import layout_for
+    numels = [1000, 3000, 256]
+    L = layout_for(numels, 2, (0, 1), 128)
+    keys = ["a", "b", "c"]
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    parts = [[(torch.randn(n, generator=g) * 10.0**i).bfloat16() for i, n in enumerate(numels)] for _ in range(2)]
+    oracle = {k: parts[0][i].double() + parts[1][i].double() for i, k in enumerate(keys)}
+    stores = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        m = ErrorFeedback(storage)
+        m.round_seed = (7, 0)
+        for micro in range(2):
+            m.final = final and micro == 1
+            A = L.gather([p.to(dtype) for p in parts[micro]], torch.empty(L.rows, L.columns, dtype=dtype))
+            m.add_block(keys, numels, L, A)
+            held = m.stage_block(keys, numels, L, A)
+            staged = m.staged_blocks[tuple(keys)].parts
+            if not m.final:  # before the window's end the matrix itself is held
+                assert held and staged[0] is A and m.staged_bytes() == A.numel() * A.element_size()
+            else:
+                assert held == (storage == "bf16" and dtype == torch.bfloat16)
+                assert staged[0].dtype == {"bf16": torch.bfloat16, "fp8": torch.uint8, "int8": torch.int8}[storage]
+        m.commit()
+        committed = m.blocks[tuple(keys)].parts
+        assert committed[0].dtype == {"bf16": torch.bfloat16, "fp8": torch.uint8, "int8": torch.int8}[storage]
+        stores[dtype] = m
+    assert stores[torch.bfloat16].state_bytes() == stores[torch.float32].state_bytes()
+    got = stores[torch.bfloat16].residuals()
+    for i, k in enumerate(keys):
+        err = (got[k].double() - oracle[k]).abs()
+        if rel is not None:
+            absmax = float(oracle[k].abs().max())
+            assert bool((err <= rel * oracle[k].abs() + absmax * 2.0**-9 / 448 * 2).all()), (k, float(err.max()))
+        else:
+            # a stochastic step of at most the tensor's absmax / 127 (the bf16 scale rounded up), and bf16's rounding
+            step = float(oracle[k].abs().max()) / 127 * (1 + 2.0**-7)
+            assert bool((err <= step + 2.0**-8 * oracle[k].abs()).all()), (k, float(err.max()), step)
