@@ -128,8 +128,10 @@ def plan(saved_config, saved_momentum, has_residuals: bool, cfg) -> Optional[Pla
             parts.append("its error-feedback residuals (the gradient not yet sent) carry over")
         elif kind == "gradient" and now == "decoupled_momentum":
             residuals = "momentum"
+            storage = cfg.decoupled_momentum.storage
+            rounded = "" if storage == "fp32" else f" (rounded once into its {storage} storage)"
             parts.append("its error-feedback residuals (the gradient not yet sent) carry over into decoupled "
-                         "momentum's per-rank momentum, which sends them")
+                         "momentum's per-rank momentum, which sends them" + rounded)
         else:
             why = {None: ("decoupled momentum keeps none (its momentum is its error feedback)"
                           if now == "decoupled_momentum" else "this run keeps none ('dgc.error_feedback' is false)")}

@@ -96,7 +96,8 @@ SAME_WORLD = {  # (saved, loaded) -> what every rank's warning on loading says
     ("topk", "cm_late"): [f"this run has compressed momentum: {CARRY}",
                           "compressed momentum's per-rank momenta start at zero"],
     ("cm", "int4"): [DROP_CM[0] + ": this run's hold the gradient not yet sent", DROP_CM[1], ADAM_STALE],
-    ("int4", "demo"): [CARRY + " into decoupled momentum's per-rank momentum, which sends them", ADAM_NOT_USED,
+    ("int4", "demo"): [CARRY + " into decoupled momentum's per-rank momentum, which sends them (rounded once into its "
+                       "bf16 storage)", ADAM_NOT_USED,
                        ": 6 momenta, step 4"],
     ("demo", "int4"): [f"this run has {TOPK}: " + DROP_DEMO, ADAM_FROM_ZERO],
     ("demo", "mask"): ["this run has shared masks: " + DROP_DEMO, ADAM_FROM_ZERO],
@@ -117,7 +118,8 @@ UNIVERSAL = {  # (saved at 2 ranks, loaded at 3 from its universal checkpoint) -
                     "checkpoint holds only Adam's exp_avg and exp_avg_sq"],
     ("stock", "demo"): ["decoupled momentum's per-rank momentum starts at zero", ADAM_NOT_USED],
     ("int4", "demo"): ["saved at data-parallel world size 2, this run has 3: re-sharded 6 residuals",
-                       CARRY + " into decoupled momentum's per-rank momentum"],
+                       CARRY + " into decoupled momentum's per-rank momentum, which sends them (rounded once into "
+                       "its bf16 storage)"],
     ("cm", "int4"): ["this run has 3: re-sharded 0 residuals", DROP_CM[0], DROP_CM[1], ADAM_STALE],
 }
 
