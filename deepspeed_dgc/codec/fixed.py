@@ -54,7 +54,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .formats import FORMATS, code_bytes, pack_codes, unpack_codes
+from .formats import FORMATS, abs_into, code_bytes, pack_codes, unpack_codes
 from .layout import BucketLayout, Workspace, alignment, layout_for, round_up, slabs
 from .selection import LOWER_FACTOR, LOWER_SLACK, MAX_LOWER_ROUNDS, MAX_RUN, MIN_SAMPLE, RUN_MIN_NUMEL, sample_size, \
     target_count
@@ -515,11 +515,7 @@ def _levels_and_top_bytes(S3, asc, slice_group, slices: int, ws: Workspace) -> T
     hist_l = hist_0 = None
     for g0, g1 in slabs(G, R * (8 * a + 4 * LEVELS), ws):
         mark, n = ws.mark(), g1 - g0
-        mag = ws.take((R, n, a), torch.float32)
-        if S3.dtype == torch.float32:
-            torch.abs(S3[:, g0:g1], out=mag)
-        else:  # a bf16 matrix: its magnitudes in fp32 (exact)
-            mag.copy_(S3[:, g0:g1]).abs_()
+        mag = abs_into(S3[:, g0:g1], ws.take((R, n, a), torch.float32))
         seq = ws.take((R, n, LEVELS), torch.float32)
         seq.copy_(asc[None, g0:g1])
         level = torch.searchsorted(seq, mag, right=True, out_int32=True, out=ws.take((R, n, a), torch.int32))

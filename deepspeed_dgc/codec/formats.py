@@ -561,6 +561,14 @@ def _safe(scales: torch.Tensor) -> torch.Tensor:
     return torch.where(scales > 0, scales, torch.ones_like(scales))[..., None]
 
 
+def abs_into(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``|src|`` written into ``out`` (its shape), in ``out``'s dtype: fp32 magnitudes of a bf16 owner matrix's values
+    (exact), without a temporary of ``src``'s dtype. Returns ``out``."""
+    if src.dtype == out.dtype:
+        return torch.abs(src, out=out)
+    return out.copy_(src).abs_()
+
+
 def _absmax(gmax: torch.Tensor, gmin: torch.Tensor) -> torch.Tensor:
     """Each group's largest magnitude from its maximum and minimum (+0, never -0, for an all-zero group: the same
     bits whatever the shape of the batch, and the CUDA op's)."""
@@ -634,7 +642,7 @@ class _Int1(ValueFormat):
     name, per_byte = "int1", 5
 
     def scales(self, groups, gmax, gmin, tmp, padding=None):
-        mag = torch.abs(groups, out=tmp) if groups.dtype == tmp.dtype else tmp.copy_(groups).abs_()  # bf16 groups
+        mag = abs_into(groups, tmp)
         counts = torch.count_nonzero(groups, dim=-1).clamp_(min=1)
         sums = mag.sum(dim=-1)
         return int1_mean(sums, mag.mul_(INT1_DOWN).sum(dim=-1), counts)

@@ -381,7 +381,7 @@ class ErrorFeedback:
             memory is then free).
         """
         bkey = tuple(keys)
-        if self.storage == "fp32" or not self.final or (self.storage == "bf16" and A.dtype == torch.bfloat16):
+        if not self.final or self._as_stored(A):
             parts, held = (A, ), True
         else:
             parts, held = self._encode_block_(A, layout, bkey, ws), False
@@ -393,6 +393,10 @@ class ErrorFeedback:
         self.staged_blocks[bkey] = block
         self.peak_bytes = max(self.peak_bytes, self._committed_nbytes + self._staged_nbytes)
         return held
+
+    def _as_stored(self, matrix: torch.Tensor) -> bool:
+        """Whether a block's one matrix is already its storage form (fp32 storage, or bf16 storage of a bf16 matrix)."""
+        return self.storage == "fp32" or (self.storage == "bf16" and matrix.dtype == torch.bfloat16)
 
     def _block_matrix(self, block: Block) -> torch.Tensor:
         """A block decoded to fp32 ``(R, C)`` (a new tensor, where it lies)."""
@@ -480,8 +484,7 @@ class ErrorFeedback:
             self.committed[k] = self._store(k, v)
         self.staged = {}
         for bkey, block in self.staged_blocks.items():
-            if self.storage != "fp32" and len(block.parts) == 1 and \
-                    not (self.storage == "bf16" and block.parts[0].dtype == torch.bfloat16):
+            if len(block.parts) == 1 and not self._as_stored(block.parts[0]):
                 block = Block(block.layout, block.keys, block.numels,  # staged before the window's end: encode now
                               self._encode_block_(block.parts[0], block.layout, bkey))
             if self.offload and not block.host:

@@ -65,8 +65,8 @@ def encode_(A: torch.Tensor, group: int, seed: int, ws=None) -> Tuple[torch.Tens
     """INT8 codes and bf16 absmax scales of ``A``, rounded stochastically; ``A`` is overwritten.
 
     Args:
-        A: fp32 or bf16 ``(R, C)``, ``C`` a multiple of ``group``; group: values per scale (a power of two); seed: the noise's
-            seed (:func:`round_seed`); ws: a :class:`~deepspeed_dgc.codec.layout.Workspace` of dead memory for the
+        A: fp32 or bf16 ``(R, C)``, ``C`` a multiple of ``group``; group: values per scale (a power of two); seed: the
+            noise's seed (:func:`round_seed`); ws: a :class:`~deepspeed_dgc.codec.layout.Workspace` of dead memory for the
             noise (4 bytes per value of a slab), or None.
 
     Returns:

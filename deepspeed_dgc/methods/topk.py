@@ -154,7 +154,7 @@ class TopKFixed(GradientMethod):
             dtype = fixed.matrix_dtype(values, r.memory.storage if ef else None) if sources is None and not fused \
                 else torch.float32
             A = fixed.owner_matrix(R, L.columns, device, dtype)
-            if hasattr(ops, "gather") and A.dtype == torch.float32:  # the CUDA op: one launch, divided on the way
+            if hasattr(ops, "gather"):  # the CUDA op (so fused: an fp32 matrix): one launch, divided on the way
                 ops.gather(L, values, A, divisor, by_row)
             else:
                 L.gather(values, A, by_row=by_row)
