@@ -216,9 +216,11 @@ class DGCConfig(BaseModel):
     capacity_factor: float = Field(
         2.0, ge=1.0, le=64.0, allow_inf_nan=False, description="fixed layout: each owner's slice of a sparsified "
         "tensor sends what reaches DGC's threshold up to `ceil(capacity_factor * density * c)` values, and always "
-        "carries that many slots (unused ones cost bytes). 2.0 kept the exact layout's loss on the main job; Ok-Topk's "
-        "1.3 did not, because slices of one tensor differ (an attention projection's q, k and v); measured in "
-        "results/fixed_layout.md")
+        "carries that many slots (unused ones cost bytes); a tensor whose slots and positions would cost as many bytes "
+        "as its values sent whole goes whole, dense (e.g. INT1 at density 0.1: 1.6 bits a value against the slots' "
+        "values and 8-16-bit offsets; the telemetry's density says so). 2.0 kept the exact layout's loss on the main "
+        "job; Ok-Topk's 1.3 did not, because slices of one tensor differ (an attention projection's q, k and v); "
+        "measured in results/fixed_layout.md")
     error_feedback: bool = Field(True, description="carry what was not sent (unselected values and quantization "
                                  "error) to the next micro-step (Seide et al., Interspeech 2014)")
     residual_dtype: Literal["auto", "fp32", "bf16", "fp8", "int8"] = Field(
