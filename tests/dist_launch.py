@@ -181,9 +181,10 @@ def _launch_fresh(world: int, worker: str, args: Sequence[str], timeout_s: float
 
 
 def check_ok(results: List[RankResult]) -> None:
-    """Assert every rank exited 0, showing the failing rank's stderr tail otherwise."""
-    for r in results:
-        assert r.returncode == 0, f"rank {r.rank} exited {r.returncode}:\n{r.stderr[-4000:]}"
+    """Assert every rank exited 0, showing every failing rank's stderr tail otherwise (the rank that failed first,
+    whose error is the cause, is often not rank 0)."""
+    bad = [r for r in results if r.returncode != 0]
+    assert not bad, "\n".join(f"rank {r.rank} exited {r.returncode}:\n{r.stderr[-3000:]}" for r in bad)
 
 
 def launch_scenarios(jobs: Sequence[object], world: int = 2, timeout_s: float = 300.0, out: Optional[str] = None,

@@ -561,7 +561,7 @@ def _save_checkpoint(engine, state: DGCState) -> Callable:
                                                                   "save_id": save_id}})
         if decoupled:
             return save(save_dir, tag, client_state, save_latest, *args, **kwargs)
-        with saving.GuardedWrites(engine.checkpoint_engine) as guard:
+        with saving.GuardedWrites(engine.checkpoint_engine, engine) as guard:
             out = save(save_dir, tag, client_state, False, *args, **kwargs)
         _agree(not guard.errors, f"saving checkpoint {tag_used!r} in {save_dir}", state,
                guard.errors[0] if guard.errors else None)  # every rank's files are written

@@ -5,20 +5,22 @@
   not saved whole (a rank died, or a disk filled, while saving), so loading it by name fails naming what happened,
   instead of DeepSpeed's error about a truncated file or, worse, a load of a mix of two saves into the same tag.
   Checkpoints saved before the marker existed have none and load as before.
-- A guard on DeepSpeed's file writes (``engine.checkpoint_engine.save``): a write that fails (``ENOSPC``, a
-  permission) is recorded instead of raised, and this rank writes nothing more of that checkpoint, so it still
-  reaches the collectives the others wait in (DeepSpeed's closing barrier, the extension's agreement) and every rank
-  then raises together, not after a timeout.
+- A guard on DeepSpeed's file writes (``engine.checkpoint_engine.save``, and rank 0's copy of the recovery scripts
+  ``zero_to_fp32.py`` and ``zero_to_torch.py`` into the save directory, a plain file copy): a write that fails
+  (``ENOSPC``, a permission) is recorded instead of raised, and this rank writes nothing more of that checkpoint, so
+  it still reaches the collectives the others wait in (DeepSpeed's closing barrier, the extension's agreement) and
+  every rank then raises together, not after a timeout or in a mismatched collective.
 """
 
 import contextlib
 import glob
 import os
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from .checkpoint import DGCCheckpointError, _fsync_dir, _write_atomically, write_failure
 
 SAVING_MARK = "dgc_saving"
+_MISSING = object()
 
 
 def saving_mark_path(ckpt_dir: str, tag: str) -> str:
@@ -92,29 +94,59 @@ def complete_tags(ckpt_dir: str) -> List[str]:
 
 
 class GuardedWrites(contextlib.AbstractContextManager):
-    """Within the block, DeepSpeed's checkpoint writes (``checkpoint_engine.save(state_dict, path)``) that fail are
-    recorded in :attr:`errors` (as :class:`DGCCheckpointError` naming the file and the cause) instead of raised, and
-    once one has failed this rank writes nothing more of the checkpoint."""
+    """Within the block, DeepSpeed's checkpoint writes that fail are recorded in :attr:`errors` (as
+    :class:`DGCCheckpointError` naming the file and the cause) instead of raised, and once one has failed this rank
+    writes nothing more of the checkpoint.
 
-    def __init__(self, checkpoint_engine):
-        self.engine = checkpoint_engine
+    The writes guarded: ``checkpoint_engine.save(state_dict, path)`` (every file of DeepSpeed's own), and where
+    ``engine`` is given its ``_copy_recovery_script(save_dir)`` (DeepSpeed 0.19.8: rank 0 copies ``zero_to_fp32.py``
+    and ``zero_to_torch.py`` into the save directory with ``shutil.copyfile``, after its optimizer states; on a full
+    disk that copy fails even where the scripts are there from an earlier save, since the copy truncates them first;
+    unguarded, rank 0 alone would raise out of the save and leave the others in DeepSpeed's closing barrier).
+
+    Args:
+        checkpoint_engine: the engine's ``checkpoint_engine``.
+        engine: the DeepSpeed engine, or None (only ``checkpoint_engine.save`` is guarded).
+    """
+
+    def __init__(self, checkpoint_engine, engine=None):
+        self.checkpoint_engine = checkpoint_engine
+        self.engine = engine
         self.errors: List[DGCCheckpointError] = []
+        self._patched = []
 
-    def __enter__(self):
-        real = self.engine.save
+    def _guard(self, owner, name: str, what: Callable) -> None:
+        """Guard ``owner.name``; ``what(*args, **kwargs)`` gives (what the call writes, for the error; a path in
+        the file system written to)."""
+        real = getattr(owner, name)
 
-        def save(state_dict, path, *args, **kwargs):
+        def guarded(*args, **kwargs):
             if self.errors:  # the checkpoint is lost already: write no more of it
                 return None
             try:
-                return real(state_dict, path, *args, **kwargs)
+                return real(*args, **kwargs)
             except (OSError, RuntimeError) as err:  # torch.save wraps a failed write in a RuntimeError
-                self.errors.append(DGCCheckpointError(f"deepspeed_dgc: writing {path} failed: {write_failure(err, path)}"))
+                text, path = what(*args, **kwargs)
+                self.errors.append(DGCCheckpointError(f"deepspeed_dgc: {text} failed: {write_failure(err, path)}"))
                 return None
 
-        self.engine.save = save
+        self._patched.append((owner, name, owner.__dict__.get(name, _MISSING)))
+        setattr(owner, name, guarded)
+
+    def __enter__(self):
+        self._guard(self.checkpoint_engine, "save", lambda state_dict=None, path=None, *a, **k: (f"writing {path}", path))
+        if self.engine is not None and hasattr(self.engine, "_copy_recovery_script"):
+            self._guard(self.engine, "_copy_recovery_script",
+                        lambda save_path=None, *a, **k: (f"copying DeepSpeed's recovery scripts (zero_to_fp32.py, "
+                                                         f"zero_to_torch.py) into {save_path}",
+                                                         os.path.join(str(save_path), "zero_to_fp32.py")))
         return self
 
     def __exit__(self, *exc):
-        self.engine.__dict__.pop("save", None)
+        for owner, name, before in reversed(self._patched):  # as it was: the class's method, or an instance's own
+            if before is _MISSING:
+                owner.__dict__.pop(name, None)
+            else:
+                setattr(owner, name, before)
+        self._patched = []
         return False

@@ -90,3 +90,48 @@ def test_a_failed_write_is_held_and_no_more_is_written(tmp_path, err, cause):
         assert "no space left" not in text and "see the cause" in text
     with pytest.raises(type(err)):
         engine.save({}, str(tmp_path / "d.pt"))
+
+
+class _DeepSpeedEngine:
+    """A DeepSpeed engine's recovery-script copy (``_copy_recovery_script``, rank 0's plain file copy into the save
+    directory) that really copies two scripts with ``shutil.copyfile``, failing with ``err`` when it is set."""
+
+    def __init__(self, src, err=None):
+        self.src, self.err, self.copied = src, err, []
+
+    def _copy_recovery_script(self, save_path):
+        import shutil
+        if self.err is not None:
+            raise self.err
+        for name in ("zero_to_fp32.py", "zero_to_torch.py"):
+            self.copied.append(shutil.copyfile(self.src, os.path.join(save_path, name)))
+
+
+@pytest.mark.parametrize("first_write_fails", [False, True])
+def test_the_recovery_script_copy_is_guarded_too(tmp_path, first_write_fails):
+    """DeepSpeed copies its recovery scripts on rank 0 only, outside its checkpoint engine: a failed copy (ENOSPC) is
+    held like a failed write, naming the scripts and the directory, and after a failed write the copy is not
+    attempted (it would truncate the scripts an earlier save left); outside the guard the engines are as before (an
+    instance attribute the engine had of its own is put back)."""
+    src = tmp_path / "script.py"
+    src.write_text("print('recover')\n")
+    writes = _Engine(OSError(errno.ENOSPC, "No space left on device"), fail_at=1 if first_write_fails else 99)
+    engine = _DeepSpeedEngine(str(src), err=OSError(errno.ENOSPC, "No space left on device"))
+    own = engine.__dict__.setdefault("_copy_recovery_script", engine._copy_recovery_script)
+    with GuardedWrites(writes, engine) as guard:
+        writes.save({}, str(tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+        engine._copy_recovery_script(str(tmp_path))
+    assert len(guard.errors) == 1, guard.errors
+    text = str(guard.errors[0])
+    if first_write_fails:
+        assert f"writing {tmp_path}/zero_pp_rank_0_mp_rank_00_optim_states.pt failed" in text, text
+    else:
+        assert f"copying DeepSpeed's recovery scripts (zero_to_fp32.py, zero_to_torch.py) into {tmp_path} failed: " \
+               "no space left on the device" in text, text
+    assert engine.__dict__["_copy_recovery_script"] is own
+    other = _DeepSpeedEngine(str(src))
+    with GuardedWrites(_Engine(None, fail_at=99), other) as guard:
+        other._copy_recovery_script(str(tmp_path))
+    assert not guard.errors and other.copied == [str(tmp_path / "zero_to_fp32.py"), str(tmp_path / "zero_to_torch.py")]
+    assert (tmp_path / "zero_to_fp32.py").read_text() == src.read_text()
+    assert "_copy_recovery_script" not in other.__dict__

@@ -4,6 +4,7 @@ while it saves."""
 import glob
 import os
 import signal
+import time
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -118,14 +119,16 @@ def crash_while_saving(job: CrashWhileSaving, rank: int) -> TrainRecord:
     return save_midway(job, rank, crash)
 
 
-FULL_POINTS = ("sidecar", "deepspeed")
+FULL_POINTS = ("sidecar", "deepspeed", "scripts")
 
 
 @dataclass
 class FullDisk(SaveMidway):
     """:class:`SaveMidway` into ``ckpt`` on a small file system, then after ``full_at`` steps rank 0 fills it up
     (a filler file) and every rank saves again, which fails: at ``"sidecar"`` nothing is left (the side-cars fail),
-    at ``"deepspeed"`` room for the side-cars only (DeepSpeed's own files fail). Every rank records the error it
+    at ``"deepspeed"`` room for the side-cars only (DeepSpeed's own files fail), at ``"scripts"`` rank 0 first
+    deletes the recovery scripts DeepSpeed copied into ``ckpt`` at the first save and leaves room for every file of
+    the checkpoint but them (rank 0's copy of ``zero_to_fp32.py``, DeepSpeed's last write, fails). Every rank records the error it
     raised; rank 0 deletes the filler, and the run goes on training to ``steps`` and saves once more at the end (the
     record's ``errors``, ``final_save``: the error texts of the failed save, and whether the last save worked)."""
     full_at: int = 2
@@ -161,6 +164,25 @@ def _fill(directory: str, leave: int) -> str:
     return path
 
 
+def _copy_scripts_last(engine, before: str, now: str, timeout_s: float = 60.0) -> None:
+    """Rank 0's next copy of DeepSpeed's recovery scripts waits (at most ``timeout_s``) until every file the other
+    ranks wrote into ``before`` (a tag saved earlier) is in ``now`` at its size there."""
+    real = engine._copy_recovery_script
+    theirs = [os.path.basename(p) for p in glob.glob(f"{before}/zero_pp_rank_*") if "zero_pp_rank_0_" not in p]
+    waited = []
+
+    def copy(save_path):
+        end = time.time() + timeout_s
+        while not waited and time.time() < end and not all(
+                os.path.exists(f"{now}/{n}") and os.path.getsize(f"{now}/{n}") >= os.path.getsize(f"{before}/{n}")
+                for n in theirs):
+            time.sleep(0.05)
+        waited.append(True)  # the later saves copy at once
+        return real(save_path)
+
+    engine._copy_recovery_script = copy
+
+
 @scenario(FullDisk)
 def full_disk(job: FullDisk, rank: int) -> FullDiskRecord:
     """Train, save after ``save_at``, fail to save after ``full_at`` on a full disk, go on, save at the end."""
@@ -173,11 +195,20 @@ def full_disk(job: FullDisk, rank: int) -> FullDiskRecord:
         if step + 1 == job.full_at:
             filler = None
             if rank == 0:  # room for side-cars as large as the first save's (in whole pages, one more page each for
-                # a few bytes more) and the in-progress mark; not for DeepSpeed's files (tens of kB)
+                # a few bytes more) and the in-progress mark; not for DeepSpeed's files (tens of kB); at "scripts" for
+                # all of the first save's files (not the 38 kB zero_to_fp32.py)
                 page = os.statvfs(job.ckpt).f_frsize
-                sides = sum((-(-os.path.getsize(p) // page) + 1) * page
-                            for p in glob.glob(f"{job.ckpt}/global_step{job.save_at}/dgc_state_*"))
-                filler = _fill(job.ckpt, 0 if job.point == "sidecar" else sides + page)
+                kept = "*" if job.point == "scripts" else "dgc_state_*"
+                if job.point == "scripts":
+                    for script in ("zero_to_fp32.py", "zero_to_torch.py"):
+                        os.unlink(os.path.join(job.ckpt, script))
+                room = sum((-(-os.path.getsize(p) // page) + 1) * page
+                           for p in glob.glob(f"{job.ckpt}/global_step{job.save_at}/{kept}"))
+                filler = _fill(job.ckpt, 0 if job.point == "sidecar" else room + page)
+                if job.point == "scripts":  # copy them once the other ranks' files are written (else the copy may
+                    # take their room first, and one of their writes fails instead)
+                    _copy_scripts_last(built.engine, f"{job.ckpt}/global_step{job.save_at}",
+                                       f"{job.ckpt}/global_step{job.full_at}")
             torch.distributed.barrier()
             try:
                 engine.save_checkpoint(job.ckpt)
