@@ -42,9 +42,10 @@ chunk counts past the capacity or a position past the slice set a flag and fill 
 skipped on every rank); the flag is read on the host only after a skipped step. A sender whose input was not finite
 makes every row NaN the same way. Senders are summed in rank order.
 
-Memory: the owner matrix is the one fp32 copy of the bucket; temporaries come from a
-:class:`~deepspeed_dgc.codec.layout.Workspace` (the bucket's gradients once read) and the owner matrix becomes the
-residual in place.
+Memory: the owner matrix is the one copy of the bucket (fp32, or bf16 for bf16 gradients: :func:`matrix_dtype`);
+temporaries come from a :class:`~deepspeed_dgc.codec.layout.Workspace` (the bucket's gradients once read), in slabs
+sized to it, and the owner matrix becomes the residual in place. The selection of the sparsified tensors is never
+made whole: the compaction makes each slab's where it counts it (:func:`_selected`).
 """
 
 import math
@@ -501,8 +502,8 @@ def select(A: torch.Tensor, plan: FixedPlan, ws: Workspace, generator: Optional[
     low, rank = _radix_digit(hist_1.view(R, T, 256), rank)
     bound = torch.where(over, (top << 8) | low, -1).to(torch.int16)  # not over: every element reaching the threshold
     quota = torch.where(over, rank, 0)  # of the elements at the bound, how many (the first by column)
-    sel = _select(S3, threshold[group_tensor], bound[:, group_tensor], quota, group_tensor, m.first_group, ws)
-    return _compact(A, sel, torch.minimum(kept, m.slots[None, :]), plan, ws)
+    rule = _rule(S3, threshold[group_tensor], bound[:, group_tensor], quota, group_tensor, m.first_group, ws)
+    return _compact(A, rule, torch.minimum(kept, m.slots[None, :]), plan, ws)
 
 
 def _levels_and_top_bytes(S3, asc, slice_group, slices: int, ws: Workspace) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -556,50 +557,87 @@ def _radix_digit(hist: torch.Tensor, rank: torch.Tensor) -> Tuple[torch.Tensor, 
     return digit, rank - torch.where(digit < B - 1, higher, 0)
 
 
-def _select(S3, threshold, bound, quota, group_tensor, first_group, ws: Workspace) -> torch.Tensor:
-    """Bool ``(R, G, a)`` in ``ws``: what each slice sends: its elements reaching ``threshold`` (fp32 ``(G, 1)``)
-    whose 16-bit magnitude is above ``bound`` (int16 ``(R, G)``), and of those at it the first ``quota`` (``(R, T)``)
-    by column."""
+@dataclass
+class _Rule:
+    """What each slice sends, per group of its elements (:func:`_rule`); :func:`_selected` applies it to a slab.
+
+    Attributes:
+        S3: the sparse region ``(R, G, a)``, fp32 or bf16; threshold, neg_threshold: fp32 ``(G, 1)``, ``t`` and
+        ``-t``; bound: int16 ``(R, G)``; limit: ``(R, G, 1)`` uint8 (``a`` up to 255) or int16, how many of a group's
+        elements at the bound it sends; below: int16 0-d, -2.
+    """
+    S3: torch.Tensor
+    threshold: torch.Tensor
+    neg_threshold: torch.Tensor
+    bound: torch.Tensor
+    limit: torch.Tensor
+    below: torch.Tensor  # int16 0-d: -2
+
+    def keys(self, g0: int, g1: int, ws: Workspace) -> torch.Tensor:
+        """int16 ``(R, g1 - g0, a)`` in ``ws``: the 16-bit magnitude (the high half's bits, sign cleared) of each
+        element of groups ``[g0, g1)`` that reaches the threshold (``x >= t`` or ``x <= -t``, as the exact layout
+        compares), -2 for the others (below every bound: a bound is -1 or more)."""
+        R, _, a = self.S3.shape
+        x, n = self.S3[:, g0:g1], g1 - g0
+        key = torch.bitwise_and(_high_halves(self.S3)[:, g0:g1], 0x7FFF, out=ws.take((R, n, a), torch.int16))
+        mark = ws.mark()
+        reach = torch.ge(x, self.threshold[g0:g1], out=ws.take((R, n, a), torch.bool))
+        reach.logical_or_(torch.le(x, self.neg_threshold[g0:g1], out=ws.take((R, n, a), torch.bool)))
+        torch.where(reach, key, self.below, out=key)
+        ws.release(mark)
+        return key
+
+
+SELECTED_BYTES = 7  # per element of a slab: the most :func:`_selected` takes at once (its result and temporaries)
+
+
+def _rule(S3, threshold, bound, quota, group_tensor, first_group, ws: Workspace) -> _Rule:
+    """What each slice sends: its elements reaching ``threshold`` (fp32 ``(G, 1)`` per group) whose 16-bit magnitude
+    is above ``bound`` (int16 ``(R, G)``), and of those at it the first ``quota`` (``(R, T)``) by column. One pass
+    over slabs counts each group's elements at the bound; the selection itself is made slab by slab where it is read
+    (:func:`_selected`), never whole (it would take a byte per element beside the owner matrix)."""
     R, G, a = S3.shape
-    high = _high_halves(S3)
-    sel = ws.take((R, G, a), torch.bool)
-    outer = ws.mark()
-    ties_at = ws.take((R, G, a), torch.bool)
+    rule = _Rule(S3, threshold, threshold.neg(), bound, None, torch.full((), -2, dtype=torch.int16, device=S3.device))
     ties = torch.empty(R, G, dtype=torch.int32, device=S3.device)
-    for g0, g1 in slabs(G, R * a * 4, ws):
-        mark, n = ws.mark(), g1 - g0
-        x, b = S3[:, g0:g1], bound[:, g0:g1, None]
-        key = torch.bitwise_and(high[:, g0:g1], 0x7FFF, out=ws.take((R, n, a), torch.int16))
-        reach = torch.ge(x, threshold[g0:g1], out=ws.take((R, n, a), torch.bool))
-        reach.logical_or_(torch.le(x, threshold[g0:g1].neg(), out=ws.take((R, n, a), torch.bool)))
-        torch.gt(key, b, out=sel[:, g0:g1]).logical_and_(reach)
-        torch.eq(key, b, out=ties_at[:, g0:g1]).logical_and_(reach)
-        torch.sum(ties_at[:, g0:g1], dim=-1, dtype=torch.int32, out=ties[:, g0:g1])
+    for g0, g1 in slabs(G, R * a * 5, ws):
+        mark = ws.mark()
+        key = rule.keys(g0, g1, ws)
+        at = torch.eq(key, bound[:, g0:g1, None], out=ws.take(key.shape, torch.bool))
+        torch.sum(at, dim=-1, dtype=torch.int32, out=ties[:, g0:g1])
         ws.release(mark)
     # how many of a group's ties it may send: the slice's quota less the ties of its earlier groups
     before = torch.cumsum(ties, dim=1, dtype=torch.int32).sub_(ties)
     before.sub_(before[:, first_group][:, group_tensor])
     rank_dtype = torch.uint8 if a <= 255 else torch.int16
-    limit = (quota[:, group_tensor] - before).clamp_(0, a).to(rank_dtype)[..., None]
-    for g0, g1 in slabs(G, R * a * 2, ws):
-        mark, n = ws.mark(), g1 - g0
-        at = ties_at[:, g0:g1]
-        rank = torch.cumsum(at, dim=-1, dtype=rank_dtype, out=ws.take((R, n, a), rank_dtype))  # 1-based among ties
-        at.logical_and_(torch.le(rank, limit[:, g0:g1], out=ws.take((R, n, a), torch.bool)))
-        sel[:, g0:g1].logical_or_(at)
-        ws.release(mark)
-    ws.release(outer)
+    rule.limit = (quota[:, group_tensor] - before).clamp_(0, a).to(rank_dtype)[..., None]
+    return rule
+
+
+def _selected(rule: _Rule, g0: int, g1: int, ws: Workspace) -> torch.Tensor:
+    """Bool ``(R, g1 - g0, a)`` in ``ws``: what the slices send of groups ``[g0, g1)`` (:func:`_rule`); its
+    temporaries (:data:`SELECTED_BYTES` an element with it) are released before it returns."""
+    R, _, a = rule.S3.shape
+    sel = ws.take((R, g1 - g0, a), torch.bool)
+    mark = ws.mark()
+    b = rule.bound[:, g0:g1, None]
+    key = rule.keys(g0, g1, ws)
+    torch.gt(key, b, out=sel)
+    at = torch.eq(key, b, out=ws.take(key.shape, torch.bool))
+    rank = torch.cumsum(at, dim=-1, dtype=rule.limit.dtype, out=ws.take(key.shape, rule.limit.dtype))  # 1-based
+    at.logical_and_(torch.le(rank, rule.limit[:, g0:g1], out=ws.take(key.shape, torch.bool)))
+    sel.logical_or_(at)
+    ws.release(mark)
     return sel
 
 
-def _compact(A, sel, filled, plan, ws) -> Selection:
-    """The selected elements of every slice into its slots, in ascending columns (``filled`` ``(R, T)`` of them): per
-    slab a prefix count of the selection and one batched search for the column of each slot's target count. The
-    slots' values and flags go into ``sel``'s memory once it is read."""
+def _compact(A, rule: _Rule, filled, plan, ws) -> Selection:
+    """The selected elements of every slice (:func:`_selected`, made per slab) into its slots, in ascending columns
+    (``filled`` ``(R, T)`` of them): per slab a prefix count of the selection and one batched search for the column of
+    each slot's target count."""
     R, device = A.shape[0], A.device
     L, m = plan.layout, meta(plan, device)
     K, a, C = plan.sparse_slots, L.align, L.columns
-    G = sel.shape[1]
+    G = rule.S3.shape[1]
     # each slot's target count (past the row's selection for the slots a slice leaves empty), replaced by -1 - its
     # column once found: a negative target is never found again
     col = ws.take((R, K), torch.int32)
@@ -614,28 +652,27 @@ def _compact(A, sel, filled, plan, ws) -> Selection:
     del local, st
     ws.release(mark)
     carry = torch.zeros(R, 1, dtype=torch.int32, device=device)
-    for g0, g1 in slabs(G, R * a * 4, ws):
+    for g0, g1 in slabs(G, R * a * max(SELECTED_BYTES, 1 + 4), ws):  # the count takes _selected's temporaries
         inner, width = ws.mark(), (g1 - g0) * a
-        count = torch.cumsum(sel[:, g0:g1].reshape(R, width), dim=1, dtype=torch.int32,
+        sel = _selected(rule, g0, g1, ws)
+        count = torch.cumsum(sel.view(R, width), dim=1, dtype=torch.int32,
                              out=ws.take((R, width), torch.int32)).add_(carry)
         torch.searchsorted(count, col, out_int32=True, out=found)
         torch.gt(col, carry, out=here).logical_and_(col <= count[:, -1:])
         torch.where(here, found.add_(g0 * a + 1).neg_(), col, out=col)
         carry.copy_(count[:, -1:])
-        del count
+        del count, sel
         ws.release(inner)
-    # the selection is read: its memory takes the slots' values; the search's scratch is spare
-    spent = Workspace([sel.view(-1).view(torch.uint8)])
     valid = torch.lt(col, 0, out=here)  # found (all up to filled, NaN aside)
     col.add_(1).neg_()
     st = slot_tensor(plan, ws, device)
-    mark = spent.mark()
-    flat = torch.where(valid, col, _per_slot(m.start32, st, spent), out=col)
-    spent.release(mark)
+    mark = ws.mark()
+    flat = torch.where(valid, col, _per_slot(m.start32, st, ws), out=col)
+    ws.release(mark)
     if R * C + 1 >= 2**31:
         flat = flat.long()
     flat.add_(_row_starts(R, C, plan.dense_columns, flat.dtype, device))
-    values = torch.index_select(A.view(-1), 0, flat.view(-1), out=spent.take((R * K, ), A.dtype, device))
+    values = torch.index_select(A.view(-1), 0, flat.view(-1), out=ws.take((R * K, ), A.dtype, device))
     values = values.view(R, K).mul_(valid)
     return Selection(values, flat, valid, st, Workspace([found.view(-1).view(torch.uint8)]))
 
@@ -1014,6 +1051,7 @@ def decode_sum(received: torch.Tensor, plan: FixedPlan, fingerprint: int, row: i
         inner = ws.mark()
         cols = positions.add_(_per_slot(meta(plan, device).start32, st, ws))
         ws.release(inner)
+        ws.add(st.view(-1).view(torch.uint8))  # read: its memory takes what follows (until the release below)
     if plan.quantize and hasattr(ops, "fixed_decode") and received.is_cuda:
         D = ws.take((W, L.columns - Cd), torch.float32) if cols is not None else None
         ops.fixed_decode(received, plan, cols, valid, D, out)

@@ -252,11 +252,14 @@ class Workspace:
         return tuple(self._used)
 
     def release(self, mark: Tuple[int, ...]) -> None:
-        """Give back everything taken since ``mark``."""
+        """Give back everything taken since ``mark``, and drop the regions added since (memory that was dead inside
+        the stage, such as a temporary of it already read, is live again outside it)."""
+        del self.regions[len(mark):]
         self._used = list(mark)
 
     def add(self, region: torch.Tensor) -> None:
-        """Another dead region (say, the owner matrix once encoded)."""
+        """Another dead region (say, the owner matrix once encoded), until the :meth:`release` of a mark taken before
+        it."""
         if region.numel():
             self.regions.append(region)
             self._used.append(0)

@@ -179,6 +179,7 @@ class TopKFixed(GradientMethod):
         else:
             r.check_first_bucket(exchange.comm, bucket.fingerprint)
             received = exchange.comm.all_to_all_fixed(payloads, out=ws.take(payloads.shape, torch.uint8, device))
+            ws.add(payloads.view(-1))  # sent: its memory is dead too (the collective is waited for, or stream-ordered)
         out, bad = fixed.decode_sum(received, plan, bucket.fingerprint, exchange.row, ws, bucket.loss_scale, ops)
         if exchange.comm is not None:
             r.note_bad_senders(exchange.comm, bad)

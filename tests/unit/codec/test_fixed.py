@@ -274,19 +274,40 @@ def test_without_a_cut_the_fixed_layout_keeps_what_the_exact_layout_keeps(value_
 
 def test_the_same_bits_with_and_without_a_workspace():
     """A workspace holding the temporaries (the gradients' memory, in the engine) changes no bit of the payloads, the
-    residuals or the decoded rows."""
+    residuals or the decoded rows: none, one large enough for every stage in one pass, and a small one whose passes
+    (the selection made slab by slab inside the compaction among them) take several slabs."""
     sizes = [5, 3000, 2, 65537, 64, 9000]
     plan = _plan(sizes, 3, 0.05, "int2")
     g = torch.Generator().manual_seed(_seed())
     srcs = _sources(sizes, g, zeros=0.1)
     outs = []
-    for ws in (Workspace(), Workspace([torch.empty(10_000_000, dtype=torch.uint8)])):
+    for ws in (Workspace(), Workspace([torch.empty(10_000_000, dtype=torch.uint8)]),
+               Workspace([torch.empty(60_000, dtype=torch.uint8)])):
         A = _matrix(plan, srcs)
         payloads = fixed.encode(A, plan, 7, ws, sample_generator=torch.Generator().manual_seed(3))
         row, _ = fixed.decode_sum(payloads, plan, 7, 1, ws)
-        outs.append((payloads, A.clone(), row.clone()))
-    for a, b in zip(*outs):
+        outs.append((payloads.clone(), A.clone(), row.clone()))
+    for a, b, c in zip(*outs):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        assert torch.equal(a.view(torch.uint8), c.view(torch.uint8))
+
+
+def test_a_region_added_inside_a_stage_is_dropped_at_its_release():
+    """Memory added to a workspace inside a stage (a temporary of it, dead once read) is handed out until the stage's
+    mark is released, and not after (it is live again there)."""
+    ws = Workspace([torch.empty(256, dtype=torch.uint8)])
+    outer = ws.mark()
+    first = ws.take((64, ), torch.int32)  # the whole first region
+    inner = ws.mark()
+    spent = torch.empty(128, dtype=torch.uint8)
+    ws.add(spent)
+    got = ws.take((32, ), torch.int32)
+    assert got.data_ptr() == spent.data_ptr()
+    ws.release(inner)
+    again = ws.take((32, ), torch.int32)  # no room in the first region, and spent's memory is not the workspace's
+    assert again.data_ptr() != spent.data_ptr() and again.untyped_storage().data_ptr() != first.data_ptr()
+    ws.release(outer)
+    assert ws.take((64, ), torch.int32).data_ptr() == first.data_ptr()
 
 
 @pytest.mark.parametrize("density,fmt", [(1.0, "int4"), (0.05, "int4"), (0.05, "int1"), (0.01, "fp8_e4m3")])
