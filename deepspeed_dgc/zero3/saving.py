@@ -134,7 +134,8 @@ class GuardedWrites(contextlib.AbstractContextManager):
         setattr(owner, name, guarded)
 
     def __enter__(self):
-        self._guard(self.checkpoint_engine, "save", lambda state_dict=None, path=None, *a, **k: (f"writing {path}", path))
+        self._guard(self.checkpoint_engine, "save",
+                    lambda state_dict=None, path=None, *a, **k: (f"writing {path}", path))
         if self.engine is not None and hasattr(self.engine, "_copy_recovery_script"):
             self._guard(self.engine, "_copy_recovery_script",
                         lambda save_path=None, *a, **k: (f"copying DeepSpeed's recovery scripts (zero_to_fp32.py, "

@@ -128,9 +128,10 @@ class FullDisk(SaveMidway):
     (a filler file) and every rank saves again, which fails: at ``"sidecar"`` nothing is left (the side-cars fail),
     at ``"deepspeed"`` room for the side-cars only (DeepSpeed's own files fail), at ``"scripts"`` rank 0 first
     deletes the recovery scripts DeepSpeed copied into ``ckpt`` at the first save and leaves room for every file of
-    the checkpoint but them (rank 0's copy of ``zero_to_fp32.py``, DeepSpeed's last write, fails). Every rank records the error it
-    raised; rank 0 deletes the filler, and the run goes on training to ``steps`` and saves once more at the end (the
-    record's ``errors``, ``final_save``: the error texts of the failed save, and whether the last save worked)."""
+    the checkpoint but them (rank 0's copy of ``zero_to_fp32.py``, DeepSpeed's last write, fails). Every rank records
+    the error it raised; rank 0 deletes the filler, and the run goes on training to ``steps`` and saves once more at
+    the end (the record's ``errors``, ``final_save``: the error texts of the failed save, and whether the last save
+    worked)."""
     full_at: int = 2
     point: str = "sidecar"
 
