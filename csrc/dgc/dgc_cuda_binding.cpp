@@ -17,13 +17,14 @@ extern "C" cudaError_t dgc_cuda_values_decode_add(float* out, const int64_t* pos
                                                   const float* scales, const int64_t* gid, const bool* nonzero,
                                                   int64_t k, int fmt, cudaStream_t stream);
 // dgc_cuda_fixed.cu
-extern "C" cudaError_t dgc_cuda_owner_gather(float* out, int64_t rows, int64_t columns, const int64_t* table,
-                                             int tensors, const int64_t* row_base, int dtype, float divisor,
+extern "C" cudaError_t dgc_cuda_owner_gather(void* out, int out_dtype, int64_t rows, int64_t columns,
+                                             const int64_t* table, int tensors, const int64_t* row_base, int dtype,
+                                             float divisor, cudaStream_t stream);
+extern "C" cudaError_t dgc_cuda_fixed_encode(void* A, int A_dtype, int64_t rows, int64_t C, int64_t Cd,
+                                             const void* slots, int64_t Ks, const int32_t* flat,
+                                             const int32_t* padding, uint8_t* payload, int64_t P, int64_t scales_at,
+                                             int64_t values_at, int fmt, int group, int span, int64_t K, int64_t Kp,
                                              cudaStream_t stream);
-extern "C" cudaError_t dgc_cuda_fixed_encode(float* A, int64_t rows, int64_t C, int64_t Cd, const float* slots,
-                                             int64_t Ks, const int32_t* flat, const int32_t* padding, uint8_t* payload,
-                                             int64_t P, int64_t scales_at, int64_t values_at, int fmt, int group,
-                                             int span, int64_t K, int64_t Kp, cudaStream_t stream);
 extern "C" cudaError_t dgc_cuda_fixed_decode(const uint8_t* received, int64_t senders, int64_t P, int64_t scales_at,
                                              int64_t values_at, int fmt, int group, int64_t Cd, int64_t Ks,
                                              const int32_t* cols, const bool* valid, float* D, int64_t Cs, float* out,
@@ -110,6 +111,12 @@ int dtype_code(const at::Tensor& t) {
   return t.scalar_type() == at::kFloat ? 0 : t.scalar_type() == at::kBFloat16 ? 1 : t.scalar_type() == at::kHalf ? 2 : -1;
 }
 
+// An owner matrix's dtype: 0 fp32, 1 bf16 (fixed.matrix_dtype), else -1.
+int matrix_code(const at::Tensor& t) {
+  const int code = dtype_code(t);
+  return code <= 1 ? code : -1;
+}
+
 // The fixed layout (dgc_cuda_fixed.cu). table: int64 (T, 4) of (source pointer, c, n, first column), column order;
 // row_base: int64 (R,), the owner (or the row) each row reads; all sources of dtype `src_dtype_like`.
 void owner_gather(at::Tensor out, at::Tensor table, at::Tensor row_base, at::Tensor src_dtype_like, double divisor,
@@ -117,33 +124,37 @@ void owner_gather(at::Tensor out, at::Tensor table, at::Tensor row_base, at::Ten
   check_cuda(out, "out");
   check_cuda(table, "table");
   check_cuda(row_base, "row_base");
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2, "owner_gather: out must be 2-D fp32");
+  const int out_dtype = matrix_code(out);
+  TORCH_CHECK(out_dtype >= 0 && out.dim() == 2, "owner_gather: out must be 2-D fp32 or bf16");
   TORCH_CHECK(table.scalar_type() == at::kLong && table.dim() == 2 && table.size(1) == 4 && table.size(0) > 0,
               "owner_gather: table must be int64 (T, 4)");
   TORCH_CHECK(row_base.scalar_type() == at::kLong && row_base.numel() == out.size(0), "owner_gather: one base per row");
   const int dtype = dtype_code(src_dtype_like);
   TORCH_CHECK(dtype >= 0, "owner_gather: unsupported source dtype ", src_dtype_like.scalar_type());
-  check(dgc_cuda_owner_gather(out.data_ptr<float>(), out.size(0), out.size(1), table.data_ptr<int64_t>(),
+  check(dgc_cuda_owner_gather(out.data_ptr(), out_dtype, out.size(0), out.size(1), table.data_ptr<int64_t>(),
                               static_cast<int>(table.size(0)), row_base.data_ptr<int64_t>(), dtype,
                               static_cast<float>(divisor), reinterpret_cast<cudaStream_t>(stream)),
         "owner_gather");
 }
 
-// A (R, C) fp32 owner matrix, the whole-sent columns [0, Cd); slots (R, Ks) fp32 and flat (R, Ks) int32 (-1: empty)
-// or empty tensors; padding int32 per whole-sent group (INT2) or empty; payload (R, P) uint8.
+// A (R, C) fp32 or bf16 owner matrix, the whole-sent columns [0, Cd); slots (R, Ks) of A's dtype and flat (R, Ks) int32
+// (-1: empty) or empty tensors; padding int32 per whole-sent group (INT2) or empty; payload (R, P) uint8.
 void fixed_encode(at::Tensor A, int64_t Cd, at::Tensor slots, at::Tensor flat, at::Tensor padding, at::Tensor payload,
                   int64_t scales_at, int64_t values_at, int64_t fmt, int64_t group, int64_t span, int64_t K, int64_t Kp,
                   int64_t stream) {
   check_cuda(A, "A");
   check_cuda(payload, "payload");
-  TORCH_CHECK(A.scalar_type() == at::kFloat && A.dim() == 2 && payload.dim() == 2 && payload.size(0) == A.size(0) &&
-                  payload.scalar_type() == at::kByte, "fixed_encode: fp32 (R, C) owner matrix, uint8 (R, P) payload");
+  const int A_dtype = matrix_code(A);
+  TORCH_CHECK(A_dtype >= 0 && A.dim() == 2 && payload.dim() == 2 && payload.size(0) == A.size(0) &&
+                  payload.scalar_type() == at::kByte,
+              "fixed_encode: fp32 or bf16 (R, C) owner matrix, uint8 (R, P) payload");
   const int64_t Ks = slots.numel() ? slots.size(1) : 0;
   if (Ks) {
     check_cuda(slots, "slots");
     check_cuda(flat, "flat");
-    TORCH_CHECK(slots.scalar_type() == at::kFloat && flat.scalar_type() == at::kInt && flat.sizes() == slots.sizes() &&
-                    slots.size(0) == A.size(0), "fixed_encode: fp32 slots and int32 flat, (R, Ks) each");
+    TORCH_CHECK(slots.scalar_type() == A.scalar_type() && flat.scalar_type() == at::kInt &&
+                    flat.sizes() == slots.sizes() && slots.size(0) == A.size(0),
+                "fixed_encode: slots of the owner matrix's dtype and int32 flat, (R, Ks) each");
   }
   const int32_t* pad = nullptr;
   if (padding.numel()) {
@@ -152,7 +163,7 @@ void fixed_encode(at::Tensor A, int64_t Cd, at::Tensor slots, at::Tensor flat, a
     pad = padding.data_ptr<int32_t>();
   }
   TORCH_CHECK(Cd + Ks == K && Kp >= K && Cd <= A.size(1), "fixed_encode: sizes do not add up");
-  check(dgc_cuda_fixed_encode(A.data_ptr<float>(), A.size(0), A.size(1), Cd, Ks ? slots.data_ptr<float>() : nullptr, Ks,
+  check(dgc_cuda_fixed_encode(A.data_ptr(), A_dtype, A.size(0), A.size(1), Cd, Ks ? slots.data_ptr() : nullptr, Ks,
                               Ks ? flat.data_ptr<int32_t>() : nullptr, pad, payload.data_ptr<uint8_t>(),
                               payload.size(1), scales_at, values_at, static_cast<int>(fmt), static_cast<int>(group),
                               static_cast<int>(span), K, Kp, reinterpret_cast<cudaStream_t>(stream)),

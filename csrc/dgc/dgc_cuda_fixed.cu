@@ -30,9 +30,10 @@ using dgc_cuda::to_float;
 
 
 
-// table: T rows of (source pointer, c, n, first column), in column order.
-template <typename T>
-__global__ void owner_gather_kernel(float* __restrict__ out, int64_t rows, int64_t columns,
+// table: T rows of (source pointer, c, n, first column), in column order. O: the owner matrix's dtype (fp32, or bf16
+// for a bucket of bf16 gradients: fixed.matrix_dtype), rounded to nearest even once, after the division.
+template <typename T, typename O>
+__global__ void owner_gather_kernel(O* __restrict__ out, int64_t rows, int64_t columns,
                                     const int64_t* __restrict__ table, int tensors,
                                     const int64_t* __restrict__ row_base, float divisor, bool divide) {
   const int64_t total = rows * columns;
@@ -51,7 +52,7 @@ __global__ void owner_gather_kernel(float* __restrict__ out, int64_t rows, int64
       v = to_float<T>(reinterpret_cast<const T*>(table[4 * lo])[e]);
       if (divide) v = dgc::divide_by(v, divisor);
     }
-    out[idx] = v;
+    out[idx] = from_float<O>(v);
   }
 }
 
@@ -128,10 +129,15 @@ __device__ __forceinline__ uint8_t packed_code(const uint8_t* row, int64_t j, in
   }
 }
 
+// T: the owner matrix's dtype (fp32, or bf16: fixed.matrix_dtype); the slots' values are in it too. Every scale and
+// code is computed in fp32 from the values; the residual is rounded to T once, as the torch ops' in-place sub_ rounds
+// it, except a slot's: the torch ops add the decoded value's negation rounded to T (index_put_ with accumulate), so
+// for bf16 it is rounded twice here too (for fp32 both are v - decoded exactly).
+template <typename T>
 struct EncodeArgs {
-  float* A;                 // owner matrix (R, C); the whole-sent columns are [0, Cd)
+  T* A;                     // owner matrix (R, C); the whole-sent columns are [0, Cd)
   int64_t C, Cd;
-  const float* slots;       // (R, Ks) slot values, or null
+  const T* slots;           // (R, Ks) slot values, or null
   int64_t Ks;
   const int32_t* flat;      // (R, Ks) the owner matrix element of each slot, -1 for an empty slot
   const int32_t* padding;   // per group of the whole-sent columns, its padding columns (INT2), or null
@@ -141,14 +147,16 @@ struct EncodeArgs {
   int64_t K, Kp;            // codes per row, and rounded up to whole bytes
 };
 
-__device__ __forceinline__ float code_value(const EncodeArgs& a, int64_t r, int64_t k) {
-  if (k < a.Cd) return a.A[r * a.C + k];
-  if (k < a.K) return a.slots[r * a.Ks + (k - a.Cd)];
+template <typename T>
+__device__ __forceinline__ float code_value(const EncodeArgs<T>& a, int64_t r, int64_t k) {
+  if (k < a.Cd) return to_float<T>(a.A[r * a.C + k]);
+  if (k < a.K) return to_float<T>(a.slots[r * a.Ks + (k - a.Cd)]);
   return 0.0f;
 }
 
 // One block per (span of codes, row): the scales of its groups (shared memory), then its bytes.
-__global__ void fixed_encode_kernel(EncodeArgs a) {
+template <typename T>
+__global__ void fixed_encode_kernel(EncodeArgs<T> a) {
   extern __shared__ float sh[];  // [groups in span] scales, then [kThreads] reduction scratch x 4
   const int64_t r = blockIdx.y, k0 = static_cast<int64_t>(blockIdx.x) * a.span;
   const int groups = a.span / a.group;
@@ -218,12 +226,11 @@ __global__ void fixed_encode_kernel(EncodeArgs a) {
       if (k < a.K) {
         const float v = code_value(a, r, k);
         const float decoded = fixed_code(a.fmt, v, scales[(k - k0) / a.group], &code);
-        const float rest = v - decoded;
         if (k < a.Cd) {
-          a.A[r * a.C + k] = rest;
+          a.A[r * a.C + k] = from_float<T>(v - decoded);
         } else {
           const int64_t f = a.flat[r * a.Ks + (k - a.Cd)];
-          if (f >= 0) a.A[f] = rest;
+          if (f >= 0) a.A[f] = from_float<T>(v + to_float<T>(from_float<T>(-decoded)));
         }
       }
       if (a.fmt == dgc::kInt1) {
@@ -335,25 +342,25 @@ __global__ void weights_decode_seg_kernel(const uint8_t* __restrict__ codes, con
 
 }  // namespace
 
-// dtype: 0 fp32, 1 bf16, 2 fp16
-extern "C" cudaError_t dgc_cuda_owner_gather(float* out, int64_t rows, int64_t columns, const int64_t* table,
-                                             int tensors, const int64_t* row_base, int dtype, float divisor,
-                                             cudaStream_t stream) {
-  if (rows * columns == 0) return cudaSuccess;
+namespace {
+
+template <typename O>
+cudaError_t launch_owner_gather(O* out, int64_t rows, int64_t columns, const int64_t* table, int tensors,
+                                const int64_t* row_base, int dtype, float divisor, cudaStream_t stream) {
   const bool divide = divisor != 1.0f;
   const int blocks = blocks_for(rows * columns);
   switch (dtype) {
     case 0:
-      owner_gather_kernel<float><<<blocks, kThreads, 0, stream>>>(out, rows, columns, table, tensors, row_base, divisor,
-                                                                  divide);
+      owner_gather_kernel<float, O><<<blocks, kThreads, 0, stream>>>(out, rows, columns, table, tensors, row_base,
+                                                                     divisor, divide);
       break;
     case 1:
-      owner_gather_kernel<__nv_bfloat16><<<blocks, kThreads, 0, stream>>>(out, rows, columns, table, tensors, row_base,
-                                                                          divisor, divide);
+      owner_gather_kernel<__nv_bfloat16, O><<<blocks, kThreads, 0, stream>>>(out, rows, columns, table, tensors,
+                                                                             row_base, divisor, divide);
       break;
     case 2:
-      owner_gather_kernel<__half><<<blocks, kThreads, 0, stream>>>(out, rows, columns, table, tensors, row_base, divisor,
-                                                                   divide);
+      owner_gather_kernel<__half, O><<<blocks, kThreads, 0, stream>>>(out, rows, columns, table, tensors, row_base,
+                                                                      divisor, divide);
       break;
     default:
       return cudaErrorInvalidValue;
@@ -361,17 +368,56 @@ extern "C" cudaError_t dgc_cuda_owner_gather(float* out, int64_t rows, int64_t c
   return cudaGetLastError();
 }
 
-extern "C" cudaError_t dgc_cuda_fixed_encode(float* A, int64_t rows, int64_t C, int64_t Cd, const float* slots,
-                                             int64_t Ks, const int32_t* flat, const int32_t* padding, uint8_t* payload,
-                                             int64_t P, int64_t scales_at, int64_t values_at, int fmt, int group,
-                                             int span, int64_t K, int64_t Kp, cudaStream_t stream) {
-  if (rows == 0 || Kp == 0) return cudaSuccess;
-  if (fmt < 0 || fmt >= dgc::kNumValueFormats || span % group || span % per_byte(fmt)) return cudaErrorInvalidValue;
-  EncodeArgs a{A, C, Cd, slots, Ks, flat, padding, payload, P, scales_at, values_at, fmt, group, span, K, Kp};
+template <typename T>
+cudaError_t launch_fixed_encode(T* A, int64_t rows, int64_t C, int64_t Cd, const T* slots, int64_t Ks,
+                                const int32_t* flat, const int32_t* padding, uint8_t* payload, int64_t P,
+                                int64_t scales_at, int64_t values_at, int fmt, int group, int span, int64_t K,
+                                int64_t Kp, cudaStream_t stream) {
+  EncodeArgs<T> a{A, C, Cd, slots, Ks, flat, padding, payload, P, scales_at, values_at, fmt, group, span, K, Kp};
   const dim3 grid(static_cast<unsigned>((Kp + span - 1) / span), static_cast<unsigned>(rows));
   const size_t shared = sizeof(float) * (span / group + 4 * kThreads);
-  fixed_encode_kernel<<<grid, kThreads, shared, stream>>>(a);
+  fixed_encode_kernel<T><<<grid, kThreads, shared, stream>>>(a);
   return cudaGetLastError();
+}
+
+}  // namespace
+
+// dtype: of the sources, 0 fp32, 1 bf16, 2 fp16; out_dtype: of the owner matrix out, 0 fp32, 1 bf16
+extern "C" cudaError_t dgc_cuda_owner_gather(void* out, int out_dtype, int64_t rows, int64_t columns,
+                                             const int64_t* table, int tensors, const int64_t* row_base, int dtype,
+                                             float divisor, cudaStream_t stream) {
+  if (rows * columns == 0) return cudaSuccess;
+  switch (out_dtype) {
+    case 0:
+      return launch_owner_gather(static_cast<float*>(out), rows, columns, table, tensors, row_base, dtype, divisor,
+                                 stream);
+    case 1:
+      return launch_owner_gather(static_cast<__nv_bfloat16*>(out), rows, columns, table, tensors, row_base, dtype,
+                                 divisor, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+// A_dtype: of the owner matrix A and the slots' values, 0 fp32, 1 bf16
+extern "C" cudaError_t dgc_cuda_fixed_encode(void* A, int A_dtype, int64_t rows, int64_t C, int64_t Cd,
+                                             const void* slots, int64_t Ks, const int32_t* flat,
+                                             const int32_t* padding, uint8_t* payload, int64_t P, int64_t scales_at,
+                                             int64_t values_at, int fmt, int group, int span, int64_t K, int64_t Kp,
+                                             cudaStream_t stream) {
+  if (rows == 0 || Kp == 0) return cudaSuccess;
+  if (fmt < 0 || fmt >= dgc::kNumValueFormats || span % group || span % per_byte(fmt)) return cudaErrorInvalidValue;
+  switch (A_dtype) {
+    case 0:
+      return launch_fixed_encode(static_cast<float*>(A), rows, C, Cd, static_cast<const float*>(slots), Ks, flat,
+                                 padding, payload, P, scales_at, values_at, fmt, group, span, K, Kp, stream);
+    case 1:
+      return launch_fixed_encode(static_cast<__nv_bfloat16*>(A), rows, C, Cd,
+                                 static_cast<const __nv_bfloat16*>(slots), Ks, flat, padding, payload, P, scales_at,
+                                 values_at, fmt, group, span, K, Kp, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
 }
 
 extern "C" cudaError_t dgc_cuda_fixed_decode(const uint8_t* received, int64_t senders, int64_t P, int64_t scales_at,

@@ -837,12 +837,15 @@ def owner_matrix(rows: int, columns: int, device, dtype: torch.dtype = torch.flo
     return torch.empty(rows, columns, dtype=dtype, device=device)
 
 
+FUSED_MATRIX_DTYPES = (torch.float32, torch.bfloat16)  # owner matrices the CUDA op's gather and encode take
+
+
 def matrix_dtype(srcs, residual_storage: Optional[str]) -> torch.dtype:
     """The owner matrix's dtype for a bucket of ``srcs`` whose residuals are stored as ``residual_storage`` (None: no
     error feedback): bf16 where every source is bf16 and the residuals keep no more than bf16 does (``"bf16"``,
     ``"fp8"``, ``"int8"``), so that the bucket's one copy costs 2 bytes per element, not 4; else fp32. The values are
     the same bf16 sums ZeRO-3 would reduce; every scale, threshold and decoded value is still computed in fp32, and
-    the residual rounds to bf16 before its storage rounds it further."""
+    the residual rounds to bf16 before its storage rounds it further (the CUDA op's kernels take either dtype)."""
     if residual_storage != "fp32" and srcs and all(s.dtype == torch.bfloat16 for s in srcs):
         return torch.bfloat16
     return torch.float32
@@ -895,7 +898,7 @@ def encode(A: torch.Tensor, plan: FixedPlan, fingerprint: int, ws: Workspace, ra
     header[:, 2] = not_finite.to(torch.int32) * FLAG_NOT_FINITE
     sel = select(A, plan, ws, sample_generator) if plan.sparse_slots else None
     if plan.quantize and rounding_generator is None and hasattr(ops, "fixed_encode") and A.is_cuda and \
-            A.dtype == torch.float32 and (sel is None or sel.flat.dtype == torch.int32):
+            A.dtype in FUSED_MATRIX_DTYPES and (sel is None or sel.flat.dtype == torch.int32):
         ops.fixed_encode(A, plan, sel, payload)
     else:
         inner = ws.mark()

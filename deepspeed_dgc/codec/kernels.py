@@ -142,10 +142,10 @@ class FusedCUDAOps(ReferenceOps):
     # ---- the fixed layout --------------------------------------------------------------------------------------
 
     def gather(self, layout, srcs, out: torch.Tensor, divisor: float = 1.0, by_row: bool = False) -> torch.Tensor:
-        """``out`` (R, C) fp32 = the bucket's owner matrix of ``srcs`` (one dtype, contiguous), divided by ``divisor``,
-        in one launch (:meth:`~deepspeed_dgc.codec.layout.BucketLayout.gather`'s result, times ``1 / divisor`` as
-        torch divides by a scalar on a GPU). Sources of mixed dtypes, not contiguous or not on the GPU take the torch
-        ops."""
+        """``out`` (R, C) fp32 or bf16 (:func:`~deepspeed_dgc.codec.fixed.matrix_dtype`) = the bucket's owner matrix
+        of ``srcs`` (one dtype, contiguous), divided by ``divisor``, in one launch (:meth:`~deepspeed_dgc.codec.layout.
+        BucketLayout.gather`'s result, times ``1 / divisor`` as torch divides by a scalar on a GPU, rounded to
+        ``out``'s dtype once). Sources of mixed dtypes, not contiguous or not on the GPU take the torch ops."""
         if not all(s.is_cuda and s.is_contiguous() and s.dtype == srcs[0].dtype for s in srcs) or \
                 srcs[0].dtype not in _FUSED_DTYPES:
             layout.gather(srcs, out, by_row=by_row)
@@ -158,14 +158,15 @@ class FusedCUDAOps(ReferenceOps):
         return out
 
     def fixed_encode(self, A: torch.Tensor, plan, sel, payload: torch.Tensor) -> None:
-        """The values of a fixed-layout bucket (its whole-sent columns in ``A``, its slots in ``sel``) coded and packed
-        into ``payload`` with their scales, and ``A`` left holding the residual (:func:`~deepspeed_dgc.codec.fixed.
-        encode`'s quantized path, rounded to nearest)."""
+        """The values of a fixed-layout bucket (its whole-sent columns in ``A``, fp32 or bf16, its slots in ``sel``,
+        of ``A``'s dtype) coded and packed into ``payload`` with their scales, and ``A`` left holding the residual
+        (:func:`~deepspeed_dgc.codec.fixed.encode`'s quantized path, rounded to nearest; its bits for INT4, INT2 and
+        FP8)."""
         from math import gcd
         s_at, v_at, _, _ = plan.sections
         per = {"int4": 2, "int2": 4, "int1": 5}.get(plan.value_format, 1)
         span = plan.group_size * per // gcd(plan.group_size, per)
-        empty_f = torch.empty(0, dtype=torch.float32, device=A.device)
+        empty_f = torch.empty(0, dtype=A.dtype, device=A.device)
         if sel is not None:  # an empty slot's element: -1 (sel.flat is not used after this)
             slots, flat = sel.values, sel.flat.masked_fill_(sel.valid.logical_not(), -1)
         else:

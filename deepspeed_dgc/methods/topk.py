@@ -149,12 +149,9 @@ class TopKFixed(GradientMethod):
         if A is None:
             by_row = sources is not None and residual_numels is not None  # hierarchical: node-level rows
             values, divisor = (sources, 1.0) if sources is not None else (bucket.srcs, bucket.divisor)
-            # the CUDA op's fused kernels code an fp32 matrix: where they run, the matrix stays fp32
-            fused = hasattr(ops, "fixed_encode") and device.type == "cuda"
-            dtype = fixed.matrix_dtype(values, r.memory.storage if ef else None) if sources is None and not fused \
-                else torch.float32
+            dtype = fixed.matrix_dtype(values, r.memory.storage if ef else None) if sources is None else torch.float32
             A = fixed.owner_matrix(R, L.columns, device, dtype)
-            if hasattr(ops, "gather"):  # the CUDA op (so fused: an fp32 matrix): one launch, divided on the way
+            if hasattr(ops, "gather"):  # the CUDA op: one launch, divided on the way
                 ops.gather(L, values, A, divisor, by_row)
             else:
                 L.gather(values, A, by_row=by_row)

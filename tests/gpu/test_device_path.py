@@ -48,17 +48,43 @@ def _plan(sizes, rows, density, fmt, gs=128):
                                  torch.float32, 2.0)
 
 
-def _matrix(plan, srcs, device):
+def _matrix(plan, srcs, device, dtype=torch.float32):
     L = plan.layout
-    return L.gather([s.to(device) for s in srcs], fixed.owner_matrix(L.rows, L.columns, device))
+    return L.gather([s.to(device, dtype) for s in srcs], fixed.owner_matrix(L.rows, L.columns, device, dtype))
+
+
+def _bits(t):
+    return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("by_row", [False, True])
+def test_cuda_gather_equals_torch_ops(cuda_ops, out_dtype, src_dtype, by_row):
+    """The CUDA op's gather (one launch) into an fp32 or bf16 owner matrix, divided by 3 on the way, against the
+    layout's torch gather and ``div_`` on the same GPU: the same bits, padding 0."""
+    if out_dtype == torch.bfloat16 and src_dtype != torch.bfloat16:
+        pytest.skip("a bf16 matrix is made for bf16 gradients only (fixed.matrix_dtype)")
+    g = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
+    sizes = [5, 3000, 2, 65537, 64, 129]
+    plan = _plan(sizes, 3, 0.05, "int4")
+    L = plan.layout
+    srcs = [(torch.randn(n, generator=g) * torch.exp(2 * torch.randn(n, generator=g))).to("cuda", src_dtype)
+            for n in sizes]
+    want = L.gather(srcs, fixed.owner_matrix(L.rows, L.columns, "cuda", out_dtype), by_row=by_row).div_(3.0)
+    got = cuda_ops.gather(L, srcs, torch.full((L.rows, L.columns), float("nan"), dtype=out_dtype, device="cuda"),
+                          3.0, by_row)
+    assert torch.equal(_bits(want), _bits(got))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("density", [1.0, 0.05, 0.001])
 @pytest.mark.parametrize("sizes", [[5, 3000, 2, 65537, 64], [1 << 16, 1 << 12, 1 << 20]])
-def test_cuda_op_equals_torch_ops_on_the_gpu(cuda_ops, fmt, density, sizes):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_op_equals_torch_ops_on_the_gpu(cuda_ops, fmt, density, sizes, dtype):
     """The CUDA op's encode (scales, codes, packing, residual in one kernel) and decode-and-sum against the torch ops
-    on the same GPU, 3 senders: the same payload bytes and residual bits, the same sums (senders in rank order)."""
+    on the same GPU, 3 senders, an fp32 or a bf16 owner matrix (bf16 gradients, :func:`fixed.matrix_dtype`): the
+    same payload bytes and residual bits, the same sums (senders in rank order)."""
     g = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
     plan = _plan(sizes, 3, density, fmt)
     srcs = [[torch.randn(n, generator=g) * torch.exp(2 * torch.randn(n, generator=g)) for n in sizes]
@@ -70,7 +96,7 @@ def test_cuda_op_equals_torch_ops_on_the_gpu(cuda_ops, fmt, density, sizes):
     for name, ops in (("torch", None), ("fused", cuda_ops)):
         payloads, residuals = [], []
         for sender in srcs:
-            A = _matrix(plan, sender, "cuda")
+            A = _matrix(plan, sender, "cuda", dtype)
             gen = torch.Generator(device="cuda").manual_seed(seed)
             payloads.append(fixed.encode(A, plan, 7, Workspace(), sample_generator=gen, ops=ops))
             residuals.append(A)
@@ -80,7 +106,7 @@ def test_cuda_op_equals_torch_ops_on_the_gpu(cuda_ops, fmt, density, sizes):
     for a, b in zip(got["torch"][0], got["fused"][0]):
         assert torch.equal(a, b)
     for a, b in zip(got["torch"][1] + got["torch"][2], got["fused"][1] + got["fused"][2]):
-        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+        assert a.dtype == b.dtype and torch.equal(_bits(a), _bits(b))
 
 
 @pytest.mark.parametrize("fmt", ["int4", "int2", "fp8_e4m3", "fp8_e5m2"])
@@ -108,7 +134,8 @@ def test_gpu_payloads_and_residuals_equal_the_cpu(fmt, density):
 
 @pytest.mark.parametrize("kernels", ["reference", "auto"])
 @pytest.mark.parametrize("quantization", FORMATS + ["none"])
-def test_the_bucket_path_never_synchronises_the_host(nccl_world, kernels, quantization):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_bucket_path_never_synchronises_the_host(nccl_world, kernels, quantization, dtype):
     cfg = DGCConfig(enabled=True, density=0.05, quantization=quantization, min_numel=64, layout="fixed",
                     kernels=kernels, stochastic_rounding=quantization in ("int4", "int2"))
     memory = ErrorFeedback(cfg.residual_storage)
@@ -117,8 +144,8 @@ def test_the_bucket_path_never_synchronises_the_host(nccl_world, kernels, quanti
     sizes = [5, 3000, 65537, 1 << 20]
 
     def step():
-        grads = [torch.randn(n, device="cuda", generator=gen) for n in sizes]
-        outs, _ = reducer.reduce_scatter(grads, list(range(len(sizes))), None, torch.float32, consume=True)
+        grads = [torch.randn(n, device="cuda", generator=gen).to(dtype) for n in sizes]
+        outs, _ = reducer.reduce_scatter(grads, list(range(len(sizes))), None, dtype, consume=True)
         outs = [o.clone() for o in outs]
         memory.commit()
         reducer.end_step(True)
