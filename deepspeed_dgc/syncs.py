@@ -9,7 +9,8 @@ run would wait for; on a GPU, ``torch.cuda.set_sync_debug_mode("error")`` is the
 
 - launches: ops that run a kernel on a GPU (views, metadata and empty allocations left out);
 - syncs: ``_local_scalar_dense`` (``item``, ``int``, ``float``, ``bool``, indexing with a 0-d tensor), ``nonzero``,
-  ``masked_select``, ``unique``, indexing with a boolean mask, ``repeat_interleave`` without ``output_size``;
+  ``masked_select``, ``unique``, indexing with a boolean mask, ``repeat_interleave`` without ``output_size``,
+  ``bincount`` and ``histc`` (on CUDA they read their input's range back to the host);
 - bytes (``track_bytes=True``): the storage of every tensor an op of the package makes that is not the storage of one
   of its inputs (so in-place ops, views and writes into ZeRO-3's memory are not new), ``empty`` allocations included,
   from its creation until it is freed: the bytes alive now and the most alive at once since :meth:`mark`.
@@ -46,7 +47,7 @@ NOT_LAUNCHES = frozenset((
     "set_", "unfold", "chunk", "movedim", "flatten", "view_as", "dim", "size", "stride", "numel", "is_contiguous",
     "storage_offset", "record_stream"))
 SYNC_OPS = frozenset(("_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim",
-                      "unique_consecutive", "_unique"))
+                      "unique_consecutive", "_unique", "bincount", "histc"))  # bincount, histc: their range on CUDA
 
 
 def _name(func) -> str:

@@ -118,7 +118,8 @@ int matrix_code(const at::Tensor& t) {
 }
 
 // The fixed layout (dgc_cuda_fixed.cu). table: int64 (T, 4) of (source pointer, c, n, first column), column order;
-// row_base: int64 (R,), the owner (or the row) each row reads; all sources of dtype `src_dtype_like`.
+// row_base: int64 (2, R), the chunk each row reads (its owner's, or the row's) and its owner; all sources of dtype
+// `src_dtype_like`.
 void owner_gather(at::Tensor out, at::Tensor table, at::Tensor row_base, at::Tensor src_dtype_like, double divisor,
                   int64_t stream) {
   check_cuda(out, "out");
@@ -128,7 +129,8 @@ void owner_gather(at::Tensor out, at::Tensor table, at::Tensor row_base, at::Ten
   TORCH_CHECK(out_dtype >= 0 && out.dim() == 2, "owner_gather: out must be 2-D fp32 or bf16");
   TORCH_CHECK(table.scalar_type() == at::kLong && table.dim() == 2 && table.size(1) == 4 && table.size(0) > 0,
               "owner_gather: table must be int64 (T, 4)");
-  TORCH_CHECK(row_base.scalar_type() == at::kLong && row_base.numel() == out.size(0), "owner_gather: one base per row");
+  TORCH_CHECK(row_base.scalar_type() == at::kLong && row_base.numel() == 2 * out.size(0),
+              "owner_gather: row_base must be int64 (2, R): each row's chunk to read and its owner");
   const int dtype = dtype_code(src_dtype_like);
   TORCH_CHECK(dtype >= 0, "owner_gather: unsupported source dtype ", src_dtype_like.scalar_type());
   check(dgc_cuda_owner_gather(out.data_ptr(), out_dtype, out.size(0), out.size(1), table.data_ptr<int64_t>(),

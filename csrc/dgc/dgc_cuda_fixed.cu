@@ -30,8 +30,10 @@ using dgc_cuda::to_float;
 
 
 
-// table: T rows of (source pointer, c, n, first column), in column order. O: the owner matrix's dtype (fp32, or bf16
-// for a bucket of bf16 gradients: fixed.matrix_dtype), rounded to nearest even once, after the division.
+// table: T rows of (source pointer, c, n, first column), in column order. row_base: (2, rows), each row's chunk to
+// read (its owner's, or the row itself for sources that hold only these rows) and its owner, whose chunk of the
+// tensor (min(c, n - owner c) elements) is what the row holds. O: the owner matrix's dtype (fp32, or bf16 for a
+// bucket of bf16 gradients: fixed.matrix_dtype), rounded to nearest even once, after the division.
 template <typename T, typename O>
 __global__ void owner_gather_kernel(O* __restrict__ out, int64_t rows, int64_t columns,
                                     const int64_t* __restrict__ table, int tensors,
@@ -46,10 +48,9 @@ __global__ void owner_gather_kernel(O* __restrict__ out, int64_t rows, int64_t c
       if (table[4 * mid + 3] <= col) lo = mid; else hi = mid - 1;
     }
     const int64_t c = table[4 * lo + 1], n = table[4 * lo + 2], j = col - table[4 * lo + 3];
-    const int64_t e = row_base[r] * c + j;
     float v = 0.0f;
-    if (j < c && e < n) {
-      v = to_float<T>(reinterpret_cast<const T*>(table[4 * lo])[e]);
+    if (j < c && row_base[rows + r] * c + j < n) {
+      v = to_float<T>(reinterpret_cast<const T*>(table[4 * lo])[row_base[r] * c + j]);
       if (divide) v = dgc::divide_by(v, divisor);
     }
     out[idx] = from_float<O>(v);

@@ -452,8 +452,13 @@ class Selection:
     spare: Workspace
 
 
-def _accumulate(total: Optional[torch.Tensor], part: torch.Tensor) -> torch.Tensor:
-    return part if total is None else total.add_(part)
+def _histogram(bins: torch.Tensor, size: int, into: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """int64 ``(size,)``: how many of ``bins`` (int32, any shape, each in ``[0, size)``) fall in each bin, added to
+    ``into`` where given. One ``index_add_`` of a broadcast 1: ``torch.bincount`` would read the bins' maximum and
+    minimum back to the host on a GPU (two waits)."""
+    hist = torch.zeros(size, dtype=torch.long, device=bins.device) if into is None else into
+    flat = bins.reshape(-1)
+    return hist.index_add_(0, flat, _host((1, ), bins.device).expand(flat.numel()))
 
 
 def _high_halves(S3: torch.Tensor) -> torch.Tensor:
@@ -521,9 +526,9 @@ def _levels_and_top_bytes(S3, asc, slice_group, slices: int, ws: Workspace) -> T
         seq.copy_(asc[None, g0:g1])
         level = torch.searchsorted(seq, mag, right=True, out_int32=True, out=ws.take((R, n, a), torch.int32))
         level.add_(level_base[:, g0:g1, None])
-        hist_l = _accumulate(hist_l, torch.bincount(level.view(-1), minlength=slices * nl))
+        hist_l = _histogram(level, slices * nl, hist_l)
         top = mag.view(torch.int32).bitwise_right_shift_(24).add_(top_base[:, g0:g1, None])
-        hist_0 = _accumulate(hist_0, torch.bincount(top.view(-1), minlength=slices * 128))
+        hist_0 = _histogram(top, slices * 128, hist_0)
         ws.release(mark)
     return hist_l, hist_0
 
@@ -542,7 +547,7 @@ def _second_bytes(S3, top, slice_group, slices: int, ws: Workspace) -> torch.Ten
                         out=ws.take((R, n, a), torch.bool))
         bins = ws.take((R, n, a), torch.int32)
         bins.copy_(key.bitwise_and_(0xFF)).add_(base[:, g0:g1, None]).masked_fill_(miss, dump)
-        hist = _accumulate(hist, torch.bincount(bins.view(-1), minlength=dump + 1))
+        hist = _histogram(bins, dump + 1, hist)
         ws.release(mark)
     return hist[:dump]
 
@@ -769,7 +774,7 @@ def _chunk_counts(positions: torch.Tensor, st: torch.Tensor, plan: FixedPlan, ws
     bins = torch.bitwise_right_shift(positions, plan.bits, out=ws.take((R, K), torch.int32))
     bins.add_(_per_slot(m.chunk_base32, st, ws))
     bins.add_(torch.arange(0, R * width, width, dtype=torch.int32, device=device)[:, None])
-    counts = torch.bincount(bins.view(-1), minlength=R * width).view(R, width)
+    counts = _histogram(bins, R * width).view(R, width)
     ws.release(mark)
     return counts[:, m.chunk_bins].to(torch.int32)
 

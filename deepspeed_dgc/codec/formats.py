@@ -54,6 +54,20 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 _SEGMENTS: Dict[Tuple[Tuple[int, ...], str], Segments] = {}
+_DIVISORS: Dict[Tuple[float, str], torch.Tensor] = {}
+
+
+def div_by_constant(t: torch.Tensor, q: float, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``t / q`` for a format's constant ``q`` (its largest code, say 7 for INT4) as an IEEE division on every device,
+    into ``out`` where given (``t`` itself: in place). On a GPU torch divides by a Python number as a product with its
+    reciprocal, ``t * (1 / q)``, which rounds about half of the quotients differently; the CPU and the fused ops
+    (CPU and CUDA) divide. A 0-d tensor on the device (cached) takes torch's division there too."""
+    if t.device.type != "cpu":
+        key = (q, str(t.device))
+        if key not in _DIVISORS:
+            _DIVISORS[key] = torch.full((), q, dtype=torch.float32, device=t.device)
+        q = _DIVISORS[key]
+    return torch.div(t, q) if out is None else torch.div(t, q, out=out)
 
 
 def host_segments(lengths: Sequence[int], device) -> Segments:
@@ -110,7 +124,7 @@ def int4_group_scales(values: torch.Tensor, gid: torch.Tensor, n_groups: int) ->
     """
     scales = torch.zeros(n_groups, dtype=torch.float32, device=values.device)
     scales.scatter_reduce_(0, gid, values.float().abs(), reduce="amax", include_self=True)
-    return scales.div_(INT4_QMAX)
+    return div_by_constant(scales, INT4_QMAX, out=scales)
 
 
 def quantize_int4(values: torch.Tensor,
@@ -262,7 +276,7 @@ def group_scales(values: torch.Tensor, gid: torch.Tensor, n_groups: int, fmt: st
         return int1_mean(sums, small, counts.clamp_(min=1))
     scales = torch.zeros(n_groups, dtype=torch.float32, device=values.device)
     scales.scatter_reduce_(0, gid, mag, reduce="amax", include_self=True)
-    return scales.div_(INT2_LEVEL if fmt == "int2" else FP8_MAX[fmt])
+    return div_by_constant(scales, INT2_LEVEL if fmt == "int2" else FP8_MAX[fmt], out=scales)
 
 
 def quantize_values(values: torch.Tensor,
@@ -469,13 +483,13 @@ def quantize_weights(x: torch.Tensor, fmt: str, group_size: int,
     if segments is None or len(segments) == 1:  # one segment: whole groups of a padded view (no index tensors)
         groups = weight_num_groups(n, group_size)
         padded = torch.nn.functional.pad(v, (0, groups * group_size - n)).view(groups, group_size)
-        scales = padded.abs().amax(dim=1) / WEIGHT_QMAX[fmt]
+        scales = div_by_constant(padded.abs().amax(dim=1), WEIGHT_QMAX[fmt])
         scaled = _divide_by_scale(padded, scales[:, None]).view(-1)[:n]
     else:
         gid, n_groups = int4_group_ids(counts, group_size)
         scales = torch.zeros(n_groups, dtype=torch.float32, device=x.device)
         scales.scatter_reduce_(0, gid, v.abs(), reduce="amax", include_self=True)
-        scales.div_(WEIGHT_QMAX[fmt])
+        div_by_constant(scales, WEIGHT_QMAX[fmt], out=scales)
         scaled = _divide_by_scale(v, scales[gid])
     if fmt == "int8":
         codes = torch.round(scaled).clamp_(-127, 127).to(torch.int8)
@@ -582,7 +596,8 @@ class _Int4(ValueFormat):
     name, per_byte = "int4", 2
 
     def scales(self, groups, gmax, gmin, tmp, padding=None):
-        return _absmax(gmax, gmin).div_(INT4_QMAX)
+        scales = _absmax(gmax, gmin)
+        return div_by_constant(scales, INT4_QMAX, out=scales)
 
     def encode_(self, groups, scales, codes, tmp, generator=None):
         s = _safe(scales)
@@ -618,7 +633,7 @@ class _Int2(ValueFormat):
         else:
             mixed = groups.shape[-1] - torch.count_nonzero(groups, dim=-1) > padding
         mixed &= amax > 0
-        return torch.where(mixed, amax.neg(), amax / INT2_LEVEL)
+        return torch.where(mixed, amax.neg(), div_by_constant(amax, INT2_LEVEL))
 
     def encode_(self, groups, scales, codes, tmp, generator=None):
         mixed = (scales < 0)[..., None]
@@ -666,7 +681,8 @@ class _FP8(ValueFormat):
         self.name, self.dtype, self.max = name, FP8_DTYPES[name], FP8_MAX[name]
 
     def scales(self, groups, gmax, gmin, tmp, padding=None):
-        return _absmax(gmax, gmin).div_(self.max)
+        scales = _absmax(gmax, gmin)
+        return div_by_constant(scales, self.max, out=scales)
 
     def encode_(self, groups, scales, codes, tmp, generator=None):
         fp8 = codes.view(self.dtype)

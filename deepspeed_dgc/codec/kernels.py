@@ -153,7 +153,8 @@ class FusedCUDAOps(ReferenceOps):
         table = torch.tensor([[s.data_ptr(), layout.chunks[i], layout.numels[i], layout.cols[i]]
                               for i, s in ((i, srcs[i]) for i in layout.placement)], dtype=torch.long)
         table = table.pin_memory().to(out.device, non_blocking=True)
-        rows = self._rows(range(layout.rows) if by_row else layout.key.owners, out.device)
+        owners = tuple(layout.key.owners)  # the chunk each row reads, then whose chunk it is (its real elements)
+        rows = self._rows((tuple(range(layout.rows)) if by_row else owners) + owners, out.device)
         self.op.owner_gather(out, table, rows, srcs[0], float(divisor), _stream())
         return out
 

@@ -25,10 +25,10 @@ def test_counts_ops_from_the_package_only():
 
 def test_counts_each_kind_and_every_launch():
     """Each kind is counted when the call site is in the package (a function compiled as if it were package code),
-    indexing with a 0-d tensor included; views are no launches."""
+    indexing with a 0-d tensor and ``bincount`` (its range read back on CUDA) included; views are no launches."""
     import deepspeed_dgc
     code = compile("def f(t, m, i):\n    t.item(); int(t[0]); bool(t[0]); t[m]; t.nonzero(); t[i]\n"
-                   "    torch.repeat_interleave(t.long(), t.long())\n    t.view(-1); (t + 1)\n",
+                   "    torch.repeat_interleave(t.long(), t.long()); torch.bincount(t.long())\n    t.view(-1); (t + 1)\n",
                    deepspeed_dgc.__file__, "exec")
     scope = {"torch": torch}
     exec(code, scope)
@@ -37,7 +37,7 @@ def test_counts_each_kind_and_every_launch():
         scope["f"](t, t > 0, torch.tensor(0))
         launches = ops.launches
         counts = ops.take()
-    assert counts == {"_local_scalar_dense": 4, "index": 1, "nonzero": 1, "repeat_interleave": 1}, counts
+    assert counts == {"_local_scalar_dense": 4, "index": 1, "nonzero": 1, "repeat_interleave": 1, "bincount": 1}, counts
     assert launches >= 8
 
 
