@@ -11,7 +11,7 @@ STEPS ?= 300
 SEED ?= 1234
 
 .PHONY: install test faults soak peer-tests demo bench bench-target bench-nodes bench-memory bench-kernels profile report \
-	gpu-check clean
+	gpu-check gpu-wheels clean
 
 install: $(VENV)/.installed
 
@@ -102,6 +102,20 @@ report: install
 GPU_PYTHON ?= python3
 gpu-check:
 	$(GPU_PYTHON) -m benchmarks.gpu_check
+
+# wheels for a GPU machine that has torch (CUDA), pytest and numpy but not DeepSpeed or pydantic, and no network (the
+# device tool's image: Python 3.12): `make gpu-wheels` here fills .whl/ (git-ignored, about 5 MB); there, with .whl
+# carried, the command docs/testing.md gives
+GPU_WHEEL_PY ?= 3.12
+GPU_WHEELS := deepspeed==0.19.8 hjson==3.1.0 pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 \
+	typing-inspection==0.4.5 typing_extensions==4.16.0
+gpu-wheels:
+	rm -rf .whl && mkdir -p .whl
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_WHEEL_PY) --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl $(filter-out deepspeed==%,$(GPU_WHEELS))
+	$(PYTHON) -m pip wheel -q --no-deps -w .whl $(filter deepspeed==%,$(GPU_WHEELS))  # an sdist on PyPI: pure Python
+	ls .whl
 
 clean:
 	rm -rf runs build *.egg-info .pytest_cache deepspeed_dgc/_prebuilt/*.so

@@ -10,8 +10,12 @@
 3. The CUDA op's GB/s (fixed-layout encode and decode of a 64M-element bucket, dense INT4 and top-k 0.01) against the
    device's copy bandwidth measured the same way.
 
-Needs a CUDA build of torch and DeepSpeed in the Python that runs it (``GPU_PYTHON``, default ``python3``); the op is
-JIT-built for the visible GPU (or prebuilt by ``DS_BUILD_DGC=1 pip install .``). Writes ``runs/gpu_check.json``.
+Needs a CUDA build of torch and DeepSpeed in the Python that runs it (``GPU_PYTHON``, default ``python3``; on a
+machine without DeepSpeed or pydantic and without a network, the wheels of ``make gpu-wheels``, see the Makefile); the
+op is JIT-built once for the visible GPU into ``build/torch_extensions`` (the tests' directory, which the jobs share),
+or prebuilt by ``DS_BUILD_DGC=1 pip install .``. A step that runs past its time is recorded as failed with what it
+printed, and the table is still written; a job left out for the 8-minute budget is shown as skipped (the exit status
+is then 2; 1 where something failed). Writes ``runs/gpu_check.json``.
 """
 
 import argparse
@@ -105,6 +109,17 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 '''
 
 
+def _run(cmd, env, timeout_s) -> subprocess.CompletedProcess:
+    """``cmd`` in the project's root; one that runs past ``timeout_s`` is killed and returned as failed (exit 124) with
+    what it printed, so that the table is still written."""
+    try:
+        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as err:
+        text = lambda b: (b.decode(errors="replace") if isinstance(b, bytes) else b) or ""  # noqa: E731
+        return subprocess.CompletedProcess(cmd, 124, text(err.stdout),
+                                           text(err.stderr) + f"\ngpu_check: killed after {timeout_s:.0f} s")
+
+
 def run_job(name, config, sets, steps, timeout_s, dry=False):
     """One rank of the main job with the hook; returns its record (or the error)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -125,7 +140,7 @@ def run_job(name, config, sets, steps, timeout_s, dry=False):
         for s in sets:
             cmd += ["--dgc-set", s]
         started = time.time()
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+        proc = _run(cmd, env, timeout_s)
         record = {"name": name, "seconds": round(time.time() - started, 1), "ok": proc.returncode == 0}
         if os.path.exists(out):
             record.update(json.loads(Path(out).read_text()))
@@ -194,22 +209,28 @@ def main():
         for j in jobs:
             print(json.dumps(j)[:600])
         sys.exit(0 if all(j["ok"] for j in jobs) else 1)
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / "build" / "torch_extensions"))  # one JIT build for all
     if not torch.cuda.is_available():
         sys.exit("gpu_check: torch sees no CUDA device (this Python's torch: %s); run it where one is, with a CUDA "
                  "build of torch (GPU_PYTHON=...)" % torch.__version__)
     deadline = time.time() + 8 * 60
     report = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
     if not args.skip_tests:
-        t = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/gpu"], cwd=ROOT, capture_output=True,
-                           text=True, timeout=240)
+        t = _run([sys.executable, "-m", "pytest", "-q", "-rf", "tests/gpu"], dict(os.environ), 240)
+        log = ROOT / "runs" / "gpu_check_tests.log"  # the whole output, failures' tracebacks included
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(t.stdout + "\n" + t.stderr)
         report["tests_gpu"] = t.stdout.strip().splitlines()[-1] if t.stdout.strip() else t.stderr[-500:]
         report["tests_gpu_ok"] = t.returncode == 0
         print("tests/gpu:", report["tests_gpu"], flush=True)
+        if t.returncode != 0:  # the short summary of what failed (the tracebacks: the log)
+            print("\n".join(line for line in t.stdout.splitlines() if line.startswith(("FAILED", "ERROR")))[-6000:],
+                  f"\n(whole output: {log})", flush=True)
     report["jobs"] = []
     for name, (config, sets) in JOBS.items():
         left = deadline - time.time() - 60
         if left < 30:
-            report["jobs"].append({"name": name, "ok": False, "error": "skipped: out of the 8-minute budget"})
+            report["jobs"].append({"name": name, "ok": None, "error": "skipped: out of the 8-minute budget"})
             continue
         record = run_job(name, config, sets, args.steps, min(150, left))
         report["jobs"].append(record)
@@ -222,19 +243,22 @@ def main():
     for j in report["jobs"]:
         mem = j.get("max_memory_allocated")
         ratio = f" ({mem / stock:.2f}x)" if mem and stock else ""
-        print(f"| {j['name']} | {'ok' if j['ok'] else 'FAILED'} | {j.get('final_loss', '-')} | "
+        state = "skipped (8-minute budget)" if j["ok"] is None else "ok" if j["ok"] else "FAILED"
+        print(f"| {j['name']} | {state} | {j.get('final_loss', '-')} | "
               f"{(mem or 0) / 2**20:.1f}{ratio} | {j.get('launches_per_bucket', '-')} |")
     print("| CUDA op | GB/s |\n|---|---:|")
     for row in report["op"]:
         print(f"| {row['what']} | {row['GB/s']} |")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=1))
-    failed = [j["name"] for j in report["jobs"] if not j["ok"]]
+    failed = [j["name"] for j in report["jobs"] if j["ok"] is False]
     if failed or not report.get("tests_gpu_ok", True):
         for j in report["jobs"]:
-            if not j["ok"]:
+            if j["ok"] is False:
                 print(f"--- {j['name']}:\n{j.get('error', '')}")
         sys.exit(1)
+    if any(j["ok"] is None for j in report["jobs"]):
+        sys.exit(2)
 
 
 if __name__ == "__main__":
