@@ -127,9 +127,10 @@ def get_batch(data: torch.Tensor, batch_size: int, block_size: int,
     return x, y
 
 
-def all_reduce_mean(value: float, world_size: int) -> float:
-    """Mean of a Python float over all ranks (collective)."""
-    t = torch.tensor([value], dtype=torch.float64)
+def all_reduce_mean(value: float, world_size: int, device=None) -> float:
+    """Mean of a Python float over all ranks (collective), reduced on ``device`` (the engine's: NCCL reduces only
+    device tensors)."""
+    t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return t.item() / world_size
 
@@ -170,7 +171,7 @@ def evaluate(engine, val_batches: list[tuple[torch.Tensor, torch.Tensor]], devic
         if i < len(shard):
             loss_sum += loss
     engine.train()
-    totals = torch.tensor([loss_sum, float(len(shard))], dtype=torch.float64)
+    totals = torch.tensor([loss_sum, float(len(shard))], dtype=torch.float64, device=device)  # NCCL: device tensors
     dist.all_reduce(totals)
     return (totals[0] / totals[1]).item()
 
@@ -431,7 +432,8 @@ def main() -> None:
             host_syncs.append(sum(sites.values()))
             if step > 2:
                 host_sync_sites.update(sites)
-        train_loss = all_reduce_mean(sum(micro_losses) / grad_accum, world)  # also a barrier: the step ended everywhere
+        # also a barrier: the step ended everywhere
+        train_loss = all_reduce_mean(sum(micro_losses) / grad_accum, world, device)
         step_times_s.append(time.perf_counter() - step_start)
         if profiler:
             profiler.disable()

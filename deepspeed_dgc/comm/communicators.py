@@ -343,8 +343,9 @@ class MPICommunicator(Communicator):
         self._wait(self.comm.Ialltoall(send, recv), "the payload size exchange")
         return recv.tolist()
 
-    def _buffer(self, t: torch.Tensor) -> torch.Tensor:
-        """A tensor MPI may read or write: ``t`` itself on the host or with CUDA-aware MPI, else pinned."""
+    def _buffer(self, t: torch.Tensor, contents: bool = True) -> torch.Tensor:
+        """A tensor MPI may read or write: ``t`` itself on the host or with CUDA-aware MPI, else pinned (holding a copy
+        of ``t`` where MPI reads it, ``contents``; a receive buffer needs none)."""
         if t.device.type == "cpu":
             return t
         torch.cuda.current_stream(t.device).synchronize()  # the payload is complete before MPI reads it
@@ -352,7 +353,8 @@ class MPICommunicator(Communicator):
             self.cuda_aware = cuda_aware_mpi()
         if self.cuda_aware:
             return t
-        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return host.copy_(t) if contents else host
 
     def _exchange_equal(self, send: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         size = send.shape[1]
@@ -370,7 +372,7 @@ class MPICommunicator(Communicator):
         MPI = self._mpi
         send_buf = self._buffer(send)
         recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=send.device)
-        recv_buf = self._buffer(recv)
+        recv_buf = self._buffer(recv, contents=False)
         send_displs = [sum(send_sizes[:d]) for d in range(self.world_size)]
         recv_displs = [sum(recv_sizes[:d]) for d in range(self.world_size)]
         request = self.comm.Ialltoallv([_mpi_buffer(send_buf), (send_sizes, send_displs), MPI.BYTE],

@@ -106,6 +106,7 @@ class ErrorFeedback:
         self.staged_blocks: Dict[Tuple[Hashable, ...], Block] = {}
         # offload of blocks: the copies, the second host buffers per bucket, and the buckets' order (this step's, last)
         self._copies: Optional[HostCopies] = None
+        self._memo: Optional[Dict[int, Tuple[Block, torch.Tensor]]] = None  # get_many's decoded blocks
         self._spare: Dict[Tuple[Hashable, ...], Tuple[torch.Tensor, ...]] = {}
         self._order: List[Tuple[Hashable, ...]] = []
         self._last_order: List[Tuple[Hashable, ...]] = []
@@ -399,10 +400,32 @@ class ErrorFeedback:
         return self.storage == "fp32" or (self.storage == "bf16" and matrix.dtype == torch.bfloat16)
 
     def _block_matrix(self, block: Block) -> torch.Tensor:
-        """A block decoded to fp32 ``(R, C)`` (a new tensor, where it lies)."""
+        """A block decoded to fp32 ``(R, C)`` (a new tensor, where it lies; an offloaded block on the device it is used
+        on, copied there after the write-backs issued before, without a host wait). Memoized inside :meth:`get_many`."""
+        memo = self._memo
+        if memo is not None and id(block) in memo:
+            return memo[id(block)][1]
         parts = block.parts
         if block.host:
-            self._settle()
+            if self.device is not None and self.device.type == "cuda":
+                parts = self._host_copies(self.device).fetch(("read", id(parts[0])), parts)
+            else:
+                self._settle()
+        matrix = self._decoded_block(parts)
+        if memo is not None:
+            memo[id(block)] = (block, matrix)  # the block too: its id stays its own while it is held here
+        return matrix
+
+    def get_many(self, keys: Sequence[Hashable]) -> List[Optional[torch.Tensor]]:
+        """:meth:`get` of every key of ``keys``, each bucket block decoded once for all its keys (not once a key)."""
+        self._memo = {}
+        try:
+            return [self.get(k) for k in keys]
+        finally:
+            self._memo = None
+
+    @staticmethod
+    def _decoded_block(parts: Tuple[torch.Tensor, ...]) -> torch.Tensor:
         if len(parts) == 1:
             return parts[0].float().clone() if parts[0].dtype == torch.float32 else parts[0].float()
         if parts[0].dtype == torch.int8:

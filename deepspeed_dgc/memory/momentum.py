@@ -307,9 +307,9 @@ class MomentumCorrection(_LocalMomentum):
             g = grad.reshape(-1).float() / divisor
             if self.clip_norm is not None:
                 bound = self.clip_norm / self.world
-                norm = float(torch.linalg.vector_norm(g))
-                if norm > bound:  # also false for NaN: a non-finite gradient stays non-finite
-                    g.mul_(bound / norm)
+                norm = torch.linalg.vector_norm(g).double()  # on the device: no read-back
+                # factor 1 where the norm is within the bound (or NaN: a non-finite gradient stays non-finite)
+                g.mul_(torch.where(norm > bound, bound / norm, 1.0))
             u = self.committed(key)
             u_new = g if u is None else u.mul(self.momentum).add_(g)
             self.store.stage(key, u_new)

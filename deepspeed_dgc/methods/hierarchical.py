@@ -2,7 +2,8 @@
 
 N nodes of L ranks (ZeRO++ qgZ's two hops, Wang et al., arXiv 2306.10209, section 4.2): every rank first sends each
 node mate, in the communication dtype, the rows of the bucket's owner matrix (of ``g / W``) that the mate's owners
-``k L + l`` hold; the mate sums the L rows it receives (in local-rank order) into the node-level sums of its N owners.
+``k L + l`` hold; the mate sums the L rows it receives (one reduction over them: the same bits run to run on a GPU,
+where an ``index_add_`` adds in any order) into the node-level sums of its N owners.
 The wrapped method then reduces those N rows between the ranks of the same local rank on every node. Its residuals or
 momenta are of the node-level sums: 1/L of the flat topology's size.
 """
@@ -63,8 +64,7 @@ class Hierarchical(GradientMethod):
         del send
         node = self.inner.layout(bucket, owners)
         node_sum = fixed.owner_matrix(N, C, bucket.device)
-        node_sum.view(1, -1).zero_().index_add_(0, torch.zeros(L, dtype=torch.long, device=bucket.device),
-                                                received.view(bucket.comm_dtype).view(L, N * C).float())
+        torch.sum(received.view(bucket.comm_dtype).view(L, N * C).float(), dim=0, out=node_sum.view(-1))
         inner = copy.copy(bucket)  # the node-level sums are divided by the loss scale only
         inner.divisor = bucket.loss_scale
         if bucket.density_pending and not self.inner.resolves_density:

@@ -89,7 +89,7 @@ class TopKExact(GradientMethod):
         device = srcs[0].device
         job = CompressJob(srcs=srcs, offsets=offsets, row_strides=strides, numels=bucket.numels, chunks=bucket.chunks,
                           sparse=bucket.sparse, row_owner=row_owner,
-                          residuals=[r.memory.get(k) if ef else None for k in bucket.keys],
+                          residuals=r.memory.get_many(bucket.keys) if ef else [None] * len(bucket.keys),
                           residual_numels=residual_numels, divisor=divisor, density=density, samples=[],
                           group_size=group_size, quantize=quantization != "none", value_dtype=bucket.comm_dtype,
                           fingerprint=bucket.fingerprint, want_residual=ef,
@@ -162,7 +162,7 @@ class TopKFixed(GradientMethod):
         before = None
         if ef:
             if on_exchanged is not None:
-                before = [r.memory.get(k) for k in bucket.keys]
+                before = r.memory.get_many(bucket.keys)  # a block decoded once, not once a tensor
             r.memory.add_block(bucket.keys, res_numels, L, A, ws)
         payloads = fixed.encode(A, plan, bucket.fingerprint, ws, bucket.loss_scale, r.generator(device),
                                 _rounding_generator(r, bucket, device), ops)

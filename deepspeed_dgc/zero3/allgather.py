@@ -118,6 +118,8 @@ class _DequantizeOnWait:
         # bounds the gather by the group's timeout; gloo: the host waits, bounded by timeout_s
         wait_torch_work(self.work, "the quantized parameter all-gather", dist.get_rank(), self.timeout_s,
                         self.recv.is_cuda and self.nccl)
+        if self.recv.is_cuda:  # made on DeepSpeed's gather stream, read (and freed) on the stream that waits here
+            self.recv.record_stream(torch.cuda.current_stream(self.recv.device))
         n, p = self.numel, payload_bytes(self.numel, self.fmt, self.group_size, self.segments)
         n_scale = FP32_BYTES * weight_num_groups(n, self.group_size, self.segments)
         code_len = weight_code_bytes(n, self.fmt)

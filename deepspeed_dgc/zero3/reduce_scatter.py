@@ -318,7 +318,8 @@ class CompressedReduceScatter:
             total = float(energy.sum())
             if total > 0:
                 kept_share = torch.cumsum(energy, 0) / total
-                needed = int(torch.searchsorted(kept_share, torch.tensor(1.0 - cfg.energy_budget, dtype=torch.float64))) + 1
+                budget = torch.tensor(1.0 - cfg.energy_budget, dtype=torch.float64, device=kept_share.device)
+                needed = int(torch.searchsorted(kept_share, budget)) + 1  # searchsorted: both on one device
                 want = needed / energy.numel()
         want = torch.tensor([min(cfg.density_max, max(cfg.density_min, want))], dtype=torch.float32, device=device)
         return float(comm.max_all_reduce(want).item())

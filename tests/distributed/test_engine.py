@@ -439,7 +439,8 @@ DEVICE_PATH = {
     "shared_mask_int4_hierarchical_weights_int4": dict(enabled=True, topology="hierarchical", ranks_per_node=1,
                                                        shared_mask={"density": 0.1}, weights={"quantization": "int4"}),
     # every method flat too, and every value format
-    "momentum_correction_int1": dict(SPARSE, quantization="int1", momentum_correction=True),
+    "momentum_correction_int1_local_clip": dict(SPARSE, quantization="int1", momentum_correction=True,
+                                                local_clip_norm=0.5),
     "sparse_fp8_e5m2_bf16_residual": dict(SPARSE, quantization="fp8_e5m2", residual_dtype="bf16"),
     "dense_fp8_e4m3": dict(enabled=True, density=1.0, quantization="fp8_e4m3"),
     "sparse_raw_values": dict(SPARSE, quantization="none"),
