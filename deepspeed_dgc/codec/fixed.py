@@ -56,7 +56,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .formats import FORMATS, abs_into, code_bytes, pack_codes, unpack_codes
-from .layout import BucketLayout, Workspace, alignment, layout_for, round_up, slabs
+from .layout import BucketLayout, Workspace, alignment, host_to_device, layout_for, round_up, slabs
 from .selection import LOWER_FACTOR, LOWER_SLACK, MAX_LOWER_ROUNDS, MAX_RUN, MIN_SAMPLE, RUN_MIN_NUMEL, sample_size, \
     target_count
 
@@ -248,7 +248,7 @@ class _Meta:
         L = plan.layout
         idx = plan.sparse_tensors
         split = plan.dense_columns
-        t = lambda xs, dtype=torch.long: _to_device(torch.tensor(list(xs), dtype=dtype), device)  # noqa: E731
+        t = lambda xs, dtype=torch.long: host_to_device(torch.tensor(list(xs), dtype=dtype), device)  # noqa: E731
         i32 = torch.int32
         self.ids = t(range(len(idx)))
         self.ids32 = t(range(len(idx)), i32)
@@ -292,11 +292,6 @@ def _cumsum(xs):
     for x in xs:
         total += x
         yield total
-
-
-def _to_device(t: torch.Tensor, device) -> torch.Tensor:
-    device = torch.device(device)
-    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
 
 
 _META: Dict[Tuple[FixedPlan, str], _Meta] = {}
@@ -390,7 +385,7 @@ def _host(xs, device, dtype=torch.long) -> torch.Tensor:
     if key not in _HOST:
         if len(_HOST) > 4096:
             _HOST.clear()
-        _HOST[key] = _to_device(torch.tensor(list(xs), dtype=dtype), device)
+        _HOST[key] = host_to_device(torch.tensor(list(xs), dtype=dtype), device)
     return _HOST[key]
 
 
@@ -832,7 +827,7 @@ def _header(fingerprint: int, device) -> torch.Tensor:
     if key not in _HEADERS:
         if len(_HEADERS) > 1024:
             _HEADERS.clear()
-        _HEADERS[key] = _to_device(torch.tensor([MAGIC, fingerprint, 0], dtype=torch.int32), device)
+        _HEADERS[key] = host_to_device(torch.tensor([MAGIC, fingerprint, 0], dtype=torch.int32), device)
     return _HEADERS[key]
 
 

@@ -14,6 +14,8 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
+from .layout import host_to_device
+
 INT4_QMAX = 7  # symmetric: codes -7..7, stored with an offset of 8 in one nibble
 
 
@@ -31,7 +33,7 @@ class Segments:
         self.numel = sum(lengths)
         counts = torch.tensor(lengths, dtype=torch.long)
         self._device = torch.device(device)
-        self.counts = _to_device(counts, self._device)
+        self.counts = host_to_device(counts, self._device)
         self._shifts: Dict[int, Tuple[torch.Tensor, int]] = {}
 
     def shift(self, group_size: int) -> Tuple[torch.Tensor, int]:
@@ -42,15 +44,8 @@ class Segments:
             for n, g in zip(self.lengths, groups):
                 shift.append(g0 * group_size - v0)
                 g0, v0 = g0 + g, v0 + n
-            self._shifts[group_size] = (_to_device(torch.tensor(shift, dtype=torch.long), self._device), g0)
+            self._shifts[group_size] = (host_to_device(torch.tensor(shift, dtype=torch.long), self._device), g0)
         return self._shifts[group_size]
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device``: through pinned memory without waiting on a GPU."""
-    if device.type == "cpu":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 _SEGMENTS: Dict[Tuple[Tuple[int, ...], str], Segments] = {}
@@ -759,7 +754,7 @@ def _segment_groups(counts: Sequence[int], group_size: int, device):
         last = torch.tensor([g for g, _ in pads], dtype=torch.long)
         amount = torch.tensor([n for _, n in pads], dtype=torch.long)
         device = torch.device(device)
-        _SEGMENT_GROUPS[key] = tuple(_to_device(t, device) for t in (shift, lens, last, amount)) + (K, G)
+        _SEGMENT_GROUPS[key] = tuple(host_to_device(t, device) for t in (shift, lens, last, amount)) + (K, G)
     shift, lens, last, amount, K, G = _SEGMENT_GROUPS[key]
     dest = torch.arange(K, device=shift.device).add_(torch.repeat_interleave(shift, lens, output_size=K))
     padding = torch.zeros(G, dtype=torch.long, device=shift.device).index_put_((last, ), amount)

@@ -166,11 +166,11 @@ class BucketLayout:
             per_group = []
             for i in self.placement:
                 per_group += [i] * (self.widths[i] // self.align)
-            self._device[key] = {"group_tensor": _to_device(torch.tensor(per_group, dtype=torch.long), device)}
+            self._device[key] = {"group_tensor": host_to_device(torch.tensor(per_group, dtype=torch.long), device)}
         return self._device[key]
 
 
-def _to_device(t: torch.Tensor, device) -> torch.Tensor:
+def host_to_device(t: torch.Tensor, device) -> torch.Tensor:
     """A host tensor on ``device``: through pinned memory without waiting on a GPU."""
     device = torch.device(device)
     if device.type == "cpu":

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from ..codec import fixed, masked, wire
-from ..codec.layout import _to_device, layout_for
+from ..codec.layout import host_to_device, layout_for
 from ..memory.error_feedback import FP8_RESIDUAL_GROUP
 from ..telemetry import ReduceResult
 from ..zero3 import optimizer as owners
@@ -85,7 +85,7 @@ class SharedMaskMethod(GradientMethod):
             self._cols = {}
             masks = [self.reducer.masks[k] for k in bucket.keys]
             counts = [m.shape[1] for m in masks]
-            offsets = _to_device(torch.repeat_interleave(  # built on the host, copied without a wait (every step)
+            offsets = host_to_device(torch.repeat_interleave(  # built on the host, copied without a wait (every step)
                 torch.tensor([L.cols[i] for i in range(len(masks))], dtype=torch.long),
                 torch.tensor(counts, dtype=torch.long), output_size=sum(counts)), device)
             self._cols[key] = torch.cat(masks, dim=1) + offsets[None, :]
