@@ -31,19 +31,24 @@ ROOT = Path(__file__).resolve().parent.parent
 SYNC_FROM_STEP = 3  # steps 1-2 make each bucket shape's constants and the process groups
 PROFILE_STEP = 4
 
-# name -> (ds_config, "dgc" keys set on top)
+# momentum correction's owners step with momentum SGD (no warm-up schedule)
+SGD = {"optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}, "zero_allow_untested_optimizer": True,
+       "scheduler": None}
+# name -> (ds_config, "dgc" keys set on top, top-level keys set on top: None removes one)
 JOBS = {
-    "stock ZeRO-3": ("configs/zero3_baseline.json", []),
-    "dense INT4 (default)": ("configs/zero3_int4.json", []),
-    "top-k 0.1 INT4": ("configs/zero3_dgc_int4_d01.json", []),
+    "stock ZeRO-3": ("configs/zero3_baseline.json", [], {}),
+    "dense INT4 (default)": ("configs/zero3_int4.json", [], {}),
+    "top-k 0.1 INT4": ("configs/zero3_dgc_int4_d01.json", [], {}),
+    # bf16 gradients: a bf16 owner matrix, which the CUDA op's gather and encode take
+    "top-k 0.1 INT4, bf16 engine": ("configs/zero3_dgc_int4_d01.json", [], {"bf16": {"enabled": True}}),
     "top-k 0.01 FP8, INT8 weights": ("configs/zero3_dgc_int4.json",
-                                     ['density=0.01', 'quantization="fp8_e4m3"', 'weights={"quantization": "int8"}']),
-    "decoupled momentum": ("configs/zero3_dgc_adam.json", []),
-    "shared mask": ("configs/zero3_baseline.json", ['enabled=true', 'shared_mask={"density": 0.05}']),
-    "compressed momentum": ("configs/zero3_dgc_int4.json", ['compressed_momentum={"freeze_step": 2}']),
-    "momentum correction (SGD)": ("configs/zero3_dgc_int4.json", ["momentum_correction=true"]),
+                                     ['density=0.01', 'quantization="fp8_e4m3"', 'weights={"quantization": "int8"}'],
+                                     {}),
+    "decoupled momentum": ("configs/zero3_dgc_adam.json", [], {}),
+    "shared mask": ("configs/zero3_baseline.json", ['enabled=true', 'shared_mask={"density": 0.05}'], {}),
+    "compressed momentum": ("configs/zero3_dgc_int4.json", ['compressed_momentum={"freeze_step": 2}'], {}),
+    "momentum correction (SGD)": ("configs/zero3_dgc_int4.json", ["momentum_correction=true"], SGD),
 }
-SGD = {"optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}, "zero_allow_untested_optimizer": True}
 
 HOOK = r'''
 import os, runpy, sys, json, torch
@@ -120,15 +125,15 @@ def _run(cmd, env, timeout_s) -> subprocess.CompletedProcess:
                                            text(err.stderr) + f"\ngpu_check: killed after {timeout_s:.0f} s")
 
 
-def run_job(name, config, sets, steps, timeout_s, dry=False):
-    """One rank of the main job with the hook; returns its record (or the error)."""
+def run_job(name, config, sets, top, steps, timeout_s, dry=False):
+    """One rank of the main job with the hook (``config`` with ``top``'s top-level keys set, a None removing one, and
+    ``sets`` as ``--dgc-set``); returns its record (or the error)."""
     with tempfile.TemporaryDirectory() as tmp:
         out, summary = os.path.join(tmp, "out.json"), os.path.join(tmp, "summary.json")
         hook = os.path.join(tmp, "hook.py")
         Path(hook).write_text(HOOK)
-        if any(s.startswith("momentum_correction") for s in sets):  # the owners step with momentum SGD
-            ds = dict(json.loads((ROOT / config).read_text()), **SGD)
-            ds.pop("scheduler", None)
+        if top:
+            ds = {k: v for k, v in dict(json.loads((ROOT / config).read_text()), **top).items() if v is not None}
             config = os.path.join(tmp, "config.json")
             Path(config).write_text(json.dumps(ds))
         env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
@@ -205,7 +210,7 @@ def main():
     args = ap.parse_args()
     import torch
     if args.cpu_dry_run:
-        jobs = [run_job(name, config, sets, args.steps, 300, dry=True) for name, (config, sets) in JOBS.items()]
+        jobs = [run_job(name, *job, args.steps, 300, dry=True) for name, job in JOBS.items()]
         for j in jobs:
             print(json.dumps(j)[:600])
         sys.exit(0 if all(j["ok"] for j in jobs) else 1)
@@ -227,12 +232,12 @@ def main():
             print("\n".join(line for line in t.stdout.splitlines() if line.startswith(("FAILED", "ERROR")))[-6000:],
                   f"\n(whole output: {log})", flush=True)
     report["jobs"] = []
-    for name, (config, sets) in JOBS.items():
+    for name, job in JOBS.items():
         left = deadline - time.time() - 60
         if left < 30:
             report["jobs"].append({"name": name, "ok": None, "error": "skipped: out of the 8-minute budget"})
             continue
-        record = run_job(name, config, sets, args.steps, min(150, left))
+        record = run_job(name, *job, args.steps, min(150, left))
         report["jobs"].append(record)
         print(json.dumps(record)[:400], flush=True)
     try:
