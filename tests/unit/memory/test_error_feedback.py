@@ -262,6 +262,10 @@ def check_offloaded_blocks(storage: str, device: str) -> None:
             m.rollback() if step == 3 else m.commit()
         a, b = plain.residuals(), off.residuals()
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        keys = [k for bkey in buckets for k in bkey]  # read outside a bucket: an offloaded block comes to the device
+        got = off.get_many(keys)
+        assert all(x.device.type == torch.device(device).type and torch.equal(x, y)
+                   for x, y in zip(got, plain.get_many(keys)))
         assert off.device_state_bytes() == 0 and plain.device_state_bytes() == plain.state_bytes()
         # the second buffers exist from the second write-back on
         assert off.host_state_bytes() == (2 if step else 1) * off.state_bytes() and plain.host_state_bytes() == 0
