@@ -231,10 +231,15 @@ class FixedPlan:
         n = self.sections[3] + self.position_bytes
         return n + (-n % 4)
 
-    @property
+    @cached_property
     def kept(self) -> int:
-        """Values one sender sends, all rows (slots counted whether filled or not)."""
-        return self.rows * self.values
+        """Values one sender sends, all rows, as the telemetry's density counts them: the real elements of the tensors
+        sent whole (not their padding columns, which are coded as zeros) and the slots of each sparsified slice, at
+        most its real elements (filled or not: every payload pays for them). So the density is 1 exactly where every
+        tensor goes whole, never more."""
+        L, whole = self.layout, [not s for s in self.sparse]
+        return sum(sum(real for real, w in zip(row, whole) if w) +
+                   sum(min(slots, row[i]) for i, slots in zip(self.sparse_tensors, self.slots)) for row in L.real)
 
 
 # ---- small device tensors of a plan -------------------------------------------------------------------------------

@@ -47,6 +47,26 @@ def _matrix(plan, srcs, dtype=torch.float32):
     return L.gather(srcs, A)
 
 
+@pytest.mark.parametrize("density", [1.0, 0.3, 0.05, 0.004])
+@pytest.mark.parametrize("rows", [1, 3, 4])
+def test_kept_counts_real_elements_and_slots_never_padding(rows, density):
+    """The values a plan says one sender sends (the telemetry's density): each whole-sent tensor's elements, not its
+    padding columns, and each sparsified slice's slots up to its real elements; so all of a bucket sent whole is its
+    element count exactly (a density of 1, not above), and a sparse plan counts its slots."""
+    g = torch.Generator().manual_seed(_seed())
+    sizes = [int(n) for n in torch.randint(1, 20000, (6, ), generator=g)] + [1, 130]
+    plan = _plan(sizes, rows, density)
+    ceil = [-(-n // rows) for n in sizes]
+    real = [[max(0, min(c, n - r * c)) for r in range(rows)] for n, c in zip(sizes, ceil)]
+    slots = dict(zip(plan.sparse_tensors, plan.slots))
+    expected = sum(sum(min(slots[i], x) for x in real[i]) if plan.sparse[i] else n for i, n in enumerate(sizes))
+    assert plan.kept == expected <= sum(sizes)
+    if density == 1.0:
+        assert not any(plan.sparse) and plan.kept == sum(sizes) < plan.rows * plan.values  # the padding is not counted
+    else:
+        assert any(plan.sparse) and plan.kept < sum(sizes)
+
+
 @pytest.mark.parametrize("density", [0.3, 0.05, 0.004, 0.0004])
 @pytest.mark.parametrize("sizes", [[1], [3, 70, 1001], [5, 3000, 2, 65537, 64], [5000, 300, 70000]])
 def test_payload_size_is_the_plans_whatever_the_data(sizes, density):
