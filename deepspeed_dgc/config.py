@@ -413,9 +413,11 @@ class DGCConfig(BaseModel):
             if getattr(self, method) is None:
                 continue
             unused = sorted((set(_GRADIENT_CODEC_KEYS) - set(kept)) & self.model_fields_set)
-            if unused:
-                raise ValueError(f"'dgc.{unused[0]}' is a setting of the gradient codec, which 'dgc.{method}' "
-                                 f"replaces by its own ({own}): remove it")
+            if unused:  # every one at once: a user removes them in one edit
+                names = ", ".join(f"'dgc.{k}'" for k in unused)
+                are = "is a setting" if len(unused) == 1 else "are settings"
+                raise ValueError(f"{names} {are} of the gradient codec, which 'dgc.{method}' replaces by its own "
+                                 f"({own}): remove {'it' if len(unused) == 1 else 'them'}")
         return self
 
     @model_validator(mode="after")

@@ -72,6 +72,9 @@ def test_config_defaults_and_lossless():
     ({"decoupled_momentum": {}, "density": 0.01}, "'dgc.density' is a setting of the gradient codec, which "
      "'dgc.decoupled_momentum' replaces"),
     ({"decoupled_momentum": {}, "quantization": "int2"}, "'dgc.quantization' is a setting of the gradient codec"),
+    ({"decoupled_momentum": {}, "layout": "fixed", "density": 0.1, "error_feedback": True},
+     "^invalid ds_config section 'dgc': 'dgc.density', 'dgc.error_feedback', 'dgc.layout' are settings of the "
+     "gradient codec, which 'dgc.decoupled_momentum' replaces by its own"),
     ({"policy": "auto", "compressed_momentum": {"freeze_step": 10}}, "'dgc.policy' = \"auto\" switches buckets between stock and "
      "compressed, which 'dgc.compressed_momentum' cannot"),
     ({"policy": "auto", "shared_mask": {}}, "which 'dgc.shared_mask' cannot"),
