@@ -10,7 +10,7 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 STEPS ?= 300
 SEED ?= 1234
 
-.PHONY: install test faults soak peer-tests demo bench bench-target bench-nodes bench-memory bench-kernels profile report \
+.PHONY: install test faults hf-gap soak peer-tests demo bench bench-target bench-nodes bench-memory bench-kernels profile report \
 	gpu-check gpu-wheels clean
 
 install: $(VENV)/.installed
@@ -42,6 +42,11 @@ test: install
 # about 75 minutes on 2 cores, half of it the 3000-step soak (results/faults.md has each part's command)
 faults: install
 	$(PY) -m pytest -q -m "" tests/faults
+
+# the Hugging Face Trainer with the recommended method against stock, 200 steps each (issue 51 item 3; about a minute
+# on 2 cores, so not in make test): an expected failure (XFAIL, with the gap) between 1% and 4%, a failure above 4%
+hf-gap: install
+	$(PY) -m pytest -q -m "" tests/distributed/test_hf_trainer.py -k within_1pct_of_stock
 
 # the soak (issue 52 item 6): the main job (zero3_dgc_adam, 2 ranks) for 3000 steps, a checkpoint every 100, SIGKILLed
 # and resumed every 500, against an uninterrupted run; loss per step, resident memory and state bytes per rank
