@@ -56,7 +56,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .formats import FORMATS, abs_into, code_bytes, pack_codes, unpack_codes
-from .layout import BucketLayout, Workspace, alignment, host_to_device, layout_for, round_up, slabs
+from .layout import BucketLayout, Workspace, alignment, device_constant, host_to_device, layout_for, round_up, \
+    slabs
 from .selection import LOWER_FACTOR, LOWER_SLACK, MAX_LOWER_ROUNDS, MAX_RUN, MIN_SAMPLE, RUN_MIN_NUMEL, sample_size, \
     target_count
 
@@ -355,11 +356,11 @@ def draw_sample(plan: FixedPlan, generator: Optional[torch.Generator], device) -
     if sum(drawn):
         n = sum(drawn)
         u = torch.rand(n, dtype=torch.float64, device=device, generator=generator)
-        first = u.mul_(_expand(m.highs, _host(drawn, device), n)).long()
-        tid = _expand(ids, _host(drawn, device), n)
+        first = u.mul_(_expand(m.highs, device_constant(drawn, device), n)).long()
+        tid = _expand(ids, device_constant(drawn, device), n)
         runs = [kd == 2 for kd in m.kinds]
         if any(runs):  # runs of MAX_RUN: their draws become run starts, every position of a run follows
-            length = torch.where(_host(runs, device, torch.bool), MAX_RUN, 1)[tid]
+            length = torch.where(device_constant(runs, device, torch.bool), MAX_RUN, 1)[tid]
             first = torch.where(length > 1, first * MAX_RUN, first)
             reps = length
             total = sum(d * (MAX_RUN if r else 1) for d, r in zip(drawn, runs))
@@ -371,27 +372,14 @@ def draw_sample(plan: FixedPlan, generator: Optional[torch.Generator], device) -
         parts_tid.append(tid)
     if sum(whole):
         n = sum(whole)
-        tid = _expand(ids, _host(whole, device), n)
-        base = torch.cumsum(_host(whole, device), 0) - _host(whole, device)
+        tid = _expand(ids, device_constant(whole, device), n)
+        base = torch.cumsum(device_constant(whole, device), 0) - device_constant(whole, device)
         parts_pos.append(torch.arange(n, device=device) - base[tid])
         parts_tid.append(tid)
     if not parts_pos:
         empty = torch.zeros(0, dtype=torch.long, device=device)
         return empty, empty
     return torch.cat(parts_pos), torch.cat(parts_tid)
-
-
-_HOST: Dict[Tuple, torch.Tensor] = {}
-
-
-def _host(xs, device, dtype=torch.long) -> torch.Tensor:
-    """A small host list as a device tensor, cached (the plans' per-tensor constants)."""
-    key = (tuple(xs), str(device), dtype)
-    if key not in _HOST:
-        if len(_HOST) > 4096:
-            _HOST.clear()
-        _HOST[key] = host_to_device(torch.tensor(list(xs), dtype=dtype), device)
-    return _HOST[key]
 
 
 def first_estimates(A: torch.Tensor, plan: FixedPlan, positions: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
@@ -408,7 +396,7 @@ def first_estimates(A: torch.Tensor, plan: FixedPlan, positions: torch.Tensor, t
     k_sample = [max(1, math.ceil(s * k / r)) if r else 1
                 for s, k, r in zip(sizes, (target_count(r, plan.density) if r else 1 for r in _reals(plan)), _reals(plan))]
     at = [b + min(k, s) - 1 for b, k, s in zip([0] + list(_cumsum(sizes))[:-1], k_sample, sizes)]
-    bits = 0x7FFFFFFF - (key[_host(at, A.device)] & 0xFFFFFFFF)
+    bits = 0x7FFFFFFF - (key[device_constant(at, A.device)] & 0xFFFFFFFF)
     return bits.to(torch.int32).view(torch.float32)
 
 
@@ -458,7 +446,7 @@ def _histogram(bins: torch.Tensor, size: int, into: Optional[torch.Tensor] = Non
     minimum back to the host on a GPU (two waits)."""
     hist = torch.zeros(size, dtype=torch.long, device=bins.device) if into is None else into
     flat = bins.reshape(-1)
-    return hist.index_add_(0, flat, _host((1, ), bins.device).expand(flat.numel()))
+    return hist.index_add_(0, flat, device_constant((1, ), bins.device).expand(flat.numel()))
 
 
 def _high_halves(S3: torch.Tensor) -> torch.Tensor:
@@ -491,7 +479,8 @@ def select(A: torch.Tensor, plan: FixedPlan, ws: Workspace, generator: Optional[
     del positions, tensor
     hist_l, hist_0 = _levels_and_top_bytes(S3, cand.flip(1)[group_tensor], slice_group, R * T, ws)
     above = hist_l.view(R, T, LEVELS + 1).flip(-1).cumsum(-1).flip(-1)  # above[l]: elements of level l or more
-    count_ge = above[..., _host(range(LEVELS, 0, -1), device)]  # (R, T, 11): |a| >= cand[j] is level >= 11 - j
+    # (R, T, 11): |a| >= cand[j] is level >= 11 - j
+    count_ge = above[..., device_constant(range(LEVELS, 0, -1), device)]
     enough = count_ge.sum(dim=0) >= LOWER_SLACK * m.targets[:, None]
     enough[:, -1] = True  # the last round is taken when none keeps 0.8 k
     first = enough.int().argmax(dim=1)  # (T,)
@@ -684,7 +673,7 @@ def _compact(A, rule: _Rule, filled, plan, ws) -> Selection:
 
 def _row_starts(R: int, C: int, dense_columns: int, dtype: torch.dtype, device) -> torch.Tensor:
     """``(R, 1)``: the flat index of each row's sparse region in an ``(R, C)`` owner matrix (cached)."""
-    return _host(range(dense_columns, R * C + dense_columns, C), device, dtype).view(R, 1)
+    return device_constant(range(dense_columns, R * C + dense_columns, C), device, dtype).view(R, 1)
 
 
 def slot_positions(sel: Selection, plan: FixedPlan, ws: Workspace) -> torch.Tensor:
@@ -824,18 +813,6 @@ def _decode_positions(data: torch.Tensor, plan: FixedPlan, st: torch.Tensor,
 # ---- encode and decode --------------------------------------------------------------------------------------------
 
 
-_HEADERS: Dict[Tuple, torch.Tensor] = {}
-
-
-def _header(fingerprint: int, device) -> torch.Tensor:
-    key = (fingerprint, str(device))
-    if key not in _HEADERS:
-        if len(_HEADERS) > 1024:
-            _HEADERS.clear()
-        _HEADERS[key] = host_to_device(torch.tensor([MAGIC, fingerprint, 0], dtype=torch.int32), device)
-    return _HEADERS[key]
-
-
 def owner_matrix(rows: int, columns: int, device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A new ``(rows, columns)`` owner matrix (uninitialised): fp32, or bf16 for a bucket of bf16 gradients whose
     residuals are stored in 2 bytes or fewer (see :func:`matrix_dtype`)."""
@@ -899,7 +876,7 @@ def encode(A: torch.Tensor, plan: FixedPlan, fingerprint: int, ws: Workspace, ra
     gmax, gmin = grouped.amax(dim=-1).float(), grouped.amin(dim=-1).float()  # exact for a bf16 matrix
     not_finite = ~(torch.isfinite(gmax).all() & torch.isfinite(gmin).all())
     header = payload[:, :HEADER_BYTES].view(torch.int32)
-    header.copy_(_header(fingerprint, device))
+    header.copy_(device_constant((MAGIC, fingerprint, 0), device, torch.int32))
     header[:, 2] = not_finite.to(torch.int32) * FLAG_NOT_FINITE
     sel = select(A, plan, ws, sample_generator) if plan.sparse_slots else None
     if plan.quantize and rounding_generator is None and hasattr(ops, "fixed_encode") and A.is_cuda and \

@@ -14,7 +14,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
-from .layout import host_to_device
+from .layout import device_constant, host_to_device
 
 INT4_QMAX = 7  # symmetric: codes -7..7, stored with an offset of 8 in one nibble
 
@@ -49,7 +49,6 @@ class Segments:
 
 
 _SEGMENTS: Dict[Tuple[Tuple[int, ...], str], Segments] = {}
-_DIVISORS: Dict[Tuple[float, str], torch.Tensor] = {}
 
 
 def div_by_constant(t: torch.Tensor, q: float, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -58,10 +57,7 @@ def div_by_constant(t: torch.Tensor, q: float, out: Optional[torch.Tensor] = Non
     reciprocal, ``t * (1 / q)``, which rounds about half of the quotients differently; the CPU and the fused ops
     (CPU and CUDA) divide. A 0-d tensor on the device (cached) takes torch's division there too."""
     if t.device.type != "cpu":
-        key = (q, str(t.device))
-        if key not in _DIVISORS:
-            _DIVISORS[key] = torch.full((), q, dtype=torch.float32, device=t.device)
-        q = _DIVISORS[key]
+        q = device_constant((q, ), t.device, torch.float32).view(())
     return torch.div(t, q) if out is None else torch.div(t, q, out=out)
 
 

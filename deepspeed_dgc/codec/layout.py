@@ -178,6 +178,22 @@ def host_to_device(t: torch.Tensor, device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+_CONSTANTS: Dict[Tuple, torch.Tensor] = {}
+MAX_CONSTANTS = 4096
+
+
+def device_constant(values: Sequence, device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A small host list (a plan's per-tensor constants, a payload header, a format's divisor) as a 1-D ``dtype``
+    tensor on ``device``, made once by :func:`host_to_device` and cached by its values (at most
+    :data:`MAX_CONSTANTS`; the cache is emptied past that). Shared: callers read it, never write to it."""
+    key = (tuple(values), str(device), dtype)
+    if key not in _CONSTANTS:
+        if len(_CONSTANTS) > MAX_CONSTANTS:
+            _CONSTANTS.clear()
+        _CONSTANTS[key] = host_to_device(torch.tensor(list(values), dtype=dtype), device)
+    return _CONSTANTS[key]
+
+
 _LAYOUTS: Dict[LayoutKey, BucketLayout] = {}
 MAX_LAYOUTS = 64  # a density warm-up does not change a layout; bucket shapes are few
 
