@@ -84,7 +84,8 @@ class DecoupledMomentumConfig(BaseModel):
     topk: int = Field(2, ge=1, description="coefficients sent per chunk (at most `chunk`): density `topk / chunk` "
                       "(a partition shorter than a chunk is padded to one and still sends `topk`)")
     decay: float = Field(0.999, ge=0.0, lt=1.0, allow_inf_nan=False,
-                         description="decay of the local momentum per micro-step (DeMo's `compression_decay`)")
+                         description="decay of the local momentum per send: per optimizer step, or per micro-step with "
+                         "`accumulate_locally: false` (DeMo's `compression_decay`)")
     transform: Literal["dct", "none"] = Field("dct", description="`\"dct\"`: top-k of each chunk's orthonormal "
                                               "DCT-II (DeMo); `\"none\"`: top-k of the momentum itself (SparseLoCo's "
                                               "chunked top-k, arXiv 2508.15706)")
@@ -166,7 +167,7 @@ class DGCConfig(BaseModel):
 
     enabled: bool = Field(False, description="replace ZeRO-3's gradient reduce-scatter")
     density: Density = Field(
-        1.0, description="fraction of each tensor's elements kept by top-k selection each micro-step (DGC, Lin et "
+        1.0, description="fraction of each tensor's elements kept by top-k selection each send (DGC, Lin et "
         "al., ICLR 2018, section 2); `1.0` (the default) sends every element, quantized, with error feedback: "
         "stock's loss with any optimizer, while top-k below 1 is lossy with Adam at short horizons "
         "(results/README.md). `\"auto\"`: per bucket, the smallest "
@@ -222,7 +223,18 @@ class DGCConfig(BaseModel):
         "job; Ok-Topk's 1.3 did not, because slices of one tensor differ (an attention projection's q, k and v); "
         "measured in results/fixed_layout.md")
     error_feedback: bool = Field(True, description="carry what was not sent (unselected values and quantization "
-                                 "error) to the next micro-step (Seide et al., Interspeech 2014)")
+                                 "error) to the next send (Seide et al., Interspeech 2014)")
+    accumulate_locally: bool = Field(
+        True, description="with gradient accumulation (`gradient_accumulation_steps` > 1, or micro-steps before "
+        "`set_gradient_accumulation_boundary(True)`), each rank adds its micro-steps' gradients up locally and the "
+        "window's sum is compressed and sent once, at ZeRO-3's accumulation boundary (DGC's local accumulation, Lin "
+        "et al., ICLR 2018, section 3.1; in ZeRO-3's gradient accumulation dtype, `data_types.grad_accum_dtype`, "
+        "the model's by default: the very sum DeepSpeed's `engine.coalesce_grad_reduction()` forms): N micro-steps, N "
+        "times fewer gradient bytes and collectives than sending each, as stock ZeRO-3 does. It holds the window's sum "
+        "until its end, the parameters' full size in that dtype (2 or 4 bytes per element; sending every micro-step "
+        "staged the residuals or momenta in fp32, 4). "
+        "`false`: every micro-step is compressed and sent (nothing held). With "
+        "`managed_gradient_accumulation: false` every micro-step is sent either way (the boundary is the step)")
     residual_dtype: Literal["auto", "fp32", "bf16", "fp8", "int8"] = Field(
         "auto", description="storage of the residuals between steps: 4, 2 or about 1.03 bytes per element (fp8: e4m3 "
         "with an fp32 absmax scale per 128, as LoCo's 8-bit buffer, arXiv 2407.04480, rounded to nearest; int8: a "

@@ -142,6 +142,8 @@ class DGCStats:
     # the most the extension's state held on this rank in this process: committed plus a window's staged residuals
     # and momenta, at any stage (each at its own peak; bytes; the bucket path's buffers, one bucket at a time, aside)
     peak_state_bytes: int = 0
+    # the most the window's held gradients took at once (``accumulate_locally`` with gradient accumulation; bytes)
+    held_gradient_peak_bytes: int = 0
     last: Optional[StepStats] = None
     _current: StepStats = field(default_factory=StepStats, repr=False)
 
@@ -222,6 +224,7 @@ class DGCStats:
             "host_state_bytes": self.host_state_bytes,
             "device_state_bytes": self.device_state_bytes,
             "peak_state_bytes": self.peak_state_bytes,
+            "held_gradient_peak_bytes": self.held_gradient_peak_bytes,
             "residual_storage": self.residual_storage,
             "grad_wire_bytes_total": self.wire_bytes_total,
             "grad_intra_node_wire_bytes_total": self.intra_node_wire_bytes_total,

@@ -228,15 +228,16 @@ class DecoupledMomentum(_LocalMomentum):
     Algorithm 1 (bloc97/DeMo ``demo.py``). Every rank r keeps, per parameter, ``delta_r`` (full parameter shape,
     in unscaled gradient units divided by W, stored in ``storage``)::
 
-        delta_r <- decay delta_r + g_r / W              (every micro-step; :meth:`sources`)
+        delta_r <- decay delta_r + g_r / W              (every send; :meth:`sources`)
         q_r     = top-k per chunk of DCT(delta_r)       (codec.dct: chunks inside each owner's partition)
         delta_r <- delta_r - IDCT(deq(q_r))             (what was sent, quantization error included, leaves;
                                                          the rest stays: DeMo's subtraction is the error feedback)
 
     and the owners step with ``u = sum_r IDCT(deq(q_r))``: DeMo's ``p <- p (1 - lr wd) - lr sign(u)``
     (``update: "sign"``, :func:`deepspeed_dgc.zero3.optimizer.sign_step`) or the job's own Adam on ``u``
-    (``update: "adam"``). With gradient accumulation each micro-step sends its top-k and the owners' step sees the
-    window's sum; the decay then applies per micro-step.
+    (``update: "adam"``). With gradient accumulation, ``g_r`` is the window's sum, sent once at its end
+    (``accumulate_locally``, :mod:`deepspeed_dgc.zero3.accumulation`); with ``accumulate_locally: false`` each
+    micro-step sends its top-k, the owners' step sees the window's sum and the decay applies per micro-step.
 
     Args:
         cfg: the ``decoupled_momentum`` section.

@@ -14,6 +14,8 @@ seam                                                        scope       what rep
 ``DeepSpeedZeroOptimizer_Stage3.__avg_scatter_contiguous_``  instance    the same, where stock all-reduces the bucket
 ``grads`` (``reduce_scatter: false`` + contiguous gradients)
 ``DeepSpeedZeroOptimizer_Stage3.step``                      instance    commits or rolls back error feedback, telemetry
+``DeepSpeedZeroOptimizer_Stage3.independent_gradient_``     instance    first sends what an accumulation window holds
+``partition_epilogue``                                                  for parameters unused in its last micro-step
 ``DeepSpeedEngine.save_checkpoint`` / ``load_checkpoint``   instance    also write / read the side-car
 ``partition_parameters._dist_allgather_fn``                 module      the quantized parameter all-gather
 ``<owners' torch optimizer>.step``, ``clip_grad``           instance    the owners' steps of the momentum methods
@@ -27,6 +29,7 @@ Class-level wrappers are installed by :func:`activate` (``import deepspeed_dgc``
 done elsewhere: :mod:`.reduce_scatter`, :mod:`.allgather`, :mod:`.optimizer`, :mod:`.checkpoint`, :mod:`.ds_api`.
 """
 
+import dataclasses
 import functools
 import logging
 import os
@@ -80,6 +83,8 @@ SEAMS = (
     Seam(DeepSpeedZeroOptimizer_Stage3, SEAM, "instance", "the compressed reduce-scatter of one bucket"),
     Seam(DeepSpeedZeroOptimizer_Stage3, CONTIGUOUS_SEAM, "instance", "the same where stock all-reduces the bucket"),
     Seam(DeepSpeedZeroOptimizer_Stage3, "step", "instance", "commit or roll back error feedback; telemetry"),
+    Seam(DeepSpeedZeroOptimizer_Stage3, "independent_gradient_partition_epilogue", "instance",
+         "send what an accumulation window holds for parameters without a gradient in its last micro-step"),
     Seam(DeepSpeedEngine, "save_checkpoint", "instance", "write the side-car too"),
     Seam(DeepSpeedEngine, "load_checkpoint", "instance", "read the side-car too"),
     Seam(partition_parameters, "_dist_allgather_fn", "module", "the quantized parameter all-gather"),
@@ -343,6 +348,8 @@ def _patch_instance(engine, opt, state: DGCState) -> None:
     replace(opt, SEAM, _avg_scatter_grads(opt, state))
     replace(opt, CONTIGUOUS_SEAM, _avg_scatter_contiguous_grads(opt, state))
     replace(opt, "step", _step(opt, state))
+    replace(opt, "independent_gradient_partition_epilogue", _send_leftovers(opt, state))
+    state.holds_windows = state.cfg.accumulate_locally and engine.managed_gradient_accumulation()
     replace(engine, "save_checkpoint", _save_checkpoint(engine, state))
     replace(engine, "load_checkpoint", _load_checkpoint(engine, state))
     _method(state).install(engine, opt, state)  # the owners' side of the method (its optimizer step)
@@ -371,26 +378,87 @@ def _avg_scatter_grads(opt, state: DGCState) -> Callable:
     def avg_scatter_grads(params_to_reduce, communication_data_type):
         opt._assert_same_partition_group(params_to_reduce)
         group = opt._get_param_partition_group(params_to_reduce[0])
+        if _held(opt, state, params_to_reduce, group):
+            comms = state.reducer.comms_for(group)
+            return [state.window.zeros(_slice_numel(p.ds_numel, comms.rank, comms.world_size),
+                                       opt.gradient_accumulation_dtype, p.grad.device) for p in params_to_reduce]
         state.set_window_end(_window_ends(opt))
         if _by_stock(opt, state, params_to_reduce, group, communication_data_type):
             return _stock_method(opt, SEAM)(params_to_reduce, communication_data_type)
-        partitions, result = state.reducer.reduce_scatter([p.grad for p in params_to_reduce],
-                                                          [state.key_of(p) for p in params_to_reduce], group,
-                                                          communication_data_type, loss_scale=float(opt.loss_scale),
-                                                          consume=True)
-        state.stats.record(result)
-        world = state.reducer.comms_for(group).world_size
-        averaging_world_size = opt._gradient_averaging_world_size(params_to_reduce, world)
-        if averaging_world_size != world:  # sequence/expert parallel averaging, as stock
-            partitions = [g.mul(world / float(averaging_world_size)) for g in partitions]
-        if not getattr(opt, "zenflow", False):
-            # fp32 views of the bucket's row: partition_grads copies each into its gradient_accumulation_dtype buffer
-            # (the same rounding as .to) or converts it before adding, so no narrower copy of the whole row is made
-            # beside it (1 B per bucket element at 2 ranks with bf16)
-            return partitions
-        return [g.to(opt.gradient_accumulation_dtype) for g in partitions]
+        return _compressed_partitions(opt, state, params_to_reduce, [p.grad for p in params_to_reduce], group,
+                                      communication_data_type)
 
     return avg_scatter_grads
+
+
+def _compressed_partitions(opt, state: DGCState, params, grads, group, communication_data_type):
+    """This rank's partitions of the mean over ``group`` of ``grads`` (``params``' full gradients, consumed), by the
+    compressed reduce-scatter (stock's contract of ``__avg_scatter_grads``)."""
+    partitions, result = state.reducer.reduce_scatter(grads, [state.key_of(p) for p in params],
+                                                      group, communication_data_type,
+                                                      loss_scale=float(opt.loss_scale), consume=True)
+    state.stats.record(result)
+    world = state.reducer.comms_for(group).world_size
+    averaging_world_size = opt._gradient_averaging_world_size(params, world)
+    if averaging_world_size != world:  # sequence/expert parallel averaging, as stock
+        partitions = [g.mul(world / float(averaging_world_size)) for g in partitions]
+    if not getattr(opt, "zenflow", False):
+        # fp32 views of the bucket's row: partition_grads copies each into its gradient_accumulation_dtype buffer
+        # (the same rounding as .to) or converts it before adding, so no narrower copy of the whole row is made
+        # beside it (1 B per bucket element at 2 ranks with bf16)
+        return partitions
+    return [g.to(opt.gradient_accumulation_dtype) for g in partitions]
+
+
+def _slice_numel(n: int, rank: int, world: int) -> int:
+    """Elements of rank ``rank``'s slice ``flat[r*c : min((r+1)*c, n)]`` of an ``n``-element tensor, ``c = ceil(n/W)``."""
+    c = -(-n // world)
+    return max(0, min((rank + 1) * c, n) - rank * c)
+
+
+def _held(opt, state: DGCState, params, group) -> bool:
+    """Local accumulation (:mod:`.accumulation`): before ZeRO-3's accumulation boundary, add the bucket's gradients
+    to the window's and send nothing (True; the telemetry counts what stock would have sent); at the boundary, add
+    the window's sums into the gradients about to be sent (False)."""
+    if not state.holds_windows:
+        return False
+    grads, keys = [p.grad for p in params], [state.key_of(p) for p in params]
+    if _window_ends(opt):
+        state.window.fold(grads, keys)
+        return False
+    state.window.hold(grads, keys, opt.gradient_accumulation_dtype)
+    comms = state.reducer.comms_for(group)
+    numels = [g.numel() for g in grads]
+    state.stats.record(dataclasses.replace(reduce_result(comms, numels, 0, 0, kept=0), numel=0))
+    return True
+
+
+def _send_leftovers(opt, state: DGCState) -> Callable:
+    """``opt.independent_gradient_partition_epilogue`` (the end of every backward) that first sends, at the window's
+    end, what the window holds for parameters without a gradient in its last micro-step (in no bucket of it, reduced
+    or still filling; the one still filling is reduced by the epilogue itself, its held sums added then): one compressed reduce-scatter per partition group and communication dtype, into ZeRO-3's gradient
+    partitions (``partition_grads``, which adds them to the zeros the held micro-steps left there). Every rank must
+    hold the same parameters then, as every rank must reduce the same buckets in stock ZeRO-3."""
+    epilogue = opt.independent_gradient_partition_epilogue
+
+    @functools.wraps(epilogue)
+    def independent_gradient_partition_epilogue(*args, **kwargs):
+        if state.window.held and _window_ends(opt):
+            left = set(state.window.leftovers())
+            in_buckets = {id(p) for bucket in opt.ipg_buckets.values() for p in bucket.params}  # reduced next, held
+            params = [p for group in opt.fp16_groups for p in group
+                      if state.keys.get(id(p)) in left and id(p) not in in_buckets]
+            batches = {}
+            for p in params:
+                grad = state.window.take(state.key_of(p))
+                batches.setdefault((opt._get_param_partition_group(p), grad.dtype), []).append((p, grad))
+            state.set_window_end(True)
+            for (group, dtype), pairs in batches.items():
+                ps = [p for p, _ in pairs]
+                opt.partition_grads(ps, _compressed_partitions(opt, state, ps, [g for _, g in pairs], group, dtype))
+        return epilogue(*args, **kwargs)
+
+    return independent_gradient_partition_epilogue
 
 
 def _avg_scatter_contiguous_grads(opt, state: DGCState) -> Callable:
@@ -404,6 +472,9 @@ def _avg_scatter_contiguous_grads(opt, state: DGCState) -> Callable:
         params = opt.ipg_buckets[communication_data_type].params
         opt._assert_same_partition_group(params)
         group = opt._get_param_partition_group(params[0])
+        if _held(opt, state, params, group):
+            return [state.window.zeros(p.partition_numel(), opt.gradient_accumulation_dtype, buffer_to_reduce.device)
+                    for p in params]
         state.set_window_end(_window_ends(opt))
         if _by_stock(opt, state, params, group, communication_data_type):
             return _stock_method(opt, CONTIGUOUS_SEAM)(buffer_to_reduce, communication_data_type)
@@ -466,6 +537,11 @@ def _step(opt, state: DGCState) -> Callable:
 
     @functools.wraps(step)
     def dgc_step(*args, **kwargs):
+        if state.window.held:  # only a window that never reached ZeRO-3's boundary leaves gradients held here
+            raise RuntimeError(f"deepspeed_dgc: the optimizer step came before the end of the gradient accumulation "
+                               f"window ({len(state.window)} parameters' gradients are held, not sent, under "
+                               "'dgc.accumulate_locally'): step at the accumulation boundary, or set "
+                               "'dgc.accumulate_locally' to false")
         out = step(*args, **kwargs)
         applied = not opt.overflow
         state.commit_step(applied)
@@ -606,6 +682,7 @@ def _load_checkpoint(engine, state: DGCState) -> Callable:
         if load_path is None:
             return load_path, client_state
         marked = _take_mark(client_state)
+        state.window.clear()  # a window's held gradients are gone with it, as stock's are
         _method(state).before_load(engine.optimizer, state)  # e.g. Adam unfrozen: the loaded state decides afresh
         msg, err = None, None
         loaded = _loaded_tag(engine, load_dir, tag)

@@ -9,6 +9,7 @@ from ..config import DGCConfig
 from ..memory.error_feedback import ErrorFeedback
 from ..memory.momentum import MomentumState
 from ..telemetry import DGCStats, StepStats, log_step
+from .accumulation import LocalAccumulation
 from .policy import LinkPolicy
 from .reduce_scatter import CompressedReduceScatter
 
@@ -31,6 +32,9 @@ class DGCState:
         samples_seen: the engine's sample count (the x axis of monitor events).
         keys: ``id(param)`` -> the stable key of its residual and momentum (:meth:`assign_keys`).
         policy: ``policy: "auto"``'s per-bucket choice between stock and compressed, or None.
+        window: the gradients of this accumulation window's micro-steps not sent yet (``accumulate_locally``).
+        holds_windows: whether micro-steps before ZeRO-3's accumulation boundary are held rather than sent
+            (``accumulate_locally`` and DeepSpeed's managed gradient accumulation).
     """
     cfg: DGCConfig
     global_rank: int
@@ -44,6 +48,8 @@ class DGCState:
     samples_seen: Callable[[], int] = lambda: 0
     keys: Dict[int, str] = field(default_factory=dict)
     policy: Optional[LinkPolicy] = None
+    window: LocalAccumulation = field(default_factory=LocalAccumulation)
+    holds_windows: bool = False
 
     @classmethod
     def build(cls, cfg: DGCConfig, global_rank: int, ranks_per_node: Optional[int] = None,
@@ -107,6 +113,7 @@ class DGCState:
         if it was skipped (overflow); an applied step advances the density warm-up."""
         # the most held at any stage so far (residuals and momenta each at their own peak: an upper bound)
         self.stats.peak_state_bytes = self.memory.peak_bytes + (self.momentum.peak_bytes() if self.momentum else 0)
+        self.stats.held_gradient_peak_bytes = self.window.peak_bytes
         if applied:
             self.memory.commit()
             if self.momentum is not None:

@@ -18,37 +18,61 @@ LOSSLESS = {"enabled": True, "density": 1.0, "quantization": "none", "min_numel"
 SPARSE = {"enabled": True, "density": 0.1, "quantization": "int4", "min_numel": 256, "stats_interval": 1}
 
 
-@pytest.mark.parametrize("comm", [{}, {"communication_data_type": "bf16"}], ids=["fp32comm", "bf16comm"])
-def test_lossless_bit_identical_to_stock(comm):
-    """density 1 + no quantization, gradient accumulation 2, 4 steps: same losses, full gradients and fp32
-    parameters as stock ZeRO-3, bit for bit (fp32 or bf16 communication)."""
-    runs = run_scenarios({"stock": Train(config=comm, gas=2), "ours": Train(config=dict(comm, dgc=LOSSLESS), gas=2)})
-    stock, ours = runs["stock"], runs["ours"]
+def _same_training(ours, stock, what: str) -> None:
+    """Two runs' records on every rank: the same losses, full gradients and fp32 parameters, bit for bit, and the
+    parameters moved (so the comparison is not between two untouched models)."""
     for r in range(2):
-        assert ours[r].losses == stock[r].losses
+        assert ours[r].losses == stock[r].losses, what
         for step, (a, b) in enumerate(zip(ours[r].grads, stock[r].grads)):
             for x, y in zip(a, b):
-                assert torch.equal(x, y), f"rank {r} step {step}: gradients differ"
+                assert torch.equal(x, y), f"{what}: rank {r} step {step}: gradients differ"
         for step, (a, b) in enumerate(zip(ours[r].params, stock[r].params)):
             for x, y in zip(a, b):
-                assert torch.equal(x, y), f"rank {r} step {step}: parameters differ"
-        # parameters moved, so the comparison is not between two untouched models
+                assert torch.equal(x, y), f"{what}: rank {r} step {step}: parameters differ"
         assert not torch.equal(stock[r].params[0][0], stock[r].params[-1][0])
-        stats = ours[r].stats
-        # every micro-step of every step went through our reduce-scatter: stock's fp32 bytes for all parameters
-        n_params = sum(p.numel() for p in ours[r].params[0])
-        assert stats["dense_fp32_bytes_total"] == 4 * 2 * n_params * 4 / 2
-        assert stats["steps"] == 4 and stats["wire_bytes_total"] > 0
+
+
+@pytest.mark.parametrize("comm", [{}, {"communication_data_type": "bf16"}], ids=["fp32comm", "bf16comm"])
+def test_lossless_bit_identical_to_stock(comm):
+    """density 1 + no quantization, 2 micro-steps per step, 4 steps: same losses, full gradients and fp32
+    parameters as stock ZeRO-3, bit for bit (fp32 or bf16 communication): every micro-step sent
+    (``accumulate_locally: false``) against stock's own accumulation, and the window held and sent once
+    (``accumulate_locally``, the default) against stock's coalesced reduction (``coalesce_grad_reduction``, the same
+    sum). With bf16 communication ZeRO-3 hands each micro-step's gradient over in bf16: the held sum of two such is
+    rounded to bf16 once more than stock's coalesced sum, so the first step's gradients agree to bf16's rounding."""
+    every = dict(LOSSLESS, accumulate_locally=False)
+    runs = run_scenarios({"stock_coalesced": Train(config=comm, gas=2, coalesce=True),
+                          "ours": Train(config=dict(comm, dgc=LOSSLESS), gas=2, coalesce=False),
+                          "stock": Train(config=comm, gas=2), "ours_every": Train(config=dict(comm, dgc=every), gas=2)})
+    _same_training(runs["ours_every"], runs["stock"], "every micro-step against stock")
+    if not comm:
+        _same_training(runs["ours"], runs["stock_coalesced"], "held window against stock coalesced")
+    else:
+        for r in range(2):
+            ours, stock = runs["ours"][r], runs["stock_coalesced"][r]
+            for x, y in zip(ours.grads[0], stock.grads[0]):
+                torch.testing.assert_close(x, y, rtol=2 ** -7, atol=2 ** -8 * float(y.abs().max()))
+            assert not all(torch.equal(x, y) for x, y in zip(ours.grads[0], stock.grads[0]))  # one rounding apart
+            assert ours.losses[-1] == pytest.approx(stock.losses[-1], rel=1e-2)
+    n_params = sum(p.numel() for p in runs["ours"][0].params[0])
+    for r in range(2):
+        # every micro-step of every step counts stock's fp32 bytes for all parameters; the held window sends half
+        for name in ("ours", "ours_every"):
+            stats = runs[name][r].stats
+            assert stats["dense_fp32_bytes_total"] == 4 * 2 * n_params * 4 / 2
+            assert stats["steps"] == 4 and stats["wire_bytes_total"] > 0
+        assert runs["ours"][r].stats["wire_bytes_total"] * 2 == runs["ours_every"][r].stats["wire_bytes_total"]
 
 
 @pytest.mark.parametrize("reduce_scatter, contiguous", [(True, False), (False, True), (False, False)])
 def test_lossless_bit_identical_to_stock_for_every_reduce_path(reduce_scatter, contiguous):
     """``reduce_scatter`` and ``contiguous_gradients`` in every combination stock ZeRO-3 accepts (with reduce_scatter
     false and contiguous gradients, stock all-reduces each bucket instead: that path is compressed too): lossless
-    DGC gives stock's losses, gradients and parameters bit for bit, and every step's gradients went through it."""
+    DGC, 2 micro-steps held and sent once, gives the losses, gradients and parameters of stock's coalesced reduction
+    (the same sum) bit for bit, and every step's gradients went through it."""
     zero = {"reduce_scatter": reduce_scatter, "contiguous_gradients": contiguous}
-    runs = run_scenarios({"stock": Train(config={"zero_optimization": zero}, gas=2),
-                          "ours": Train(config={"zero_optimization": zero, "dgc": LOSSLESS}, gas=2)})
+    runs = run_scenarios({"stock": Train(config={"zero_optimization": zero}, gas=2, coalesce=True),
+                          "ours": Train(config={"zero_optimization": zero, "dgc": LOSSLESS}, gas=2, coalesce=False)})
     stock, ours = runs["stock"], runs["ours"]
     for r in range(2):
         assert ours[r].losses == stock[r].losses

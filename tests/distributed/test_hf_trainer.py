@@ -53,12 +53,15 @@ def check_job(t: dict, steps: int, warmup: int) -> None:
 
 
 def check_compressed(t: dict, steps: int, micro_steps: int) -> None:
-    """Every micro-step of every optimizer step went through the recommended method (decoupled momentum, DCT top-2 of
-    64 in INT2: about 122x fewer bytes than stock fp32's reduce-scatter)."""
+    """Every optimizer step went through the recommended method (decoupled momentum, DCT top-2 of 64 in INT2: about
+    122x fewer bytes than stock fp32's reduce-scatter), its micro-steps held and their sum sent once: the telemetry
+    counts stock's bytes for every micro-step (stock reduce-scatters each), so the ratio is about 122x per micro-step
+    of a step."""
     world = t["world_size"]
     assert t.get("dgc_steps") == steps and t.get("kernels") == "fused-cpu", t  # "dgc": null when nothing compressed
     assert t["dense_fp32_bytes_total"] == round(micro_steps * (world - 1) / world * 4 * t["n_params"]), t
-    assert 100 < t["compression_ratio"] < 130, t
+    per_step = micro_steps / steps
+    assert 100 * per_step < t["compression_ratio"] < 130 * per_step, t
 
 
 def check_short_run(t: dict, steps: int, warmup: int) -> None:
@@ -85,7 +88,7 @@ def test_hf_trainer_runs_with_dgc_compressing():
 
 def test_hf_trainer_recommended_method_compresses_and_trains():
     """The recommended method (configs/hf_zero3_dgc_adam.json) under the Trainer, 30 steps: the Trainer's schedule
-    reaches the method at every step, every micro-step of 2 is compressed at about 122x, clipping and bf16 are on, and
+    reaches the method at every step, its 2 micro-steps are held and sent once at about 122x (245x against stock's two), clipping and bf16 are on, and
     the loss is finite and falls (the comparison with stock is the next test's, a long one)."""
     steps, warmup = 30, 10
     t = run_example("hf_trainer_gpt2.py", ["--max-steps", str(steps), "--warmup-steps", str(warmup), *JOB_SETTINGS],
@@ -116,7 +119,7 @@ def test_hf_trainer_recommended_method_within_1pct_of_stock():
 def test_accelerate_recommended_method_compresses_and_trains():
     """examples/accelerate_gpt2.py (Accelerate's DeepSpeedPlugin, a plain loop with accelerator.accumulate and
     accelerator.backward, the loop's own AdamW and schedule) with the recommended method, 2 micro-steps per step,
-    clipping and bf16: every micro-step is compressed, the schedule is the loop's, the loss is finite and falls."""
+    clipping and bf16: every step is compressed, the schedule is the loop's, the loss is finite and falls."""
     pytest.importorskip("accelerate")
     steps, warmup = 30, 10
     t = run_example("accelerate_gpt2.py", ["--max-steps", str(steps), "--warmup-steps", str(warmup), *JOB_SETTINGS],

@@ -196,15 +196,22 @@ def test_decoupled_momentum_takes_any_optimizer_shared_masks_need_adam():
 
 def test_decoupled_momentum_lossless_is_stock_adam_bit_for_bit():
     """decoupled_momentum with decay 0, every coordinate of every chunk sent raw, no transform and the owners' own
-    Adam: the same parameters as stock ZeRO-3 Adam at every step, bit for bit (2 ranks, gradient accumulation 2:
-    each micro-step sends, the owners accumulate)."""
-    stock = run_scenario(Train(steps=4, gas=2), timeout_s=300)
-    ours = run_scenario(Train(steps=4, gas=2, config={"dgc": DEMO_LOSSLESS}), timeout_s=300)
-    for r in range(2):
-        assert ours[r].losses == stock[r].losses
-        for t in range(5):
-            assert all(torch.equal(a, b) for a, b in zip(stock[r].params[t], ours[r].params[t])), (r, t)
-    assert ours[0].stats["compression_ratio"] < 1.0  # raw fp32 plus positions: more bytes than stock's
+    Adam: the same parameters as stock ZeRO-3 Adam at every step, bit for bit (2 ranks, 2 micro-steps per step):
+    the window's sum sent once against stock's coalesced reduction (the same sum), and with
+    ``accumulate_locally: false`` each micro-step sent, the owners accumulating, against stock's own accumulation."""
+    every = {"dgc": dict(DEMO_LOSSLESS, accumulate_locally=False)}
+    runs = run_scenarios({"stock_coalesced": Train(steps=4, gas=2, coalesce=True),
+                          "ours": Train(steps=4, gas=2, coalesce=False, config={"dgc": DEMO_LOSSLESS}),
+                          "stock": Train(steps=4, gas=2), "ours_every": Train(steps=4, gas=2, config=every)},
+                         timeout_s=300)
+    for ours, stock in (("ours", "stock_coalesced"), ("ours_every", "stock")):
+        for r in range(2):
+            assert runs[ours][r].losses == runs[stock][r].losses
+            for t in range(5):
+                assert all(torch.equal(a, b) for a, b in zip(runs[stock][r].params[t], runs[ours][r].params[t])), \
+                    (ours, r, t)
+    # raw fp32 plus positions: more bytes than stock's per send; the held window sends once for stock's two
+    assert runs["ours_every"][0].stats["compression_ratio"] < 1.0 < runs["ours"][0].stats["compression_ratio"] < 2.0
 
 
 SGD_DEMO = dict(SGD, optimizer={"type": "SGD", "params": {"lr": 1e-2, "momentum": 0.9, "weight_decay": 0.1}})
@@ -282,14 +289,17 @@ def test_decoupled_momentum_against_a_float64_replay(fmt, half, opt):
     assert ranks[0].stats["state_bytes_per_param"] == pytest.approx(want, rel=1e-6) and want < 4.1
 
 
-def test_decoupled_momentum_with_gradient_accumulation_against_a_float64_replay():
-    """Gradient accumulation 2, raw DCT coefficients, DeepSpeed's "Adam" (AdamW mode, weight decay 0.01), 4 steps:
-    every micro-step adds g / 2 to each rank's momentum (after the decay) and sends its top-3 of each chunk; the
-    owners step once per window with the sign of the sum over ranks and micro-steps, and decoupled weight decay."""
+@pytest.mark.parametrize("held", [True, False], ids=["window-held", "every-micro-step"])
+def test_decoupled_momentum_with_gradient_accumulation_against_a_float64_replay(held):
+    """Gradient accumulation 2, raw DCT coefficients, DeepSpeed's "Adam" (AdamW mode, weight decay 0.01), 4 steps.
+    Held (``accumulate_locally``, the default): the window's gradients add up and their sum / 2 enters each rank's
+    momentum once (after one decay), which sends its top-3 of each chunk once. Every micro-step
+    (``accumulate_locally: false``): each micro-step adds g / 2 (after the decay) and sends its top-3. Either way the
+    owners step once per window with the sign of the sum over ranks (and micro-steps), and decoupled weight decay."""
     decay = 0.9
     ranks = run_scenario(Train(steps=4, gas=2, local_grads=True, config={"dgc": {
-        "enabled": True, "decoupled_momentum": {"chunk": 16, "topk": 3, "decay": decay, "quantization": "none"}}}),
-        timeout_s=300)
+        "enabled": True, "accumulate_locally": held,
+        "decoupled_momentum": {"chunk": 16, "topk": 3, "decay": decay, "quantization": "none"}}}), timeout_s=300)
     opt = ranks[0].optimizer
     assert opt.type == "AdamW" and opt.weight_decay > 0
     lr, wd = opt.lr, opt.weight_decay
@@ -300,6 +310,8 @@ def test_decoupled_momentum_with_gradient_accumulation_against_a_float64_replay(
         for r in range(2):
             micros = ranks[r].local_grads_micro[t]
             assert len(micros) == 2
+            if held:  # one send of the window's sum
+                micros = [[a + b for a, b in zip(*micros)]]
             for grads in micros:
                 for i, g in enumerate(grads):
                     pre = decay * delta[r][i] + g.double().reshape(-1) / 2

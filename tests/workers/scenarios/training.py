@@ -39,6 +39,10 @@ class Train:
         count_memory: measure the bytes of the tensors deepspeed_dgc's ops make, from before initialize on
             (:class:`~deepspeed_dgc.syncs.HostSyncCounter` with ``track_bytes``): per step, those alive at its start
             and the most alive at once during it above that.
+        coalesce: None: the engine's own accumulation (``gradient_accumulation_steps`` = ``gas``); False or True:
+            ``gradient_accumulation_steps`` 1 and ``gas`` backward calls per step, the caller setting the boundary
+            (``set_gradient_accumulation_boundary``, as DeepSpeed's coalescing tests do), and with True all of them
+            inside ``engine.coalesce_grad_reduction()`` (DeepSpeed's one reduction per step).
     """
     config: dict = field(default_factory=dict)
     model: str = "net"
@@ -54,6 +58,7 @@ class Train:
     poison_padding: bool = False
     count_syncs: bool = False
     count_memory: bool = False
+    coalesce: Optional[bool] = None
 
     def __post_init__(self):
         check_model(self.model)
@@ -156,7 +161,7 @@ def build(job: Train, rank: int) -> Built:
     if job.count_syncs or job.count_memory:
         counter = HostSyncCounter(track_bytes=job.count_memory).__enter__()
     cfg = merge(BASE, job.config)
-    cfg["gradient_accumulation_steps"] = job.gas
+    cfg["gradient_accumulation_steps"] = job.gas if job.coalesce is None else 1
     if job.allow_fp16:
         get_accelerator().is_fp16_supported = lambda: True
     for _ in range(job.models_before):  # e.g. a reference or EMA model, an evaluation copy
@@ -215,22 +220,27 @@ def run_steps(job: Train, rank: int, built: Built, record: TrainRecord, first: i
         syncs.take()  # initialize's ops are not a step's
     for step in range(first, job.steps):
         live_at_start = syncs.mark() if syncs is not None else 0
-        for m, (x, y) in enumerate(all_batches[step]):
-            if step == job.inf_at and rank == 1 and job.inf_micro in (None, m):
-                x = x.clone()
-                x[0, 0] = float("inf")
-            loss = engine(x, y)
-            engine.backward(loss)
-            record.losses.append(float(loss))
-            if job.local_grads:  # every micro-step's (the hooks fire in each backward)
-                if m == 0:
-                    record.local_grads_micro.append([])
-                record.local_grads_micro[-1].append([local[i].clone() for i in range(len(local))])
-            if m == job.gas - 1:
-                grads = [held_gradient(engine, p) for p in engine.module.parameters()]
-                record.grads.append([None if g is None else g.float().clone() for g in grads])
-                if job.local_grads:
-                    record.local_grads.append([local[i] for i in range(len(local))])
+        with engine.coalesce_grad_reduction() if job.coalesce else contextlib.nullcontext():
+            for m, (x, y) in enumerate(all_batches[step]):
+                if step == job.inf_at and rank == 1 and job.inf_micro in (None, m):
+                    x = x.clone()
+                    x[0, 0] = float("inf")
+                loss = engine(x, y)
+                if job.coalesce is not None:
+                    engine.set_gradient_accumulation_boundary(m == job.gas - 1)
+                engine.backward(loss)
+                record.losses.append(float(loss))
+                if job.local_grads:  # every micro-step's (the hooks fire in each backward)
+                    if m == 0:
+                        record.local_grads_micro.append([])
+                    record.local_grads_micro[-1].append([local[i].clone() for i in range(len(local))])
+                if m == job.gas - 1 and not job.coalesce:
+                    _record_grads(record, engine, job, local)
+                if job.coalesce is None:
+                    engine.step()
+        if job.coalesce:  # the with-block's exit reduced the step's gradients
+            _record_grads(record, engine, job, local)
+        if job.coalesce is not None:
             engine.step()
         if syncs is not None:  # before this scenario's own read-backs below, which are not counted
             record.host_syncs.append({f"{site} {name}": n for (site, name), n in syncs.take_sites().items()})
@@ -247,6 +257,14 @@ def run_steps(job: Train, rank: int, built: Built, record: TrainRecord, first: i
         syncs.__exit__(None, None, None)
     finish_record(record, job, engine, state)
     return record
+
+
+def _record_grads(record: TrainRecord, engine, job: Train, local: dict) -> None:
+    """DeepSpeed's full fp32 gradient of every parameter (and this rank's own local ones) at the step's end."""
+    grads = [held_gradient(engine, p) for p in engine.module.parameters()]
+    record.grads.append([None if g is None else g.float().clone() for g in grads])
+    if job.local_grads:
+        record.local_grads.append([local[i] for i in range(len(local))])
 
 
 def record_step(record: TrainRecord, engine, state) -> None:
