@@ -309,12 +309,14 @@ def _why(tests: dict, ids: list) -> list:
 
 def markdown(report: dict, results: dict, meta: dict) -> str:
     ids, stock, runs = meta["ids"], results.get("stock", {}), meta["runs"]
+    # the machine of the sections' full runs (a run recorded before runs named theirs: this one's)
+    machine = " and ".join(sorted({run.get("machine", meta["machine"]) for run in runs.values()})) or meta["machine"]
     out = ["# DeepSpeed's ZeRO-3 unit tests with a `\"dgc\"` section (issue 51, item 4)", "",
            f"The {report['tests']} tests of DeepSpeed's `tests/unit/v1/zero/` and `tests/unit/runtime/zero/` that "
            f"build a ZeRO-3 config (commit {meta['deepspeed_commit']}, vendored in "
            "[peer/deepspeed_tests](../peer/deepspeed_tests/README.md), which says how they were found), run with "
            f"DeepSpeed {meta['deepspeed']} and torch {meta['torch']} on the CPU accelerator (gloo, "
-           f"`LOCAL_SIZE={meta['local_size']}`), {meta['machine']}, one pytest process per file, "
+           f"`LOCAL_SIZE={meta['local_size']}`), {machine}, one pytest process per file, "
            f"{meta['timeout']} s per test at most (`make peer-tests`, `benchmarks/peer_tests.py`). Each section "
            "injects its `\"dgc\"` section into every ZeRO-3 config that reaches `deepspeed.initialize` (`enabled`: "
            "`{\"enabled\": true}`; `recommended`: the section of `configs/zero3_dgc_adam.json`); `stock` is "
@@ -342,8 +344,9 @@ def markdown(report: dict, results: dict, meta: dict) -> str:
                        "never took effect in them: they count as unchanged."]
     for section, run in runs.items():
         for rerun in run.get("reruns", []):
+            on = f", on {rerun['machine']}" if rerun.get("machine") else ""
             out += ["", f"{section}: {rerun['tests']} tests run again since, by `{rerun['command']}` "
-                       f"(deepspeed_dgc {rerun['deepspeed_dgc']}); their records replace the first ones."]
+                       f"(deepspeed_dgc {rerun['deepspeed_dgc']}{on}); their records replace the first ones."]
     for section, data in report["sections"].items():
         for cls in ("refused", "failed"):
             n = data["counts"][cls]
@@ -404,7 +407,7 @@ def note_run(setup: Setup, section: str, command: str, seconds, tests: int) -> N
     runs = json.loads(path.read_text()) if path.exists() else {}
     run = {"command": command, "deepspeed_dgc": dgc_label(setup), "tests": tests, "timeout": setup.timeout,
            "local_size": setup.local_size, "commit": _git("rev-parse", "--short", "HEAD"),
-           "ended": time.strftime("%Y-%m-%d %H:%M")}
+           "ended": time.strftime("%Y-%m-%d %H:%M"), "machine": versions()["machine"]}
     if seconds is None and section in runs:
         runs[section].setdefault("reruns", []).append(run)
     else:
