@@ -284,12 +284,15 @@ def _rows(tests: dict, ids: list, cls: str, stock: dict, whole: bool, each: bool
 
 # why the failures seen so far fail, by the part of the test id that has them (shown under a section's failures)
 WHY_FAILED = {
-    "test_zero_coalesce_grad_reduction.py": (
-        "they train the same model twice, the gradients of a step's micro-batches reduced once each and coalesced into "
-        "one reduction, and assert the weights equal to 1e-6 (5e-6 for several buckets, 1e-3 and 2e-3 over several "
-        "steps), which holds for DeepSpeed's uncompressed reduction. A lossy codec's error (the default's INT4, "
-        "DeMo's top-k) differs between the two ways, and one Adam or sign step at lr 1e-3 turns it into a difference "
-        "of about the learning rate. Not a refusal: both trainings are meaningful, only not bit-identical"),
+    "test_coalesce_issues_fewer_collectives": (
+        "it counts DeepSpeed's collectives (`all_reduce`, `reduce`, `reduce_scatter_fn`) issued during the backward "
+        "passes of 4 micro-steps, once with the gradients reduced every micro-step and once coalesced "
+        "(`engine.coalesce_grad_reduction()`), and asserts fewer when coalesced. Under the extension there is no "
+        "reduction per micro-step to save: the micro-steps are held and their sum sent once, by the extension's own "
+        "all-to-all, in both runs (`dgc.accumulate_locally`), so the run without coalescing issues no more of DeepSpeed's "
+        "collectives than the coalesced one (no reduce-scatter in either; under `enabled` none at all, and the test "
+        "first asserts the baseline issued some). The same file's bit-exactness "
+        "tests (the coalesced weights equal the others to 1e-6) pass: the held sum is the coalesced one"),
     "test_zero_linear_direct_init.py": (
         "it asserts `safe_get_full_grad` equal to the uncompressed gradient to torch's float32 tolerance (1.3e-6 "
         "relative); under the default codec (dense INT4 with error feedback) it is the averaged gradient as the "

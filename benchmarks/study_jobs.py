@@ -237,6 +237,7 @@ def probe(tag: str, config: dict, args: argparse.Namespace) -> tuple[dict | None
     else:
         facts = None
         error = error_message(result.stdout + result.stderr) or f"exit code {result.returncode} (log: {log})"
+    path.parent.mkdir(parents=True, exist_ok=True)  # a fresh --out-dir has no probes/ yet
     path.write_text(json.dumps({"config": config, "facts": facts, "error": error}, indent=2) + "\n")
     return facts, error
 

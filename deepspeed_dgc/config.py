@@ -44,7 +44,8 @@ class CompressedMomentumConfig(BaseModel):
     optimizer steps the owners run stock Adam on the gradients (compressed by the top-level keys) while every
     rank keeps a local momentum of its own gradient; then Adam's second moment is frozen and the ranks send
     their momenta (preconditioned), compressed by this section's keys, with error feedback. Needs Adam or AdamW
-    (without L2 weight decay), ``gradient_accumulation_steps`` 1, the flat topology, fp32 or bf16.
+    (without L2 weight decay), one send per optimizer step (``gradient_accumulation_steps`` 1, or any with
+    ``accumulate_locally``), the flat topology, fp32 or bf16.
     """
 
     model_config = _MODEL

@@ -47,11 +47,15 @@ def decoupled_weight_decay(optimizer) -> bool:
     return False
 
 
-def check_optimizer(optimizer, gradient_accumulation_steps: int, fp16: bool = False, offload: bool = False) -> float:
+def check_optimizer(optimizer, sends_per_step: int, fp16: bool = False, offload: bool = False) -> float:
     """Check that the owners' optimizer is Adam-like and the job fits; returns Adam's beta1.
 
+    Args:
+        sends_per_step: reduce-scatters per optimizer step: 1, or with ``accumulate_locally: false`` the engine's
+            ``gradient_accumulation_steps``.
+
     Raises:
-        DGCConfigError: another optimizer, L2 (not decoupled) weight decay, gradient accumulation,
+        DGCConfigError: another optimizer, L2 (not decoupled) weight decay, more than one send per step,
             param groups with different beta1, fp16 (the update, about 1 per element, times the loss
             scale would overflow ZeRO-3's fp16 gradient partitions) or optimizer offload.
     """
@@ -64,9 +68,9 @@ def check_optimizer(optimizer, gradient_accumulation_steps: int, fp16: bool = Fa
                              "(the frozen preconditioner lives with the gradients)")
     if name not in ADAM_TYPES:
         raise DGCConfigError(f"'dgc.compressed_momentum' needs an Adam optimizer ({', '.join(ADAM_TYPES)}), got {name}")
-    if gradient_accumulation_steps != 1:
-        raise DGCConfigError("'dgc.compressed_momentum' needs 'gradient_accumulation_steps' = 1 (got "
-                             f"{gradient_accumulation_steps})")
+    if sends_per_step != 1:
+        raise DGCConfigError("'dgc.compressed_momentum' needs one send per optimizer step: 'dgc.accumulate_locally' "
+                             f"true (the default) or 'gradient_accumulation_steps' = 1 (got {sends_per_step})")
     if not decoupled_weight_decay(optimizer) and any(g.get("weight_decay", 0.0) for g in optimizer.param_groups):
         raise DGCConfigError("'dgc.compressed_momentum' needs decoupled weight decay (AdamW) or 'weight_decay' = 0: "
                              "with L2 decay the frozen-variance update is not linear in the momentum")
@@ -297,18 +301,19 @@ def sign_step(optimizer, decoupled: bool, closure=None):
     return loss
 
 
-def check_sgd_optimizer(optimizer, gradient_accumulation_steps: int, fp16: bool = False, offload: bool = False) -> float:
+def check_sgd_optimizer(optimizer, sends_per_step: int, fp16: bool = False, offload: bool = False) -> float:
     """Check that the owners' optimizer is momentum SGD and the job fits ``momentum_correction``; returns the momentum.
 
     Args:
         optimizer: the owners' basic optimizer (``zero_optimizer.optimizer``).
-        gradient_accumulation_steps: the engine's.
+        sends_per_step: reduce-scatters per optimizer step: 1, or with ``accumulate_locally: false`` the engine's
+            ``gradient_accumulation_steps``.
         fp16: whether the engine runs fp16 with loss scaling.
         offload: whether the optimizer is offloaded.
 
     Raises:
         DGCConfigError: another optimizer (naming it), momentum 0, Nesterov, dampening, ``maximize``,
-            param groups with different momenta, gradient accumulation, fp16 or optimizer offload; the
+            param groups with different momenta, more than one send per step, fp16 or optimizer offload; the
             message names the ds_config key.
     """
     name = type(optimizer).__name__
@@ -325,9 +330,9 @@ def check_sgd_optimizer(optimizer, gradient_accumulation_steps: int, fp16: bool 
         if bad:
             raise DGCConfigError(f"'dgc.momentum_correction' supports SGD without 'optimizer.params.{key}' "
                                  f"(got {bad[0]!r}): plain momentum only")
-    if gradient_accumulation_steps != 1:
-        raise DGCConfigError("'dgc.momentum_correction' needs 'gradient_accumulation_steps' = 1 (got "
-                             f"{gradient_accumulation_steps})")
+    if sends_per_step != 1:
+        raise DGCConfigError("'dgc.momentum_correction' needs one send per optimizer step: 'dgc.accumulate_locally' "
+                             f"true (the default) or 'gradient_accumulation_steps' = 1 (got {sends_per_step})")
     if fp16:
         raise DGCConfigError("'dgc.momentum_correction' does not support 'fp16' engines; use bf16 or fp32")
     if offload:

@@ -309,9 +309,11 @@ def _check_job(engine, cfg: DGCConfig) -> int:
 def _momentum_state(engine, opt, cfg: DGCConfig):
     """The momentum state the config asks for, after checking that the owners' optimizer fits it; or None."""
     offload = bool(getattr(opt, "offload_optimizer", False))
+    # sends per optimizer step: one where the window is held and sent at its end (accumulation.py)
+    sends = 1 if cfg.accumulate_locally and engine.managed_gradient_accumulation() \
+        else engine.gradient_accumulation_steps()
     if cfg.compressed_momentum is not None:
-        beta1 = owners.check_optimizer(opt.optimizer, engine.gradient_accumulation_steps(), engine.fp16_enabled(),
-                                          offload)
+        beta1 = owners.check_optimizer(opt.optimizer, sends, engine.fp16_enabled(), offload)
         return CompressedMomentum(cfg.compressed_momentum, beta1)
     if cfg.decoupled_momentum is not None:
         owners.check_step_optimizer(opt.optimizer, "decoupled_momentum")  # any optimizer, fp16, offload
@@ -320,8 +322,7 @@ def _momentum_state(engine, opt, cfg: DGCConfig):
     if cfg.shared_mask is not None:  # no local momentum: the owners' Adam state chooses (share_masks)
         owners.check_adam_method(opt.optimizer, "shared_mask", engine.fp16_enabled(), offload)
     if cfg.momentum_correction:
-        m = owners.check_sgd_optimizer(opt.optimizer, engine.gradient_accumulation_steps(), engine.fp16_enabled(),
-                                          offload)
+        m = owners.check_sgd_optimizer(opt.optimizer, sends, engine.fp16_enabled(), offload)
         return MomentumCorrection(cfg, m, dist.get_world_size(group=opt.dp_process_group))
     return None
 

@@ -288,7 +288,7 @@ BAD = {  # case -> ds_config override (merged into the worker's BASE; None remov
     "momentum_sgd": {"dgc": {"enabled": True, "compressed_momentum": {"freeze_step": 2}},
                      "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
                      "zero_allow_untested_optimizer": True},
-    "momentum_gas": {"dgc": {"enabled": True, "compressed_momentum": {"freeze_step": 2}},
+    "momentum_gas": {"dgc": {"enabled": True, "compressed_momentum": {"freeze_step": 2}, "accumulate_locally": False},
                      "gradient_accumulation_steps": 2},
     "clip_hierarchical": {"dgc": {"enabled": True, "topology": "hierarchical", "momentum_correction": True,
                                   "local_clip_norm": 1.0},

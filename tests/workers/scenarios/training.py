@@ -39,10 +39,11 @@ class Train:
         count_memory: measure the bytes of the tensors deepspeed_dgc's ops make, from before initialize on
             (:class:`~deepspeed_dgc.syncs.HostSyncCounter` with ``track_bytes``): per step, those alive at its start
             and the most alive at once during it above that.
-        coalesce: None: the engine's own accumulation (``gradient_accumulation_steps`` = ``gas``); False or True:
-            ``gradient_accumulation_steps`` 1 and ``gas`` backward calls per step, the caller setting the boundary
+        coalesce: None: the engine's own accumulation loop (``engine.step()`` after every micro-step); False or
+            True: ``gas`` backward calls and one ``engine.step()`` per step, the caller setting the boundary
             (``set_gradient_accumulation_boundary``, as DeepSpeed's coalescing tests do), and with True all of them
-            inside ``engine.coalesce_grad_reduction()`` (DeepSpeed's one reduction per step).
+            inside ``engine.coalesce_grad_reduction()`` (DeepSpeed's one reduction per step). Either way
+            ``gradient_accumulation_steps`` is ``gas`` (the engine divides each micro-step's loss by it).
     """
     config: dict = field(default_factory=dict)
     model: str = "net"
@@ -161,7 +162,7 @@ def build(job: Train, rank: int) -> Built:
     if job.count_syncs or job.count_memory:
         counter = HostSyncCounter(track_bytes=job.count_memory).__enter__()
     cfg = merge(BASE, job.config)
-    cfg["gradient_accumulation_steps"] = job.gas if job.coalesce is None else 1
+    cfg["gradient_accumulation_steps"] = job.gas
     if job.allow_fp16:
         get_accelerator().is_fp16_supported = lambda: True
     for _ in range(job.models_before):  # e.g. a reference or EMA model, an evaluation copy
@@ -241,6 +242,9 @@ def run_steps(job: Train, rank: int, built: Built, record: TrainRecord, first: i
         if job.coalesce:  # the with-block's exit reduced the step's gradients
             _record_grads(record, engine, job, local)
         if job.coalesce is not None:
+            # the with-block's exit puts back the boundary it found (before the first step: none, which the engine
+            # then reads from its micro-step counter, one per step here): the caller's boundary again
+            engine.set_gradient_accumulation_boundary(True)
             engine.step()
         if syncs is not None:  # before this scenario's own read-backs below, which are not counted
             record.host_syncs.append({f"{site} {name}": n for (site, name), n in syncs.take_sites().items()})
