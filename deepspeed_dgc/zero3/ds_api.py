@@ -21,6 +21,8 @@ before its freeze
 after its freeze                                                                 does not keep: :class:`DGCStateError`
 ==========================  ===================================================  ==========================================
 
+Inside a gradient accumulation window whose micro-steps are held (``accumulate_locally``), ZeRO-3's partitions hold
+none of the window's gradient yet: the gradient APIs raise :class:`DGCStateError` saying so until its last backward.
 The method's own states are per rank, not partitioned: the "full" getters return this rank's whole state of the
 parameter (shape ``param.ds_shape``, fp32, no collective), the "local" ones the slice of it at this rank's partition
 (``param.ds_tensor``'s elements); the setters replace this rank's state (the next step adds to it). Under the
@@ -153,6 +155,12 @@ def _guard_grad(original: Callable, api: str, state, method) -> Callable:
 
     @functools.wraps(original)
     def guarded(*args, **kwargs):
+        if state.window.held:  # between the micro-steps of a window whose gradients are held, not sent
+            raise DGCStateError(f"deepspeed_dgc: {api} (DeepSpeed's gradient API) was called inside a gradient "
+                                f"accumulation window: under 'dgc.accumulate_locally' each rank holds the window's "
+                                "gradients until its last micro-step, and ZeRO-3's gradient partitions get none of "
+                                "them before; call it after the window's last backward, or set "
+                                "'dgc.accumulate_locally' to false (every micro-step sent)")
         frozen = any(isinstance(a, torch.nn.Parameter) and not a.requires_grad for a in args + tuple(kwargs.values()))
         held = None if frozen else method().partitions_hold(state)  # a frozen parameter: stock's None
         if held is not None:

@@ -140,3 +140,22 @@ def test_zero_to_fp32_reads_a_decoupled_momentum_checkpoint(records, out):
     assert list(weights) == ["l1.weight", "l1.bias", "ln.weight", "ln.bias", "l2.weight", "l2.bias"]
     for got, want in zip(weights.values(), trained):
         assert torch.equal(got.float(), want)
+
+
+def test_inside_a_held_accumulation_window_the_gradient_apis_say_so():
+    """Between the micro-steps of a window (2 micro-steps, after the first backward), under the default codec: with
+    the window held (``accumulate_locally``, the default) ZeRO-3's partitions hold none of its gradient yet, so every
+    gradient API raises DGCStateError naming ``accumulate_locally`` (not the zeros the partitions hold); sending every
+    micro-step, they answer with what was reduced so far (the first micro-step's averaged gradient, not zero)."""
+    runs = run_scenarios({
+        "held": QueryAPIs(steps=2, gas=2, mid_window=True, config={"dgc": {"enabled": True}}),
+        "every": QueryAPIs(steps=2, gas=2, mid_window=True, config={"dgc": {"enabled": True,
+                                                                            "accumulate_locally": False}})})
+    for rec in runs["held"]:
+        for api in ("full_grad", "local_grad", "set_full_grad", "grad_partitions"):
+            for answer in rec.answers[api]:
+                err = _error(answer)
+                assert err.startswith("DGCStateError") and "'dgc.accumulate_locally'" in err, (api, err)
+        assert rec.after_set["loss_after"] > 0  # the window then ends and steps as usual
+    for rec in runs["every"]:
+        assert all(torch.is_tensor(g) and g.abs().max() > 0 for g in rec.answers["full_grad"])

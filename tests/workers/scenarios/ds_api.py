@@ -22,9 +22,12 @@ class QueryAPIs(Train):
     Attributes:
         keys: the optimizer-state keys asked for (the optimizer's own and the extension's).
         ckpt: where to save a checkpoint after training, before the APIs are asked (None: none).
+        mid_window: after training, the first micro-step of a new accumulation window (forward and backward, ``gas``
+            at least 2) before the APIs are asked.
     """
     keys: List[str] = field(default_factory=lambda: ["exp_avg", "exp_avg_sq", "dgc_momentum", "dgc_residual", "step"])
     ckpt: Optional[str] = None
+    mid_window: bool = False
 
 
 @dataclass
@@ -61,6 +64,9 @@ def query_apis(job: QueryAPIs, rank: int) -> APIRecord:
     opt, state = engine.optimizer, engine._dgc_state
     if job.ckpt is not None:
         engine.save_checkpoint(job.ckpt, tag="trained")
+    if job.mid_window:
+        x, y = batches(rank, 1, 1, dtype_of(built.cfg), job.model)[0][0]
+        engine.backward(engine(x, y))
     params = list(engine.module.parameters())
     answers = {"full_grad": [_ask(safe_get_full_grad, p) for p in params],
                "local_grad": [_ask(safe_get_local_grad, p) for p in params],
