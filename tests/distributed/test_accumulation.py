@@ -34,21 +34,29 @@ def _equal(a, b) -> bool:
     return all((x is None and y is None) or torch.equal(x, y) for x, y in zip(a, b))
 
 
+@pytest.fixture(scope="module")
+def runs():
+    """Every section's runs, in one launch (its start-up is most of a short run's time): ``"<section>/<run>"``."""
+    jobs = {}
+    for name, (dgc, extra, every_allowed) in SECTIONS.items():
+        jobs[f"{name}/held"] = Train(config=dict(extra, dgc=dgc), gas=4, steps=3)
+        jobs[f"{name}/held_caller_boundary"] = Train(config=dict(extra, dgc=dgc), gas=4, steps=3, coalesce=False)
+        jobs[f"{name}/coalesced"] = Train(config=dict(extra, dgc=dgc), gas=4, steps=3, coalesce=True)
+        if every_allowed:
+            jobs[f"{name}/every"] = Train(config=dict(extra, dgc=dict(dgc, accumulate_locally=False)), gas=4, steps=3)
+    return run_scenarios(jobs, timeout_s=600)
+
+
 @pytest.mark.parametrize("name", list(SECTIONS))
-def test_window_sent_once_gives_deepspeeds_coalesced_bits(name):
+def test_window_sent_once_gives_deepspeeds_coalesced_bits(name, runs):
     """4 micro-steps per step, 3 steps, the engine's own loop and the loop of DeepSpeed's coalescing tests (the
     caller sets the boundary and steps once): the held window gives the parameters of DeepSpeed's coalesced
     reduction under the same codec bit for bit, every step and rank, with the same bytes on the wire (but for the
     buckets' headers); the telemetry counts 4 of stock's reduce-scatters per step against them. Sending every
     micro-step instead (``accumulate_locally: false``) pays the codec 4 times: other parameters and more bytes;
     compressed momentum and momentum correction refuse it, and run with the window held."""
-    dgc, extra, every_allowed = SECTIONS[name]
-    jobs = {"held": Train(config=dict(extra, dgc=dgc), gas=4, steps=3),
-            "held_caller_boundary": Train(config=dict(extra, dgc=dgc), gas=4, steps=3, coalesce=False),
-            "coalesced": Train(config=dict(extra, dgc=dgc), gas=4, steps=3, coalesce=True)}
-    if every_allowed:
-        jobs["every"] = Train(config=dict(extra, dgc=dict(dgc, accumulate_locally=False)), gas=4, steps=3)
-    runs = run_scenarios(jobs)
+    every_allowed = SECTIONS[name][2]
+    runs = {run.split("/", 1)[1]: records for run, records in runs.items() if run.startswith(f"{name}/")}
     for r in range(2):
         held, coalesced = runs["held"][r], runs["coalesced"][r]
         for run in ("held", "held_caller_boundary"):
