@@ -161,7 +161,9 @@ class DGCConfig(BaseModel):
     """Settings of dynamic gradient compression for ZeRO-3, under the top-level ``"dgc"`` key of ds_config.
 
     ``density: 1.0`` with ``quantization: "none"`` is the lossless mode: bit-identical to stock ZeRO-3 at 2 ranks
-    (within fp32 summation order at 3 or more). The meaning of each key is its field's description.
+    (within fp32 summation order at 3 or more; with gradient accumulation, to stock's
+    ``engine.coalesce_grad_reduction()``, or with ``accumulate_locally: false`` to stock's own). The meaning of each
+    key is its field's description.
     """
 
     model_config = _MODEL
@@ -230,8 +232,11 @@ class DGCConfig(BaseModel):
         "`set_gradient_accumulation_boundary(True)`), each rank adds its micro-steps' gradients up locally and the "
         "window's sum is compressed and sent once, at ZeRO-3's accumulation boundary (DGC's local accumulation, Lin "
         "et al., ICLR 2018, section 3.1; in ZeRO-3's gradient accumulation dtype, `data_types.grad_accum_dtype`, "
-        "the model's by default: the very sum DeepSpeed's `engine.coalesce_grad_reduction()` forms): N micro-steps, N "
-        "times fewer gradient bytes and collectives than sending each, as stock ZeRO-3 does. It holds the window's sum "
+        "the model's by default: the very sum DeepSpeed's `engine.coalesce_grad_reduction()` forms). Stock ZeRO-3 "
+        "reduce-scatters every micro-step: with N micro-steps this sends N times fewer gradient bytes and collectives "
+        "(the telemetry's ratio counts stock's N). Under `decoupled_momentum` each send is one top-k: held, one per "
+        "step instead of N (with `false`, N times the bytes and somewhat lower loss; at equal bytes, `topk` times N "
+        "held, about the same loss: docs/huggingface.md). It holds the window's sum "
         "until its end, the parameters' full size in that dtype (2 or 4 bytes per element; sending every micro-step "
         "staged the residuals or momenta in fp32, 4). "
         "`false`: every micro-step is compressed and sent (nothing held). With "
@@ -305,8 +310,9 @@ class DGCConfig(BaseModel):
     momentum_correction: bool = Field(
         False, description="momentum SGD only: DGC's momentum correction (Lin et al. 2018, section 3.1): every rank "
         "keeps its velocity `u = m u + g / W`, error feedback accumulates and sends `u`, the owners step without "
-        "momentum. Needs `torch.optim.SGD` with momentum > 0, no Nesterov, dampening or maximize, no gradient "
-        "accumulation, not fp16, the flat topology and fp32 residuals; DeepSpeed's `gradient_clipping` is switched "
+        "momentum. Needs `torch.optim.SGD` with momentum > 0, no Nesterov, dampening or maximize, one send per "
+        "optimizer step (gradient accumulation with `accumulate_locally`, the default), not fp16, the flat topology "
+        "and fp32 residuals; DeepSpeed's `gradient_clipping` is switched "
         "off (use `local_clip_norm`)")
     momentum_factor_masking: bool = Field(True, description="with `momentum_correction` only: zero the velocity of "
                                           "the elements top-k just sent (section 3.3)")

@@ -70,7 +70,9 @@ def check_optimizer(optimizer, sends_per_step: int, fp16: bool = False, offload:
         raise DGCConfigError(f"'dgc.compressed_momentum' needs an Adam optimizer ({', '.join(ADAM_TYPES)}), got {name}")
     if sends_per_step != 1:
         raise DGCConfigError("'dgc.compressed_momentum' needs one send per optimizer step: 'dgc.accumulate_locally' "
-                             f"true (the default) or 'gradient_accumulation_steps' = 1 (got {sends_per_step})")
+                             "true (the default) with DeepSpeed's managed gradient accumulation (not "
+                             "'managed_gradient_accumulation': false, under which every micro-step is sent), or "
+                             f"'gradient_accumulation_steps' = 1 (got {sends_per_step} sends per step)")
     if not decoupled_weight_decay(optimizer) and any(g.get("weight_decay", 0.0) for g in optimizer.param_groups):
         raise DGCConfigError("'dgc.compressed_momentum' needs decoupled weight decay (AdamW) or 'weight_decay' = 0: "
                              "with L2 decay the frozen-variance update is not linear in the momentum")
@@ -332,7 +334,9 @@ def check_sgd_optimizer(optimizer, sends_per_step: int, fp16: bool = False, offl
                                  f"(got {bad[0]!r}): plain momentum only")
     if sends_per_step != 1:
         raise DGCConfigError("'dgc.momentum_correction' needs one send per optimizer step: 'dgc.accumulate_locally' "
-                             f"true (the default) or 'gradient_accumulation_steps' = 1 (got {sends_per_step})")
+                             "true (the default) with DeepSpeed's managed gradient accumulation (not "
+                             "'managed_gradient_accumulation': false, under which every micro-step is sent), or "
+                             f"'gradient_accumulation_steps' = 1 (got {sends_per_step} sends per step)")
     if fp16:
         raise DGCConfigError("'dgc.momentum_correction' does not support 'fp16' engines; use bf16 or fp32")
     if offload:
