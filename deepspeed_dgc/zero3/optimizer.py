@@ -47,6 +47,15 @@ def decoupled_weight_decay(optimizer) -> bool:
     return False
 
 
+def _one_send_per_step(method: str, sends_per_step: int) -> None:
+    """Raises DGCConfigError naming ``method`` and the keys that give one send per optimizer step."""
+    if sends_per_step != 1:
+        raise DGCConfigError(f"'dgc.{method}' needs one send per optimizer step: 'dgc.accumulate_locally' true (the "
+                             "default) with DeepSpeed's managed gradient accumulation (not "
+                             "'managed_gradient_accumulation': false, under which every micro-step is sent), or "
+                             f"'gradient_accumulation_steps' = 1 (got {sends_per_step} sends per step)")
+
+
 def check_optimizer(optimizer, sends_per_step: int, fp16: bool = False, offload: bool = False) -> float:
     """Check that the owners' optimizer is Adam-like and the job fits; returns Adam's beta1.
 
@@ -68,11 +77,7 @@ def check_optimizer(optimizer, sends_per_step: int, fp16: bool = False, offload:
                              "(the frozen preconditioner lives with the gradients)")
     if name not in ADAM_TYPES:
         raise DGCConfigError(f"'dgc.compressed_momentum' needs an Adam optimizer ({', '.join(ADAM_TYPES)}), got {name}")
-    if sends_per_step != 1:
-        raise DGCConfigError("'dgc.compressed_momentum' needs one send per optimizer step: 'dgc.accumulate_locally' "
-                             "true (the default) with DeepSpeed's managed gradient accumulation (not "
-                             "'managed_gradient_accumulation': false, under which every micro-step is sent), or "
-                             f"'gradient_accumulation_steps' = 1 (got {sends_per_step} sends per step)")
+    _one_send_per_step("compressed_momentum", sends_per_step)
     if not decoupled_weight_decay(optimizer) and any(g.get("weight_decay", 0.0) for g in optimizer.param_groups):
         raise DGCConfigError("'dgc.compressed_momentum' needs decoupled weight decay (AdamW) or 'weight_decay' = 0: "
                              "with L2 decay the frozen-variance update is not linear in the momentum")
@@ -332,11 +337,7 @@ def check_sgd_optimizer(optimizer, sends_per_step: int, fp16: bool = False, offl
         if bad:
             raise DGCConfigError(f"'dgc.momentum_correction' supports SGD without 'optimizer.params.{key}' "
                                  f"(got {bad[0]!r}): plain momentum only")
-    if sends_per_step != 1:
-        raise DGCConfigError("'dgc.momentum_correction' needs one send per optimizer step: 'dgc.accumulate_locally' "
-                             "true (the default) with DeepSpeed's managed gradient accumulation (not "
-                             "'managed_gradient_accumulation': false, under which every micro-step is sent), or "
-                             f"'gradient_accumulation_steps' = 1 (got {sends_per_step} sends per step)")
+    _one_send_per_step("momentum_correction", sends_per_step)
     if fp16:
         raise DGCConfigError("'dgc.momentum_correction' does not support 'fp16' engines; use bf16 or fp32")
     if offload:

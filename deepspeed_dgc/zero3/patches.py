@@ -14,7 +14,7 @@ seam                                                        scope       what rep
 ``DeepSpeedZeroOptimizer_Stage3.__avg_scatter_contiguous_``  instance    the same, where stock all-reduces the bucket
 ``grads`` (``reduce_scatter: false`` + contiguous gradients)
 ``DeepSpeedZeroOptimizer_Stage3.step``                      instance    commits or rolls back error feedback, telemetry
-``DeepSpeedZeroOptimizer_Stage3.independent_gradient_``     instance    first sends what an accumulation window holds
+``DeepSpeedZeroOptimizer_Stage3.independent_gradient_``     instance    then sends what an accumulation window holds
 ``partition_epilogue``                                                  for parameters unused in its last micro-step
 ``DeepSpeedEngine.save_checkpoint`` / ``load_checkpoint``   instance    also write / read the side-car
 ``partition_parameters._dist_allgather_fn``                 module      the quantized parameter all-gather
@@ -435,29 +435,28 @@ def _held(opt, state: DGCState, params, group) -> bool:
 
 
 def _send_leftovers(opt, state: DGCState) -> Callable:
-    """``opt.independent_gradient_partition_epilogue`` (the end of every backward) that first sends, at the window's
-    end, what the window holds for parameters without a gradient in its last micro-step (in no bucket of it, reduced
-    or still filling; the one still filling is reduced by the epilogue itself, its held sums added then): one compressed reduce-scatter per partition group and communication dtype, into ZeRO-3's gradient
-    partitions (``partition_grads``, which adds them to the zeros the held micro-steps left there). Every rank must
-    hold the same parameters then, as every rank must reduce the same buckets in stock ZeRO-3."""
+    """``opt.independent_gradient_partition_epilogue`` (the end of every backward) that then sends, at the window's
+    end, what the window still holds: the sums of parameters without a gradient in its last micro-step (in none of
+    its buckets, all reduced by the epilogue itself, its stream synchronized): one compressed reduce-scatter per
+    partition group and dtype, into ZeRO-3's gradient partitions (``partition_grads``, which adds them to the zeros
+    the held micro-steps left there; ``averaged_gradients`` holds views of those). Every rank must hold the same
+    parameters then, as every rank must reduce the same buckets in stock ZeRO-3."""
     epilogue = opt.independent_gradient_partition_epilogue
 
     @functools.wraps(epilogue)
     def independent_gradient_partition_epilogue(*args, **kwargs):
+        out = epilogue(*args, **kwargs)
         if state.window.held and _window_ends(opt):
             left = set(state.window.leftovers())
-            in_buckets = {id(p) for bucket in opt.ipg_buckets.values() for p in bucket.params}  # reduced next, held
-            params = [p for group in opt.fp16_groups for p in group
-                      if state.keys.get(id(p)) in left and id(p) not in in_buckets]
             batches = {}
-            for p in params:
+            for p in (p for group in opt.fp16_groups for p in group if state.keys.get(id(p)) in left):
                 grad = state.window.take(state.key_of(p))
                 batches.setdefault((opt._get_param_partition_group(p), grad.dtype), []).append((p, grad))
             state.set_window_end(True)
             for (group, dtype), pairs in batches.items():
                 ps = [p for p, _ in pairs]
                 opt.partition_grads(ps, _compressed_partitions(opt, state, ps, [g for _, g in pairs], group, dtype))
-        return epilogue(*args, **kwargs)
+        return out
 
     return independent_gradient_partition_epilogue
 
