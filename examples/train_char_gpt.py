@@ -195,7 +195,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-steps", type=int, default=300, help="optimizer steps")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--eval-interval", type=int, default=50, help="evaluate every this many steps")
-    parser.add_argument("--eval-batches", type=int, default=8, help="validation batches per evaluation")
+    parser.add_argument("--eval-batches", type=int, default=8, help="validation batches per evaluation, each of one "
+                        "optimizer step's sequences per rank (micro-batch x gradient accumulation)")
     parser.add_argument("--summary-json", type=Path, help="rank 0 writes the run summary here")
     parser.add_argument("--holdout-eval", action="store_true",
                         help="after the last step, also evaluate on the whole validation split (consecutive "
@@ -375,7 +376,10 @@ def main() -> None:
                                    f"on ({active.kernels} kernels), 'dgc' = {json.dumps(ds_config['dgc'])}"), flush=True)
 
     val_gen = torch.Generator().manual_seed(args.seed)  # same validation set on every rank
-    val_batches = [get_batch(val_data, batch_size, args.block_size, val_gen) for _ in range(args.eval_batches)]
+    # batches of one optimizer step's sequences per rank (micro-batch x accumulation): runs that split the same
+    # batch into other micro-batches score the same validation set
+    eval_batch = batch_size * grad_accum
+    val_batches = [get_batch(val_data, eval_batch, args.block_size, val_gen) for _ in range(args.eval_batches)]
     train_gen = torch.Generator().manual_seed(args.seed + rank)  # different training batches per rank
 
     recent_train = deque(maxlen=TRAIN_LOSS_WINDOW)
@@ -469,7 +473,7 @@ def main() -> None:
         step_log.close()
     progress.close()
     final_val_loss = val_losses[-1][1]  # evaluated after the last step
-    holdout = holdout_batches(val_data, batch_size, args.block_size) if args.holdout_eval else []
+    holdout = holdout_batches(val_data, eval_batch, args.block_size) if args.holdout_eval else []
     holdout_val_loss = evaluate(engine, holdout, device) if holdout else None
 
     stats = deepspeed_dgc.get_stats(engine)
