@@ -41,6 +41,7 @@ class LocalAccumulation:
     def __init__(self):
         self.held: Dict[Hashable, torch.Tensor] = {}
         self.peak_bytes = 0
+        self._bytes = 0  # of what is held now
         self._zeros: Dict[Tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
     def __len__(self) -> int:
@@ -65,13 +66,14 @@ class LocalAccumulation:
             views = [v.view(g.shape) for v, (_, g) in zip(flat.split([g.numel() for _, g in new]), new)]
             torch._foreach_copy_(views, [g.detach() for _, g in new])
             self.held.update((k, v) for (k, _), v in zip(new, views))
-        self.peak_bytes = max(self.peak_bytes, sum(h.numel() * h.element_size() for h in self.held.values()))
+            self._bytes += flat.numel() * flat.element_size()
+        self.peak_bytes = max(self.peak_bytes, self._bytes)
 
     def fold(self, grads: Sequence[torch.Tensor], keys: Sequence[Hashable]) -> None:
         """At the window's end: add to each of ``grads`` (in place, in its dtype) what the window holds for its key,
         and let go of it. ``g + held`` equals ``held + g`` bit for bit, so where the sum is held in the gradients' dtype
         it is the one autograd forms when the gradients stay on the parameters (DeepSpeed's coalesced reduction)."""
-        pairs = [(g, self.held.pop(k)) for g, k in zip(grads, keys) if k in self.held]
+        pairs = [(g, self._pop(k)) for g, k in zip(grads, keys) if k in self.held]
         if pairs:
             torch._foreach_add_([g for g, _ in pairs], [h for _, h in pairs])
 
@@ -81,11 +83,17 @@ class LocalAccumulation:
 
     def take(self, key: Hashable) -> torch.Tensor:
         """The window's sum for ``key``, no longer held."""
-        return self.held.pop(key)
+        return self._pop(key)
+
+    def _pop(self, key: Hashable) -> torch.Tensor:
+        held = self.held.pop(key)
+        self._bytes -= held.numel() * held.element_size()
+        return held
 
     def clear(self) -> None:
         """Drop what is held (a checkpoint was loaded: the window it belonged to is gone, as stock's gradients)."""
         self.held.clear()
+        self._bytes = 0
 
     def zeros(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A read-only zero tensor of ``numel`` elements (a view of one cached buffer per dtype and device): what a

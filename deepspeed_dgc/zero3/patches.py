@@ -47,6 +47,7 @@ from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
 from ..codec.kernels import DGCKernelError
+from ..codec.layout import real_count
 from ..comm.agreement import check_agreement, gather_int, ranks_failing
 from ..comm.communicators import DGCBackendError, check_mpi_world, group_timeout_s
 from ..comm.topology import resolve_ranks_per_node
@@ -381,7 +382,8 @@ def _avg_scatter_grads(opt, state: DGCState) -> Callable:
         group = opt._get_param_partition_group(params_to_reduce[0])
         if _held(opt, state, params_to_reduce, group):
             comms = state.reducer.comms_for(group)
-            return [state.window.zeros(_slice_numel(p.ds_numel, comms.rank, comms.world_size),
+            # rank r's slice flat[r*c : min((r+1)*c, n)], c = ceil(n / W): the compressed reduce-scatter's contract
+            return [state.window.zeros(real_count(p.ds_numel, comms.rank, -(-p.ds_numel // comms.world_size)),
                                        opt.gradient_accumulation_dtype, p.grad.device) for p in params_to_reduce]
         state.set_window_end(_window_ends(opt))
         if _by_stock(opt, state, params_to_reduce, group, communication_data_type):
@@ -409,12 +411,6 @@ def _compressed_partitions(opt, state: DGCState, params, grads, group, communica
         # beside it (1 B per bucket element at 2 ranks with bf16)
         return partitions
     return [g.to(opt.gradient_accumulation_dtype) for g in partitions]
-
-
-def _slice_numel(n: int, rank: int, world: int) -> int:
-    """Elements of rank ``rank``'s slice ``flat[r*c : min((r+1)*c, n)]`` of an ``n``-element tensor, ``c = ceil(n/W)``."""
-    c = -(-n // world)
-    return max(0, min((rank + 1) * c, n) - rank * c)
 
 
 def _held(opt, state: DGCState, params, group) -> bool:
