@@ -419,11 +419,12 @@ def _held(opt, state: DGCState, params, group) -> bool:
     the window's sums into the gradients about to be sent (False)."""
     if not state.holds_windows:
         return False
-    grads, keys = [p.grad for p in params], [state.key_of(p) for p in params]
     if _window_ends(opt):
-        state.window.fold(grads, keys)
+        if state.window.held:  # nothing is held at accumulation 1: no lists to build on every bucket
+            state.window.fold([p.grad for p in params], [state.key_of(p) for p in params])
         return False
-    state.window.hold(grads, keys, opt.gradient_accumulation_dtype)
+    grads = [p.grad for p in params]
+    state.window.hold(grads, [state.key_of(p) for p in params], opt.gradient_accumulation_dtype)
     comms = state.reducer.comms_for(group)
     numels = [g.numel() for g in grads]
     state.stats.record(dataclasses.replace(reduce_result(comms, numels, 0, 0, kept=0), numel=0))
