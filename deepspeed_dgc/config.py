@@ -511,7 +511,16 @@ def _format_validation_error(err: ValidationError) -> str:
             by_key[key] = ([e["msg"]], e.get("input"))
             lines.append(key)
     return "; ".join(line if line not in by_key else
-                     f"invalid value for '{line}': {' or '.join(by_key[line][0])} (got {by_key[line][1]!r})" for line in lines)
+                     f"invalid value for '{line}': {' or '.join(by_key[line][0])} (got {_as_json(by_key[line][1])})"
+                     for line in lines)
+
+
+def _as_json(value: Any) -> str:
+    """``value`` as the ds_config spells it (``null``, ``true``, ``"yes"``), or its repr where JSON has no spelling."""
+    try:
+        return json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        return repr(value)
 
 
 def parse_dgc_config(ds_config: Mapping[str, Any]) -> Optional[DGCConfig]:
