@@ -15,9 +15,11 @@ gradients' dtype once, at the end.
 
 A parameter held in the window but without a gradient at its last micro-step (unused by the last micro-batch) is
 sent at the end of that backward, after its buckets (:meth:`LocalAccumulation.leftovers`), as DeepSpeed's coalesced
-flush sends every parameter with a gradient. (With reentrant activation checkpointing ZeRO-3 ends a backward once
-per phase: a parameter whose last gradient comes in a later phase is then sent in two parts, its held sum at the
-earlier phase's end and its last gradient with its bucket; the owners add both, at the cost of a second send.)
+flush sends every parameter with a gradient. Reentrant activation checkpointing changes nothing: DeepSpeed 0.19.8
+queues its epilogue as autograd's callback, which runs once per backward, after every recomputed segment (tested
+bit for bit against the coalesced reduction). (Where it cannot queue it, DeepSpeed ends a backward once per phase: a
+parameter whose last gradient comes in a later phase is then sent in two parts, its held sum at the earlier phase's
+end and its last gradient with its bucket; the owners add both, at the cost of a second send.)
 
 The cost is memory: the window's sum is held until its end, the parameters' full size in the accumulation dtype (2
 or 4 bytes per element; sending every micro-step staged the residuals or momenta in fp32 across the window, 4);

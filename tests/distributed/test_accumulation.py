@@ -97,3 +97,22 @@ def test_parameter_unused_at_the_windows_end_is_sent_at_its_end():
         for a, b in zip(held.params[-1], runs["stock"][r].params[-1]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
         assert held.stats["held_gradient_peak_bytes"] > 0
+
+
+def test_reentrant_checkpointing_window_sent_whole():
+    """Reentrant activation checkpointing in two segments (each recomputed in a backward of its own), 2 micro-steps:
+    ZeRO-3 runs its epilogue once per backward (DeepSpeed queues it as autograd's callback), so the window is folded
+    and sent whole at the last micro-step's buckets. Lossless, the parameters are stock's coalesced reduction's bit
+    for bit and stock's own (every micro-step reduced) to fp32 summation order, every step and rank."""
+    dgc = {"dgc": LOSSLESS}
+    runs = run_scenarios({"stock_coalesced": Train(model="reentrant", gas=2, steps=3, coalesce=True),
+                          "held": Train(model="reentrant", config=dgc, gas=2, steps=3),
+                          "stock": Train(model="reentrant", gas=2, steps=3)})
+    for r in range(2):
+        held = runs["held"][r]
+        assert not torch.equal(held.params[0][0], held.params[-1][0])  # it trained
+        for step, (a, b) in enumerate(zip(held.params, runs["stock_coalesced"][r].params)):
+            assert _equal(a, b), f"rank {r} step {step}: parameters differ from stock's coalesced reduction's"
+        for a, b in zip(held.params[-1], runs["stock"][r].params[-1]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert held.stats["held_gradient_peak_bytes"] == 4 * held.n_params

@@ -74,7 +74,26 @@ class SkipLastNet(torch.nn.Module):
         return torch.nn.functional.mse_loss(h.float(), y.float())
 
 
-MODELS = {"net": Net, "embed": EmbedNet, "wide": WideNet, "skiplast": SkipLastNet}
+class ReentrantNet(torch.nn.Module):
+    """Net's layers in two segments of reentrant activation checkpointing (``use_reentrant=True``, what DeepSpeed's
+    own ``checkpointing.checkpoint`` and HF's default do), the loss outside them: backward recomputes each segment in
+    a backward of its own, so ZeRO-3 runs its epilogue once per segment (its phases) and a parameter of the first
+    segment gets its gradient after the second segment's epilogue."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1 = torch.nn.Linear(24, 101)
+        self.ln = torch.nn.LayerNorm(101)
+        self.l2 = torch.nn.Linear(101, 37)
+
+    def forward(self, x, y):
+        from torch.utils.checkpoint import checkpoint
+        h = checkpoint(lambda t: torch.nn.functional.gelu(self.l1(t)), x.requires_grad_(), use_reentrant=True)
+        h = checkpoint(lambda t: self.l2(self.ln(t)), h, use_reentrant=True)
+        return torch.nn.functional.mse_loss(h.float(), y.float())
+
+
+MODELS = {"net": Net, "embed": EmbedNet, "wide": WideNet, "skiplast": SkipLastNet, "reentrant": ReentrantNet}
 
 
 def check_model(name: str) -> None:

@@ -23,8 +23,9 @@ class Train:
     Attributes:
         config: merged into :data:`~.model.BASE` (nested objects key by key, ``"optimizer"`` replaced whole; a
             ``None`` removes the key). The inputs are in the engine's dtype (fp16 or bf16 when enabled).
-        model: ``"net"`` (Net, odd sizes) or ``"embed"`` (EmbedNet: an embedding of which a quarter of the rows is
-            used).
+        model: a key of :data:`~.model.MODELS`: ``"net"`` (Net, odd sizes), ``"embed"`` (EmbedNet: an embedding of
+            which a quarter of the rows is used), ``"wide"``, ``"skiplast"`` (a side layer every second forward
+            leaves out) or ``"reentrant"`` (Net in two segments of reentrant activation checkpointing).
         steps, gas: optimizer steps, and micro-steps per step.
         inf_at: rank 1's input holds Inf at that step (0-based), in every micro-step or in micro-step ``inf_micro``.
         allow_fp16: let DeepSpeed's CPU accelerator run fp16 (torch computes fp16 on any CPU).
