@@ -43,8 +43,9 @@ test: install
 faults: install
 	$(PY) -m pytest -q -m "" tests/faults
 
-# the Hugging Face Trainer with the recommended method against stock, 200 steps each (issue 51 item 3; about a minute
-# on 2 cores, so not in make test): an expected failure (XFAIL, with the gap) between 1% and 4%, a failure above 4%
+# the Hugging Face Trainer with the recommended method against stock, 200 steps each at 3 seeds (issue 51 item 3; about
+# 3 minutes on 2 cores, so not in make test): an expected failure (XFAIL, with the mean gap) between 1% and 4%, a
+# failure above 4%
 hf-gap: install
 	$(PY) -m pytest -q -m "" tests/distributed/test_hf_trainer.py -k within_1pct_of_stock
 

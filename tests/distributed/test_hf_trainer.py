@@ -20,13 +20,15 @@ pytest.importorskip("transformers")
 # per optimizer step, clipping at 1.0, a bf16 engine; HF_STEPS optimizer steps of a 0.41M-parameter GPT-2
 HF_STEPS = 200
 HF_WARMUP = 60
-# measured on this job (docs/huggingface.md): the method ends +2.65% above stock's loss at 200 steps (+5.4% at 300),
-# +3.28% since the 2 micro-steps are held and sent once (245x; at the same bytes as sending each, +2.67%);
-# the 1% the issue asks for does not hold, so the test is an expected failure while the gap stays below this guard
+# measured on this job (docs/huggingface.md): with the sent coefficients in INT2 (the main job's config, 245x) the
+# method ended +3.65% above stock's loss at 200 steps, the mean of 3 seeds; in FP8 (this config, 143x), +1.34%. The
+# 1% the issue asks for does not hold, so the test is an expected failure while the mean gap stays below this guard
 # and fails outright above it (a regression). Why (docs/huggingface.md, "Why: controlled experiments"): not the
 # Trainer (its schedule reaches the sign step exactly; the main job with the Trainer's settings trails as much at this
 # size) nor stock's betas, but the sign update's lag at 2 layers and 200 steps, widened by GPT-2's 0.02 init
 HF_GAP_GUARD = 0.04
+# one seed's gap moves by up to 1.2 points (docs/huggingface.md): the gap is the mean over these
+HF_SEEDS = (1234, 1, 2)
 # the job's settings but its length: peak lr 3e-3, cosine decay, 2 micro-steps per step, clipping at 1.0, bf16
 JOB_SETTINGS = ["--lr", "3e-3", "--lr-scheduler", "cosine", "--grad-accum", "2", "--max-grad-norm", "1.0", "--bf16"]
 HF_JOB = ["--max-steps", str(HF_STEPS), "--warmup-steps", str(HF_WARMUP), *JOB_SETTINGS]
@@ -54,15 +56,15 @@ def check_job(t: dict, steps: int, warmup: int) -> None:
 
 
 def check_compressed(t: dict, steps: int, micro_steps: int) -> None:
-    """Every optimizer step went through the recommended method (decoupled momentum, DCT top-2 of 64 in INT2: about
-    122x fewer bytes than stock fp32's reduce-scatter), its micro-steps held and their sum sent once: the telemetry
-    counts stock's bytes for every micro-step (stock reduce-scatters each), so the ratio is about 122x per micro-step
-    of a step."""
+    """Every optimizer step went through the recommended method's HF config (decoupled momentum, DCT top-2 of 64 in
+    FP8 e4m3: about 71x fewer bytes than stock fp32's reduce-scatter), its micro-steps held and their sum sent once:
+    the telemetry counts stock's bytes for every micro-step (stock reduce-scatters each), so the ratio is about 71x
+    per micro-step of a step."""
     world = t["world_size"]
     assert t.get("dgc_steps") == steps and t.get("kernels") == "fused-cpu", t  # "dgc": null when nothing compressed
     assert t["dense_fp32_bytes_total"] == round(micro_steps * (world - 1) / world * 4 * t["n_params"]), t
     per_step = micro_steps / steps
-    assert 100 * per_step < t["compression_ratio"] < 130 * per_step, t
+    assert 65 * per_step < t["compression_ratio"] < 75 * per_step, t
 
 
 def check_short_run(t: dict, steps: int, warmup: int) -> None:
@@ -89,7 +91,8 @@ def test_hf_trainer_runs_with_dgc_compressing():
 
 def test_hf_trainer_recommended_method_compresses_and_trains():
     """The recommended method (configs/hf_zero3_dgc_adam.json) under the Trainer, 30 steps: the Trainer's schedule
-    reaches the method at every step, its 2 micro-steps are held and sent once at about 122x (245x against stock's two), clipping and bf16 are on, and
+    reaches the method at every step, its 2 micro-steps are held and sent once at about 71x (143x against stock's
+    two), clipping and bf16 are on, and
     the loss is finite and falls (the comparison with stock is the next test's, a long one)."""
     steps, warmup = 30, 10
     t = run_example("hf_trainer_gpt2.py", ["--max-steps", str(steps), "--warmup-steps", str(warmup), *JOB_SETTINGS],
@@ -101,17 +104,23 @@ def test_hf_trainer_recommended_method_compresses_and_trains():
 def test_hf_trainer_recommended_method_within_1pct_of_stock():
     """The recommended method (configs/hf_zero3_dgc_adam.json) with the Trainer's schedule, gradient accumulation,
     clipping and bf16 ends within 1% of the same job on stock ZeRO-3 (the same config without its "dgc" section,
-    the same seed): the mean training loss of the last 10 optimizer steps. Two runs of 200 steps (about a minute on
-    2 cores): `make hf-gap`, not `make test` (the previous test runs the method under the Trainer in CI)."""
-    stock = run_example("hf_trainer_gpt2.py", ["--stock", *HF_JOB], "hf_trainer_stock")
-    method = run_example("hf_trainer_gpt2.py", HF_JOB, "hf_trainer_method")
-    assert stock["dgc"] is None and stock["steps"] == method["steps"] == HF_STEPS
-    for t in (stock, method):
-        check_job(t, HF_STEPS, HF_WARMUP)
-    assert method["lrs"] == stock["lrs"]  # the Trainer's schedule drives the method's sign step as it drives Adam
-    check_compressed(method, HF_STEPS, 2 * HF_STEPS)
-    gap = method["final_loss"] / stock["final_loss"] - 1
-    said = f"final loss {method['final_loss']:.4f} vs stock {stock['final_loss']:.4f}: {gap:+.2%}"
+    the same seed): the mean training loss of the last 10 optimizer steps, the gap averaged over 3 seeds. Six runs
+    of 200 steps (about 3 minutes on 2 cores): `make hf-gap`, not `make test` (the previous test runs the method
+    under the Trainer in CI)."""
+    gaps, said = [], []
+    for seed in HF_SEEDS:
+        job = [*HF_JOB, "--seed", str(seed)]
+        stock = run_example("hf_trainer_gpt2.py", ["--stock", *job], f"hf_trainer_stock_{seed}")
+        method = run_example("hf_trainer_gpt2.py", job, f"hf_trainer_method_{seed}")
+        assert stock["dgc"] is None and stock["steps"] == method["steps"] == HF_STEPS
+        for t in (stock, method):
+            check_job(t, HF_STEPS, HF_WARMUP)
+        assert method["lrs"] == stock["lrs"]  # the Trainer's schedule drives the method's sign step as it drives Adam
+        check_compressed(method, HF_STEPS, 2 * HF_STEPS)
+        gaps.append(method["final_loss"] / stock["final_loss"] - 1)
+        said.append(f"seed {seed}: {method['final_loss']:.4f} vs stock {stock['final_loss']:.4f} ({gaps[-1]:+.2%})")
+    gap = sum(gaps) / len(gaps)
+    said = f"final loss, {'; '.join(said)}; mean gap {gap:+.2%}"
     assert gap < HF_GAP_GUARD, said
     if abs(gap) >= 0.01:
         pytest.xfail(f"not within 1% of stock at {HF_STEPS} steps (issue 51, item 3): {said}")
