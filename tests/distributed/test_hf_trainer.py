@@ -92,8 +92,8 @@ def test_hf_trainer_runs_with_dgc_compressing():
 def test_hf_trainer_recommended_method_compresses_and_trains():
     """The recommended method (configs/hf_zero3_dgc_adam.json) under the Trainer, 30 steps: the Trainer's schedule
     reaches the method at every step, its 2 micro-steps are held and sent once at about 71x (143x against stock's
-    two), clipping and bf16 are on, and
-    the loss is finite and falls (the comparison with stock is the next test's, a long one)."""
+    two), clipping and bf16 are on, and the loss is finite and falls (the comparison with stock is the next test's,
+    a long one)."""
     steps, warmup = 30, 10
     t = run_example("hf_trainer_gpt2.py", ["--max-steps", str(steps), "--warmup-steps", str(warmup), *JOB_SETTINGS],
                     "hf_trainer_method_short")
