@@ -32,7 +32,6 @@ def test_config_defaults_and_lossless():
     ({"accumulate_locally": None}, "'dgc.accumulate_locally': Input should be a valid boolean \\(got null\\)$"),
     ({"density": True}, "'dgc.density': Input should be a valid number or Input should be 'auto' \\(got true\\)$"),
     ({"enabled": 1}, "'dgc.enabled'"),
-    ({"density": True}, "'dgc.density'"),
     ({"density": "0.5"}, "'dgc.density'"),
     ({"group_size": 4.0}, "'dgc.group_size'"),
     ({"weights": {"quantization": "int2"}}, "'dgc.weights.quantization'"),

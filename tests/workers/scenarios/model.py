@@ -77,8 +77,7 @@ class SkipLastNet(torch.nn.Module):
 class ReentrantNet(torch.nn.Module):
     """Net's layers in two segments of reentrant activation checkpointing (``use_reentrant=True``, what DeepSpeed's
     own ``checkpointing.checkpoint`` and HF's default do), the loss outside them: backward recomputes each segment in
-    a backward of its own, so ZeRO-3 runs its epilogue once per segment (its phases) and a parameter of the first
-    segment gets its gradient after the second segment's epilogue."""
+    a backward of its own (autograd's reentrant phases), the second segment's parameters' gradients first."""
 
     def __init__(self):
         super().__init__()
@@ -88,6 +87,7 @@ class ReentrantNet(torch.nn.Module):
 
     def forward(self, x, y):
         from torch.utils.checkpoint import checkpoint
+        # a reentrant segment's output needs an input that requires grad, else no gradient reaches its parameters
         h = checkpoint(lambda t: torch.nn.functional.gelu(self.l1(t)), x.requires_grad_(), use_reentrant=True)
         h = checkpoint(lambda t: self.l2(self.ln(t)), h, use_reentrant=True)
         return torch.nn.functional.mse_loss(h.float(), y.float())
