@@ -4,6 +4,7 @@ import copy
 
 import torch
 import deepspeed
+from torch.utils.checkpoint import checkpoint
 from deepspeed.utils import safe_get_full_fp32_param
 
 BASE = {
@@ -74,19 +75,12 @@ class SkipLastNet(torch.nn.Module):
         return torch.nn.functional.mse_loss(h.float(), y.float())
 
 
-class ReentrantNet(torch.nn.Module):
-    """Net's layers in two segments of reentrant activation checkpointing (``use_reentrant=True``, what DeepSpeed's
-    own ``checkpointing.checkpoint`` and HF's default do), the loss outside them: backward recomputes each segment in
-    a backward of its own (autograd's reentrant phases), the second segment's parameters' gradients first."""
-
-    def __init__(self):
-        super().__init__()
-        self.l1 = torch.nn.Linear(24, 101)
-        self.ln = torch.nn.LayerNorm(101)
-        self.l2 = torch.nn.Linear(101, 37)
+class ReentrantNet(Net):
+    """Net in two segments of reentrant activation checkpointing (``use_reentrant=True``, what DeepSpeed's own
+    ``checkpointing.checkpoint`` and HF's default do), the loss outside them: backward recomputes each segment in a
+    backward of its own (autograd's reentrant phases), the second segment's parameters' gradients first."""
 
     def forward(self, x, y):
-        from torch.utils.checkpoint import checkpoint
         # a reentrant segment's output needs an input that requires grad, else no gradient reaches its parameters
         h = checkpoint(lambda t: torch.nn.functional.gelu(self.l1(t)), x.requires_grad_(), use_reentrant=True)
         h = checkpoint(lambda t: self.l2(self.ln(t)), h, use_reentrant=True)
