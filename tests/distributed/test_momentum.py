@@ -163,6 +163,42 @@ def _chunked_dct_top_k(delta, world, s, k):
     return (kept @ d).view(world, m * s)[:, :c].reshape(-1)[:n]
 
 
+def _replayed_sums(ranks, steps: int, decay: float, raw: bool, chunk: int = 16, topk: int = 3):
+    """Per step, u (float64, one flat tensor per parameter): the sum over the 2 ranks of what each rank's momentum
+    lost, ``decay prev + g / 2 - now`` from the recorded momenta and local gradients (fp16: unscaled). ``raw``: what
+    was lost is checked against the float64 top-``topk`` of each ``chunk``-column chunk's DCT and the momenta against
+    a float64 replay of DeMo's recursion; else (quantized codes) only that something was sent."""
+    shapes = [p.shape for p in ranks[0].params[0]]
+    delta64 = [[torch.zeros(math.prod(s), dtype=torch.float64) for s in shapes] for _ in range(2)]
+    for t in range(steps):
+        u = [torch.zeros(math.prod(s), dtype=torch.float64) for s in shapes]
+        for r in range(2):
+            rec = ranks[r]
+            for i, key in enumerate(rec.keys):
+                g = rec.local_grads[t][i].double().reshape(-1) / rec.loss_scale[t]  # fp16: scaled by the loss scale
+                prev = rec.momenta[t - 1][key].double() if t else torch.zeros_like(g)
+                pre = decay * prev + g / 2
+                now = rec.momenta[t][key].double()
+                sent = pre - now  # what this rank's momentum lost
+                if raw:
+                    pre64 = decay * delta64[r][i] + g / 2
+                    sent64 = _chunked_dct_top_k(pre64, 2, chunk, topk)
+                    delta64[r][i] = pre64 - sent64
+                    torch.testing.assert_close(sent, sent64, rtol=1e-4, atol=1e-6 * float(pre64.abs().max()))
+                    torch.testing.assert_close(now, delta64[r][i], rtol=1e-4, atol=1e-6 * float(pre64.abs().max()))
+                else:  # INT4 codes sent: the momentum kept more than a raw top-k leaves, and lost something
+                    assert float(sent.abs().max()) > 0
+                u[i] += sent
+        yield u
+
+
+def _clip_factor(gradient_clipping: float, u) -> float:
+    """What ZeRO-3 divides the partitions by before the step: their global L2 norm over ``gradient_clipping`` where
+    that is above 1 (1 without clipping)."""
+    norm = math.sqrt(sum(float(x.square().sum()) for x in u))
+    return max(1.0, (norm + 1e-6) / gradient_clipping) if gradient_clipping > 0 else 1.0
+
+
 DEMO_LOSSLESS = {"enabled": True, "decoupled_momentum": {"update": "optimizer", "decay": 0.0, "transform": "none",
                                                          "chunk": 8, "topk": 8, "quantization": "none"}}
 ADAMW = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1, "torch_adam": True}}}
@@ -243,31 +279,10 @@ def test_decoupled_momentum_against_a_float64_replay(fmt, half, opt):
     l2 = opt is SGD_DEMO
     keys = ranks[0].keys
     shapes = [p.shape for p in ranks[0].params[0]]
-    delta64 = [[torch.zeros(math.prod(s), dtype=torch.float64) for s in shapes] for _ in range(2)]
     checked = 0
-    for t in range(6):
-        u = [torch.zeros(math.prod(s), dtype=torch.float64) for s in shapes]
-        for r in range(2):
-            rec = ranks[r]
-            for i, key in enumerate(keys):
-                g = rec.local_grads[t][i].double().reshape(-1) / rec.loss_scale[t]  # fp16: scaled by the loss scale
-                prev = rec.momenta[t - 1][key].double() if t else torch.zeros_like(g)
-                pre = decay * prev + g / 2
-                now = rec.momenta[t][key].double()
-                sent = pre - now  # what this rank's momentum lost
-                if fmt == "none":
-                    pre64 = decay * delta64[r][i] + g / 2
-                    sent64 = _chunked_dct_top_k(pre64, 2, 16, 3)
-                    delta64[r][i] = pre64 - sent64
-                    torch.testing.assert_close(sent, sent64, rtol=1e-4, atol=1e-6 * float(pre64.abs().max()))
-                    torch.testing.assert_close(now, delta64[r][i], rtol=1e-4, atol=1e-6 * float(pre64.abs().max()))
-                else:  # INT4 codes sent: the momentum kept more than a raw top-k leaves, and lost something
-                    assert float(sent.abs().max()) > 0
-                u[i] += sent
+    for t, u in enumerate(_replayed_sums(ranks, 6, decay, raw=fmt == "none")):
         # ZeRO-3 clips u by its global norm before the step: only the sign is taken, so that matters with L2 alone
-        gc = ranks[0].optimizer.gradient_clipping
-        norm = math.sqrt(sum(float(x.square().sum()) for x in u))
-        clip = max(1.0, (norm + 1e-6) / gc) if gc > 0 else 1.0
+        clip = _clip_factor(ranks[0].optimizer.gradient_clipping, u)
         for i in range(len(keys)):
             before = ranks[0].params[t][i].double().reshape(-1)
             after = ranks[0].params[t + 1][i].double().reshape(-1)
@@ -287,6 +302,40 @@ def test_decoupled_momentum_against_a_float64_replay(fmt, half, opt):
     numels = [math.prod(s) for s in shapes]
     want = 4.0 * padded_elements(numels, 2, 2, 16) / sum(numels)
     assert ranks[0].stats["state_bytes_per_param"] == pytest.approx(want, rel=1e-6) and want < 4.1
+
+
+def test_decoupled_momentum_hands_u_to_a_users_lion_against_a_float64_replay():
+    """``update: "optimizer"`` with an optimizer DeepSpeed did not build, passed by the user to
+    ``deepspeed.initialize``: Lion in plain PyTorch (lr 1e-2, betas (0.9, 0.99), decoupled weight decay 0.1).
+    DeMo's momenta with decay 0.9, raw top-3 of 16, 2 ranks, 6 steps, gradient clipping 0.05 (below u's norm, so it
+    acts). Lion steps on u, the sum over ranks of what their momenta lost, clipped, as its gradient:
+    ``p <- p (1 - lr wd) - lr sign(0.9 m + 0.1 u)``, ``m <- 0.99 m + 0.01 u`` (float64 replay; the sign checked where
+    its argument is not at rounding level). Lion on u is what keeps stock Lion's loss on the main job
+    (docs/methods.md)."""
+    decay = 0.9
+    ranks = run_scenario(Train(steps=6, local_grads=True, client_optimizer="lion", config={
+        "gradient_clipping": 0.05, "dgc": {"enabled": True, "decoupled_momentum": {
+            "chunk": 16, "topk": 3, "decay": decay, "quantization": "none", "update": "optimizer"}}}), timeout_s=300)
+    settings = ranks[0].optimizer
+    assert settings.type == "Lion" and settings.weight_decay == 0.1
+    lr, (b1, b2), wd = settings.lr, settings.betas, settings.weight_decay
+    exp_avg = [torch.zeros(p.numel(), dtype=torch.float64) for p in ranks[0].params[0]]
+    checked, clipped = 0, 0
+    for t, u in enumerate(_replayed_sums(ranks, 6, decay, raw=True)):
+        clip = _clip_factor(settings.gradient_clipping, u)
+        clipped += clip > 1.0
+        for i, m in enumerate(exp_avg):
+            g = u[i] / clip
+            direction = b1 * m + (1 - b1) * g
+            before = ranks[0].params[t][i].double().reshape(-1)
+            after = ranks[0].params[t + 1][i].double().reshape(-1)
+            clear = direction.abs() > 1e-4 * float(direction.abs().max())
+            want = before * (1 - lr * wd) - lr * torch.sign(direction)
+            torch.testing.assert_close(after[clear], want[clear], rtol=1e-6, atol=1e-6)
+            checked += int(clear.sum())
+            m.mul_(b2).add_(g, alpha=1 - b2)
+            assert torch.equal(ranks[1].params[t + 1][i], ranks[0].params[t + 1][i])
+    assert checked > 0.9 * 6 * sum(m.numel() for m in exp_avg) and clipped >= 3
 
 
 @pytest.mark.parametrize("held", [True, False], ids=["window-held", "every-micro-step"])

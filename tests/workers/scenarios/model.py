@@ -16,6 +16,31 @@ BASE = {
 }
 
 
+class Lion(torch.optim.Optimizer):
+    """Lion in plain PyTorch (Chen et al., "Symbolic Discovery of Optimization Algorithms", NeurIPS 2023, Algorithm 2):
+    ``p <- p (1 - lr wd) - lr sign(b1 m + (1 - b1) g)``, then ``m <- b2 m + (1 - b2) g`` (``exp_avg``, fp32 like
+    ``p``). An optimizer DeepSpeed did not build, handed to ``deepspeed.initialize`` by the user."""
+
+    def __init__(self, params, lr: float, betas=(0.9, 0.99), weight_decay: float = 0.0):
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            (b1, b2), lr = group["betas"], group["lr"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                m = self.state[p].setdefault("exp_avg", torch.zeros_like(p))
+                p.mul_(1 - lr * group["weight_decay"])
+                p.add_(torch.sign(m * b1 + p.grad * (1 - b1)), alpha=-lr)
+                m.mul_(b2).add_(p.grad, alpha=1 - b2)
+
+
+# optimizers a user passes to deepspeed.initialize (``Train.client_optimizer``): name -> (class, settings)
+CLIENT_OPTIMIZERS = {"lion": (Lion, {"lr": 1e-2, "betas": (0.9, 0.99), "weight_decay": 0.1})}
+
+
 class Net(torch.nn.Module):
     """Odd sizes so partitions are padded: 24 -> 101 -> 37; weights above and below the bucket size."""
 
@@ -110,11 +135,18 @@ def merge(base: dict, extra: dict) -> dict:
     return out
 
 
-def make_engine(config: dict, model: str = "net"):
-    """A DeepSpeed engine of a freshly seeded ``MODELS[model]`` under ``config``."""
+def make_engine(config: dict, model: str = "net", client_optimizer: str = None):
+    """A DeepSpeed engine of a freshly seeded ``MODELS[model]`` under ``config``; with ``client_optimizer`` (a key of
+    :data:`CLIENT_OPTIMIZERS`) the user's optimizer is passed instead of the config's (its ``"optimizer"`` dropped)."""
     torch.manual_seed(0)
     module = MODELS[model]()
-    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=module.parameters(), config=config)
+    optimizer = None
+    if client_optimizer is not None:
+        cls, settings = CLIENT_OPTIMIZERS[client_optimizer]
+        optimizer = cls(module.parameters(), **settings)
+        config = merge(config, {"optimizer": None, "zero_allow_untested_optimizer": True})
+    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=module.parameters(), optimizer=optimizer,
+                                           config=config)
     return engine
 
 

@@ -40,6 +40,8 @@ class Train:
         count_memory: measure the bytes of the tensors deepspeed_dgc's ops make, from before initialize on
             (:class:`~deepspeed_dgc.syncs.HostSyncCounter` with ``track_bytes``): per step, those alive at its start
             and the most alive at once during it above that.
+        client_optimizer: a key of :data:`~.model.CLIENT_OPTIMIZERS` (``"lion"``): that optimizer is built by the
+            user and passed to ``deepspeed.initialize``, the config's ``"optimizer"`` dropped.
         coalesce: None: the engine's own accumulation loop (``engine.step()`` after every micro-step); False or
             True: ``gas`` backward calls and one ``engine.step()`` per step, the caller setting the boundary
             (``set_gradient_accumulation_boundary``, as DeepSpeed's coalescing tests do), and with True all of them
@@ -61,6 +63,7 @@ class Train:
     count_syncs: bool = False
     count_memory: bool = False
     coalesce: Optional[bool] = None
+    client_optimizer: Optional[str] = None
 
     def __post_init__(self):
         check_model(self.model)
@@ -168,7 +171,7 @@ def build(job: Train, rank: int) -> Built:
         get_accelerator().is_fp16_supported = lambda: True
     for _ in range(job.models_before):  # e.g. a reference or EMA model, an evaluation copy
         make_engine(merge(BASE, {"dgc": None}))
-    engine = make_engine(cfg, job.model)
+    engine = make_engine(cfg, job.model, job.client_optimizer)
     if job.lr_scheduler:  # a torch LR scheduler wraps the owners' optimizer.step (needs a bound method)
         torch.optim.lr_scheduler.LambdaLR(engine.optimizer.optimizer, lambda s: 1.0)
     if job.poison_padding:
