@@ -78,6 +78,10 @@ OFFLOAD_OPTIMIZER = {"zero_optimization.offload_optimizer": {"device": "cpu"}}
 LION = optimizer_edit("Lion", lr=3e-4, betas=ADAM_BETAS, weight_decay=0.0)
 SGD = dict(optimizer_edit("SGD", lr=0.3, momentum=0.9), zero_allow_untested_optimizer=True)  # DeepSpeed asks for it
 SGD_LRS = (0.1, 0.3, 1.0, 3.0)
+# Lion steps on u, the decoded sum of the ranks' momenta: a shorter momentum (decay 0.9, Lion's own integrates it)
+# and twice the coefficients of the Adam config kept stock Lion's loss (docs/methods.md, "Lion")
+LION_ON_U = {"dgc.decoupled_momentum.update": "optimizer", "dgc.decoupled_momentum.decay": 0.9,
+             "dgc.decoupled_momentum.topk": 4}
 FEATURES = [
     Feature("main", "the main job (no edit)", expect={"optimizer": "AdamW", "forward_dtype": ["float32"]}),
     Feature("offload_optimizer", "ZeRO-Offload: optimizer on the host, DeepSpeed's CPU Adam",
@@ -107,6 +111,10 @@ FEATURES = [
     Feature("lion_offload", "Lion under ZeRO-Offload (DeepSpeed's CPU Lion)", dict(LION, **OFFLOAD_OPTIMIZER),
             expect={"optimizer": "DeepSpeedCPULion", "offload_optimizer": True}, lrs=(1e-4, 3e-4, 1e-3, 3e-3),
             note="the method's sign step at Lion's lr"),
+    Feature("lion_offload_optimizer", "Lion under ZeRO-Offload (DeepSpeed's CPU Lion), the method's update handed to Lion",
+            dict(LION, **OFFLOAD_OPTIMIZER), LION_ON_U,
+            expect={"optimizer": "DeepSpeedCPULion", "offload_optimizer": True}, lrs=(1e-4, 3e-4, 1e-3, 3e-3),
+            sweep_as="lion_offload", note="Lion's own step on its momentum of u; the momentum's decay 0.9, top-4 of 64"),
     Feature("grad_accum", "gradient accumulation 2, micro-batch 8 (same global batch)",
             {"gradient_accumulation_steps": 2, "train_micro_batch_size_per_gpu": 8},
             expect={"gradient_accumulation_steps": 2, "micro_batch": 8}),
