@@ -100,8 +100,9 @@ class DecoupledMomentumConfig(BaseModel):
         "are not used; `\"optimizer\"` (`\"adam\"`, its earlier name): the job's optimizer steps on `u` as its "
         "gradient (`u` is a momentum sum up to `1 / (1 - decay)` times the gradient, which a scale-free optimizer "
         "such as Adam or Lion takes as it is: Lion with `decay` 0.9 and `topk` 4 kept stock Lion's loss, where the "
-        "sign step at Lion's lr did not, docs/methods.md; with `decay` above 0, SGD with momentum is refused at initialize, or after the "
-        "first step where a schedule turned its momentum on: its momentum would integrate `u` again)")
+        "sign step at Lion's lr did not, docs/methods.md; with `decay` above 0, SGD with momentum is refused at "
+        "initialize, or after the first step where a schedule turned its momentum on: its momentum would integrate "
+        "`u` again)")
     storage: Literal["fp32", "bf16", "int8"] = Field(
         "fp32", description="storage of the local momentum between steps: 4, 2 or 1.03 bytes per parameter per rank. "
         "bf16 rounds to nearest and drops changes below 2^-9 of the momentum (the 0.999 decay among them), which "

@@ -1,6 +1,7 @@
 """The small ZeRO-3 models, base ds_config and inputs the scenarios share."""
 
 import copy
+from typing import Optional
 
 import torch
 import deepspeed
@@ -135,7 +136,7 @@ def merge(base: dict, extra: dict) -> dict:
     return out
 
 
-def make_engine(config: dict, model: str = "net", client_optimizer: str = None):
+def make_engine(config: dict, model: str = "net", client_optimizer: Optional[str] = None):
     """A DeepSpeed engine of a freshly seeded ``MODELS[model]`` under ``config``; with ``client_optimizer`` (a key of
     :data:`CLIENT_OPTIMIZERS`) the user's optimizer is passed instead of the config's (its ``"optimizer"`` dropped)."""
     torch.manual_seed(0)

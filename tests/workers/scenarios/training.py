@@ -13,7 +13,7 @@ from deepspeed_dgc.syncs import HostSyncCounter
 from deepspeed_dgc.zero3.patches import _stock_method
 
 from . import scenario
-from .model import BASE, check_model, dtype_of, full_params, make_engine, merge, batches
+from .model import BASE, CLIENT_OPTIMIZERS, check_model, dtype_of, full_params, make_engine, merge, batches
 
 
 @dataclass
@@ -67,6 +67,8 @@ class Train:
 
     def __post_init__(self):
         check_model(self.model)
+        if self.client_optimizer is not None and self.client_optimizer not in CLIENT_OPTIMIZERS:
+            raise ValueError(f"client_optimizer {self.client_optimizer!r}: expected one of {sorted(CLIENT_OPTIMIZERS)}")
         if self.steps < 1 or self.gas < 1:
             raise ValueError(f"steps {self.steps} and gas {self.gas} must be at least 1")
 
