@@ -506,7 +506,9 @@ def _format_validation_error(err: ValidationError) -> str:
         elif e["type"] == "extra_forbidden":
             model = SUBSECTIONS.get(loc[0], DGCConfig) if len(loc) > 1 else DGCConfig
             allowed = ", ".join(model.model_fields)
-            lines.append(f"unknown key '{key}' (allowed keys: {allowed})")
+            near = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1, cutoff=0.6)
+            hint = f"; did you mean '{'.'.join(key.split('.')[:-1] + near)}'?" if near else ""
+            lines.append(f"unknown key '{key}' (allowed keys: {allowed}){hint}")
         elif key in by_key:
             by_key[key][0].append(e["msg"])
         else:

@@ -35,7 +35,13 @@ def test_config_defaults_and_lossless():
     ({"density": "0.5"}, "'dgc.density'"),
     ({"group_size": 4.0}, "'dgc.group_size'"),
     ({"weights": {"quantization": "int2"}}, "'dgc.weights.quantization'"),
-    ({"weights": {"group_sise": 64}}, "unknown key 'dgc.weights.group_sise' \\(allowed keys: quantization, group_size\\)"),
+    ({"weights": {"group_sise": 64}},
+     "unknown key 'dgc.weights.group_sise' \\(allowed keys: quantization, group_size\\); did you mean "
+     "'dgc.weights.group_size'\\?$"),
+    ({"decoupled_momentm": {}}, "unknown key 'dgc.decoupled_momentm' [^;]*; did you mean 'dgc.decoupled_momentum'\\?$"),
+    ({"decoupled_momentum": {"topK": 2}}, "unknown key 'dgc.decoupled_momentum.topK' \\(allowed keys: chunk, [^)]*\\); "
+     "did you mean 'dgc.decoupled_momentum.topk'\\?$"),
+    ({"colour": "red"}, "unknown key 'dgc.colour' \\(allowed keys: enabled, [a-z_, ]*\\)$"),  # nothing near: no guess
     ({"comm_backend": "nccl"}, "'dgc.comm_backend': Input should be 'torch' or 'mpi'"),
     ({"topology": "ring"}, "'dgc.topology': Input should be 'flat' or 'hierarchical'"),
     ({"ranks_per_node": 0}, "'dgc.ranks_per_node'"),
