@@ -6,6 +6,9 @@
   unavailable, and why. ``--load`` also loads each compatible op (JIT-building it if needed).
 - ``docs``: writes ``docs/config.md``, the reference of the ``"dgc"`` section, from the pydantic model in
   :mod:`deepspeed_dgc.config`; ``--check`` writes nothing and exits 1 when the file differs from it.
+- ``check``: reads the ``"dgc"`` section of ds_config JSON files as ``deepspeed.initialize`` does, without a launch:
+  the keys the section sets (a method's subsection with its defaults filled in) or the error naming the key; exit 1
+  when a file fails.
 - ``universal``: DeepSpeed's ``ds_to_universal`` (a checkpoint to resume at another world size), also for checkpoints
   whose optimizer keeps no Adam moments (decoupled momentum's sign update, SGD): :mod:`deepspeed_dgc.zero3.universal`.
 """
@@ -198,7 +201,10 @@ def render_config_reference() -> str:
            "(`python -m deepspeed_dgc docs --check` fails when this file is stale).", "", _intro(DGCConfig), "",
            "Errors are raised at `deepspeed.initialize`, on every rank, naming the key: an unknown or misspelled key "
            "(`dgc.densty`), a value of the wrong JSON type (types are strict: `\"0.5\"` or `true` is not a density, `1` "
-           "is not a boolean), a value out of range, or a combination the rules below refuse.", ""]
+           "is not a boolean), a value out of range, or a combination the rules below refuse (a misspelled key's error "
+           "names the nearest allowed one). `python -m deepspeed_dgc check DS_CONFIG.json ...` reads files the same "
+           "way without a launch and prints each section's keys or its error; what needs the job (the optimizer, "
+           "fp16, offload, the world size) is checked at `deepspeed.initialize` only.", ""]
     out += head + _rows(DGCConfig) + [""]
     for name, model in SUBSECTIONS.items():
         out += [f"## `{name}`", "", _intro(model), ""] + head + _rows(model, f"{name}.") + [""]
@@ -225,6 +231,38 @@ def docs(check: bool, path: Path = CONFIG_DOC) -> int:
     return 0
 
 
+def check(paths: typing.Sequence[Path]) -> int:
+    """Read the ``"dgc"`` section of each ds_config JSON file in ``paths`` as ``deepspeed.initialize`` does
+    (:func:`deepspeed_dgc.config.parse_dgc_config`, and the warnings for a misspelled section or a section without
+    ``"enabled"``) and print, per file, the keys the section sets (a subsection given, such as
+    ``"decoupled_momentum"``, with every setting of it, defaults filled in) as JSON, or the error naming the key. What needs the job itself (the optimizer, fp16, offload, the world size and the
+    other ranks' settings) is checked at ``deepspeed.initialize`` only. Returns 1 when a file is not a JSON object or
+    its section is refused, else 0."""
+    import json
+    from .config import SUBSECTIONS, DGCConfigError, misspelled_section, parse_dgc_config, switched_off_by_default
+    status = 0
+    for path in paths:
+        try:
+            ds_config = json.loads(Path(path).read_text())
+            if not isinstance(ds_config, dict):
+                raise ValueError(f"the top level is {type(ds_config).__name__}, not an object")
+            cfg = parse_dgc_config(ds_config)
+        except (OSError, ValueError, DGCConfigError) as err:  # DGCConfigError is a ValueError: named for the reader
+            print(f"{path}: refused: {err}")
+            status = 1
+            continue
+        for warning in filter(None, (misspelled_section(ds_config), switched_off_by_default(cfg))):
+            print(f"{path}: warning: {warning}")
+        if cfg is None or not cfg.enabled:
+            print(f"{path}: ok, compression off ({'no' if cfg is None else 'dgc.enabled false in the'} 'dgc' section)")
+        else:
+            shown = cfg.model_dump(exclude_unset=True)
+            for key in shown.keys() & SUBSECTIONS.keys():  # a subsection given: every setting of it, defaults filled
+                shown[key] = None if getattr(cfg, key) is None else getattr(cfg, key).model_dump()
+            print(f"{path}: ok, 'dgc' = {json.dumps(shown)} (keys not shown take their defaults, docs/config.md)")
+    return status
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m deepspeed_dgc", description="deepspeed_dgc tools")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -233,6 +271,8 @@ def main(argv=None) -> int:
     doc = sub.add_parser("docs", help="write docs/config.md from the config model")
     doc.add_argument("--check", action="store_true", help="write nothing; exit 1 if docs/config.md is stale")
     doc.add_argument("--path", type=Path, default=CONFIG_DOC, help="the file (default: docs/config.md of this checkout)")
+    chk = sub.add_parser("check", help="read the \"dgc\" section of ds_config files as deepspeed.initialize does")
+    chk.add_argument("configs", nargs="+", type=Path, metavar="DS_CONFIG.json")
     sub.add_parser("universal", add_help=False,
                    help="DeepSpeed's ds_to_universal, also without Adam's moments (--input_folder, --output_folder)")
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -242,6 +282,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.command == "report":
         return report(args.load)
+    if args.command == "check":
+        return check(args.configs)
     return docs(args.check, args.path)
 
 

@@ -157,3 +157,31 @@ def test_the_shipped_lion_config_is_the_adam_config_with_lion_stepping_on_u():
     assert lion == want
     dm = parse_dgc_config(lion).decoupled_momentum
     assert (dm.update, dm.decay, dm.topk, dm.chunk) == ("optimizer", 0.9, 4, 64)
+
+
+def test_check_command_reads_each_file_as_initialize_does(tmp_path, capsys):
+    """``python -m deepspeed_dgc check``: per file, the section's keys (a method's subsection with its defaults) or the
+    error naming the key; the warnings initialize gives; exit 1 when any file fails."""
+    from deepspeed_dgc.__main__ import main
+    configs = Path(__file__).resolve().parents[2] / "configs"
+    files = {"typo": {"dgc": {"enabled": True, "decoupled_momentum": {"topK": 2}}}, "list": [1],
+             "unswitched": {"dgc": {"density": 0.1}}, "misspelled": {"DGC": {"enabled": True}}}
+    for name, content in files.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(content))
+    (tmp_path / "broken.json").write_text('{"dgc": {"enabled": true,}}')
+    assert main(["check", str(configs / "zero3_dgc_lion.json"), str(configs / "zero3_baseline.json")]) == 0
+    ok = capsys.readouterr().out.splitlines()
+    assert ok[0].endswith("zero3_dgc_lion.json: ok, 'dgc' = {\"enabled\": true, \"decoupled_momentum\": {\"chunk\": 64, "
+                          "\"topk\": 4, \"decay\": 0.9, \"transform\": \"dct\", \"quantization\": \"int2\", \"group_size\": "
+                          "128, \"update\": \"optimizer\", \"storage\": \"int8\", \"offload\": null}} (keys not shown take "
+                          "their defaults, docs/config.md)"), ok[0]
+    assert ok[1].endswith("zero3_baseline.json: ok, compression off (no 'dgc' section)") and len(ok) == 2
+    assert main(["check"] + [str(tmp_path / f"{name}.json") for name in (*files, "broken")]) == 1
+    out = capsys.readouterr().out
+    assert "typo.json: refused: invalid ds_config section 'dgc': unknown key 'dgc.decoupled_momentum.topK'" in out
+    assert "did you mean 'dgc.decoupled_momentum.topk'?" in out
+    assert "list.json: refused: the top level is list, not an object" in out
+    assert "unswitched.json: warning: deepspeed_dgc: the ds_config's 'dgc' section sets 'density' but not" in out
+    assert "unswitched.json: ok, compression off (dgc.enabled false in the 'dgc' section)" in out
+    assert "misspelled.json: warning: deepspeed_dgc: the ds_config has 'DGC' at its top level" in out
+    assert "broken.json: refused: Expecting property name enclosed in double quotes" in out
