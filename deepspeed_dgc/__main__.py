@@ -235,11 +235,12 @@ def check(paths: typing.Sequence[Path]) -> int:
     """Read the ``"dgc"`` section of each ds_config JSON file in ``paths`` as ``deepspeed.initialize`` does
     (:func:`deepspeed_dgc.config.parse_dgc_config`, and the warnings for a misspelled section or a section without
     ``"enabled"``) and print, per file, the keys the section sets (a subsection given, such as
-    ``"decoupled_momentum"``, with every setting of it, defaults filled in) as JSON, or the error naming the key. What needs the job itself (the optimizer, fp16, offload, the world size and the
-    other ranks' settings) is checked at ``deepspeed.initialize`` only. Returns 1 when a file is not a JSON object or
-    its section is refused, else 0."""
+    ``"decoupled_momentum"``, with every setting of it, defaults filled in) as JSON, or the error naming the key.
+    What needs the job itself (the optimizer, fp16, offload, the world size and the other ranks' settings) is checked
+    at ``deepspeed.initialize`` only. Returns 1 when a file cannot be read, is not a JSON object or its section is
+    refused, else 0."""
     import json
-    from .config import SUBSECTIONS, DGCConfigError, misspelled_section, parse_dgc_config, switched_off_by_default
+    from .config import SUBSECTIONS, misspelled_section, parse_dgc_config, switched_off_by_default
     status = 0
     for path in paths:
         try:
@@ -247,7 +248,7 @@ def check(paths: typing.Sequence[Path]) -> int:
             if not isinstance(ds_config, dict):
                 raise ValueError(f"the top level is {type(ds_config).__name__}, not an object")
             cfg = parse_dgc_config(ds_config)
-        except (OSError, ValueError, DGCConfigError) as err:  # DGCConfigError is a ValueError: named for the reader
+        except (OSError, ValueError) as err:  # bad JSON and DGCConfigError are ValueErrors
             print(f"{path}: refused: {err}")
             status = 1
             continue
