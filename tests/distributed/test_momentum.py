@@ -45,10 +45,8 @@ def test_compressed_momentum_is_adam_before_the_freeze_and_uses_the_frozen_v_aft
     inv = None
     for t in range(1, 7):
         grads = [(a.double() + b.double()) / 2 for a, b in zip(ours[0].local_grads[t - 1], ours[1].local_grads[t - 1])]
-        clip = 1.0
-        if t <= 3 and opt.gradient_clipping > 0:  # ZeRO-3 clips by the global norm; after the freeze it does not
-            norm = math.sqrt(sum(float(g.square().sum()) for g in grads))
-            clip = max(1.0, (norm + 1e-6) / opt.gradient_clipping)
+        # ZeRO-3 clips by the global norm; after the freeze it does not
+        clip = _clip_factor(opt.gradient_clipping, grads) if t <= 3 else 1.0
         for i, g in enumerate(grads):
             g = g.reshape(params[i].shape)
             local_m[i] = b1 * local_m[i] + (1 - b1) * g  # the ranks' momenta: of their own, unclipped gradients
@@ -193,8 +191,8 @@ def _replayed_sums(ranks, steps: int, decay: float, raw: bool, chunk: int = 16, 
 
 
 def _clip_factor(gradient_clipping: float, u) -> float:
-    """What ZeRO-3 divides the partitions by before the step: their global L2 norm over ``gradient_clipping`` where
-    that is above 1 (1 without clipping)."""
+    """What ZeRO-3 divides the partitions by before the step: their global L2 norm (of the tensors ``u``) over
+    ``gradient_clipping`` where that is above 1 (1 without clipping)."""
     norm = math.sqrt(sum(float(x.square().sum()) for x in u))
     return max(1.0, (norm + 1e-6) / gradient_clipping) if gradient_clipping > 0 else 1.0
 
@@ -593,10 +591,7 @@ def test_compressed_momentum_on_the_hierarchical_topology_uses_the_node_level_mo
     inv = None
     for t in range(1, 5):
         grads = [sum(ranks[r].local_grads[t - 1][i].double() for r in range(W)) / W for i in range(len(params))]
-        clip = 1.0
-        if t <= 2 and opt.gradient_clipping > 0:
-            norm = math.sqrt(sum(float(g.square().sum()) for g in grads))
-            clip = max(1.0, (norm + 1e-6) / opt.gradient_clipping)
+        clip = _clip_factor(opt.gradient_clipping, grads) if t <= 2 else 1.0
         for i, g in enumerate(grads):
             g = g.reshape(params[i].shape)
             local_m[i] = b1 * local_m[i] + (1 - b1) * g.reshape(-1)
