@@ -53,6 +53,9 @@ def test_the_features_edits():
     stock, method = sj.feature_configs(sj.BY_NAME["policy_auto"], stock_base, method_base)
     assert stock == stock_base and method["dgc"]["policy"] == "auto"
     assert method["dgc"]["decoupled_momentum"] == method_base["dgc"]["decoupled_momentum"]
+    # the row that measured Lion on u is the shipped Lion config, at the lr docs/methods.md reports
+    _, method = sj.feature_configs(sj.with_lr(sj.BY_NAME["lion_offload_optimizer"], 0.001), stock_base, method_base)
+    assert method == json.loads((sj.ROOT / "configs" / "zero3_dgc_lion.json").read_text())
 
 
 def test_with_lr_sets_the_optimizer_and_the_warmup_peak_only():

@@ -9,6 +9,8 @@ import pytest
 
 from deepspeed_dgc.config import DGCConfig, DGCConfigError, misspelled_section, parse_dgc_config, switched_off_by_default
 
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"  # the shipped ds_configs
+
 
 def test_config_defaults_and_lossless():
     cfg = parse_dgc_config({"dgc": {"enabled": True}})
@@ -146,9 +148,8 @@ def test_the_shipped_lion_config_is_the_adam_config_with_lion_stepping_on_u():
     """configs/zero3_dgc_lion.json is configs/zero3_dgc_adam.json with DeepSpeed's Lion at lr 0.001 (the schedule's
     peak too) under ZeRO-Offload, and decoupled momentum handing u to Lion with decay 0.9 and top-4: the setting
     docs/methods.md ("Lion") measured within 1% of stock Lion; the section parses."""
-    configs = Path(__file__).resolve().parents[2] / "configs"
-    adam = json.loads((configs / "zero3_dgc_adam.json").read_text())
-    lion = json.loads((configs / "zero3_dgc_lion.json").read_text())
+    adam = json.loads((CONFIGS / "zero3_dgc_adam.json").read_text())
+    lion = json.loads((CONFIGS / "zero3_dgc_lion.json").read_text())
     want = copy.deepcopy(adam)
     want["optimizer"] = {"type": "Lion", "params": {"lr": 0.001, "betas": [0.9, 0.99], "weight_decay": 0.0}}
     want["scheduler"]["params"]["warmup_max_lr"] = 0.001
@@ -163,13 +164,12 @@ def test_check_command_reads_each_file_as_initialize_does(tmp_path, capsys):
     """``python -m deepspeed_dgc check``: per file, the section's keys (a method's subsection with its defaults) or the
     error naming the key; the warnings initialize gives; exit 1 when any file fails."""
     from deepspeed_dgc.__main__ import main
-    configs = Path(__file__).resolve().parents[2] / "configs"
     files = {"typo": {"dgc": {"enabled": True, "decoupled_momentum": {"topK": 2}}}, "list": [1],
              "unswitched": {"dgc": {"density": 0.1}}, "misspelled": {"DGC": {"enabled": True}}}
     for name, content in files.items():
         (tmp_path / f"{name}.json").write_text(json.dumps(content))
     (tmp_path / "broken.json").write_text('{"dgc": {"enabled": true,}}')
-    assert main(["check", str(configs / "zero3_dgc_lion.json"), str(configs / "zero3_baseline.json")]) == 0
+    assert main(["check", str(CONFIGS / "zero3_dgc_lion.json"), str(CONFIGS / "zero3_baseline.json")]) == 0
     ok = capsys.readouterr().out.splitlines()
     assert ok[0].endswith("zero3_dgc_lion.json: ok, 'dgc' = {\"enabled\": true, \"decoupled_momentum\": {\"chunk\": 64, "
                           "\"topk\": 4, \"decay\": 0.9, \"transform\": \"dct\", \"quantization\": \"int2\", \"group_size\": "
