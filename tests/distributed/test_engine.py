@@ -321,6 +321,10 @@ BAD = {  # case -> ds_config override (merged into the worker's BASE; None remov
     "demo_optimizer_update_sgd_momentum_later": {"dgc": {"enabled": True, "decoupled_momentum": {"update": "optimizer"}},
                                                  "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
                                                  "zero_allow_untested_optimizer": True},
+    "demo_optimizer_update_adam_beta1": {"dgc": {"enabled": True, "decoupled_momentum": {"update": "optimizer"}}},
+    "demo_optimizer_update_adam_beta1_later": {
+        "dgc": {"enabled": True, "decoupled_momentum": {"update": "optimizer", "decay": 0.99}},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.0, 0.99], "torch_adam": True}}},
 }
 
 EXPECTED = {  # case -> what its DGCConfigError names
@@ -357,6 +361,9 @@ EXPECTED = {  # case -> what its DGCConfigError names
     "demo_optimizer_update_momentum_sgd": "SGD's own momentum (0.9) would integrate it again",
     "demo_optimizer_update_sgd_momentum_later": "SGD's own momentum (0.95 (set after initialize, e.g. by a schedule "
                                                 "that cycles momentum)) would integrate it again",
+    "demo_optimizer_update_adam_beta1": "AdamW's first moment (betas[0] = 0.9) would average it again",
+    "demo_optimizer_update_adam_beta1_later": "AdamW's first moment (betas[0] = 0.85 (set after initialize, e.g. by a "
+                                              "schedule that cycles momentum)) would average it again",
 }
 MISMATCH = {  # rank 1 differs: case -> (rank 1's difference, key named, value on rank 0, value on rank 1)
     "mismatch_density": ({"rank1_config": {"dgc": {"density": 0.2}}}, "'dgc.density'", "0.1", "0.2"),
@@ -365,7 +372,8 @@ MISMATCH = {  # rank 1 differs: case -> (rank 1's difference, key named, value o
 }
 SPECIAL = {"mpi4py_missing": {"hide_mpi4py": True}, "fused_missing_on_rank1": {"hide_fused_op_on_rank": 1},
            "momentum_fp16": {"allow_fp16": True},
-           "demo_optimizer_update_sgd_momentum_later": {"step": True, "param_groups_after_init": {"momentum": 0.95}}}
+           "demo_optimizer_update_sgd_momentum_later": {"step": True, "param_groups_after_init": {"momentum": 0.95}},
+           "demo_optimizer_update_adam_beta1_later": {"step": True, "param_groups_after_init": {"betas": (0.85, 0.99)}}}
 
 
 @pytest.fixture(scope="module")

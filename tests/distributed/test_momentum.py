@@ -302,6 +302,26 @@ def test_decoupled_momentum_against_a_float64_replay(fmt, half, opt):
     assert ranks[0].stats["state_bytes_per_param"] == pytest.approx(want, rel=1e-6) and want < 4.1
 
 
+def _check_steps_on_u(ranks, decay: float, replay) -> None:
+    """Every parameter after each of 6 steps against ``replay(i, g, before)``: the float64 step of parameter ``i``
+    (flat) from ``before`` on ``g``, u (:func:`_replayed_sums`, raw top-3 of 16) over ZeRO-3's clip factor; it returns
+    the parameter wanted and where it is checked (a sign's argument not at rounding level). Clipping must have acted
+    in 3 steps or more, 90% of the elements be checked, and both ranks hold the same parameters."""
+    settings = ranks[0].optimizer
+    checked, clipped = 0, 0
+    for t, u in enumerate(_replayed_sums(ranks, 6, decay, raw=True)):
+        clip = _clip_factor(settings.gradient_clipping, u)
+        clipped += clip > 1.0
+        for i in range(len(u)):
+            before = ranks[0].params[t][i].double().reshape(-1)
+            after = ranks[0].params[t + 1][i].double().reshape(-1)
+            want, clear = replay(i, u[i] / clip, before)
+            torch.testing.assert_close(after[clear], want[clear], rtol=1e-6, atol=1e-6)
+            checked += int(clear.sum())
+            assert torch.equal(ranks[1].params[t + 1][i], ranks[0].params[t + 1][i])
+    assert checked > 0.9 * 6 * sum(p.numel() for p in ranks[0].params[0]) and clipped >= 3
+
+
 def test_decoupled_momentum_hands_u_to_a_users_lion_against_a_float64_replay():
     """``update: "optimizer"`` with an optimizer DeepSpeed did not build, passed by the user to
     ``deepspeed.initialize``: Lion in plain PyTorch (lr 1e-2, betas (0.9, 0.99), decoupled weight decay 0.1).
@@ -318,22 +338,42 @@ def test_decoupled_momentum_hands_u_to_a_users_lion_against_a_float64_replay():
     assert settings.type == "Lion" and settings.weight_decay == 0.1
     lr, (b1, b2), wd = settings.lr, settings.betas, settings.weight_decay
     exp_avg = [torch.zeros(p.numel(), dtype=torch.float64) for p in ranks[0].params[0]]
-    checked, clipped = 0, 0
-    for t, u in enumerate(_replayed_sums(ranks, 6, decay, raw=True)):
-        clip = _clip_factor(settings.gradient_clipping, u)
-        clipped += clip > 1.0
-        for i, m in enumerate(exp_avg):
-            g = u[i] / clip
-            direction = b1 * m + (1 - b1) * g
-            before = ranks[0].params[t][i].double().reshape(-1)
-            after = ranks[0].params[t + 1][i].double().reshape(-1)
-            clear = direction.abs() > 1e-4 * float(direction.abs().max())
-            want = before * (1 - lr * wd) - lr * torch.sign(direction)
-            torch.testing.assert_close(after[clear], want[clear], rtol=1e-6, atol=1e-6)
-            checked += int(clear.sum())
-            m.mul_(b2).add_(g, alpha=1 - b2)
-            assert torch.equal(ranks[1].params[t + 1][i], ranks[0].params[t + 1][i])
-    assert checked > 0.9 * 6 * sum(m.numel() for m in exp_avg) and clipped >= 3
+
+    def lion(i, g, before):
+        direction = b1 * exp_avg[i] + (1 - b1) * g
+        exp_avg[i].mul_(b2).add_(g, alpha=1 - b2)
+        clear = direction.abs() > 1e-4 * float(direction.abs().max())
+        return before * (1 - lr * wd) - lr * torch.sign(direction), clear
+
+    _check_steps_on_u(ranks, decay, lion)
+
+
+def test_decoupled_momentum_hands_u_to_adamw_with_beta1_0_against_a_float64_replay():
+    """``update: "optimizer"`` with DeepSpeed's AdamW at ``betas`` (0, 0.99), the setting that keeps stock's loss on
+    the Hugging Face job (docs/huggingface.md): the decoupled momentum (decay 0.99) is Adam's first moment, Adam
+    keeps its second. 2 ranks, 6 steps, raw top-3 of 16, clipping 0.05 (it acts); float64 replay of torch's AdamW on
+    u over the clip factor: ``v <- 0.99 v + 0.01 g^2``, ``p <- p (1 - lr wd) - lr g / (sqrt(v / (1 - 0.99^k)) + eps)``
+    (beta1 0: no first-moment bias correction)."""
+    decay = 0.99
+    ranks = run_scenario(Train(steps=6, local_grads=True, config={
+        "gradient_clipping": 0.05,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.0, 0.99], "eps": 1e-8, "weight_decay": 0.1,
+                                                  "torch_adam": True}},
+        "dgc": {"enabled": True, "decoupled_momentum": {
+            "chunk": 16, "topk": 3, "decay": decay, "quantization": "none", "update": "optimizer"}}}), timeout_s=300)
+    settings = ranks[0].optimizer
+    assert settings.type == "AdamW" and tuple(settings.betas) == (0.0, 0.99) and settings.weight_decay == 0.1
+    lr, b2, eps, wd = settings.lr, settings.betas[1], settings.eps, settings.weight_decay
+    exp_avg_sq = [torch.zeros(p.numel(), dtype=torch.float64) for p in ranks[0].params[0]]
+    seen = [0] * len(exp_avg_sq)
+
+    def adamw(i, g, before):
+        seen[i] += 1
+        exp_avg_sq[i].mul_(b2).addcmul_(g, g, value=1 - b2)
+        denom = (exp_avg_sq[i] / (1 - b2 ** seen[i])).sqrt() + eps
+        return before * (1 - lr * wd) - lr * g / denom, torch.ones_like(g, dtype=torch.bool)
+
+    _check_steps_on_u(ranks, decay, adamw)
 
 
 @pytest.mark.parametrize("held", [True, False], ids=["window-held", "every-micro-step"])
