@@ -100,9 +100,10 @@ class DecoupledMomentumConfig(BaseModel):
         "are not used; `\"optimizer\"` (`\"adam\"`, its earlier name): the job's optimizer steps on `u` as its "
         "gradient (`u` is a momentum sum up to `1 / (1 - decay)` times the gradient, which a scale-free optimizer "
         "such as Adam or Lion takes as it is: Lion with `decay` 0.9 and `topk` 4 kept stock Lion's loss, where the "
-        "sign step at Lion's lr did not, docs/methods.md; with `decay` above 0, SGD with momentum is refused at "
-        "initialize, or after the first step where a schedule turned its momentum on: its momentum would integrate "
-        "`u` again)")
+        "sign step at Lion's lr did not; AdamW with betas (0, 0.99) and `decay` 0.99 kept stock's loss on the "
+        "Hugging Face jobs, where the sign step did not, docs/methods.md; with `decay` above 0, SGD with momentum "
+        "and Adam with `betas[0]` above 0 are refused at initialize, or after the first step where a schedule turned "
+        "that momentum on: it would integrate `u` again)")
     storage: Literal["fp32", "bf16", "int8"] = Field(
         "fp32", description="storage of the local momentum between steps: 4, 2 or 1.03 bytes per parameter per rank. "
         "bf16 rounds to nearest and drops changes below 2^-9 of the momentum (the 0.999 decay among them), which "
@@ -509,11 +510,14 @@ def _format_validation_error(err: ValidationError) -> str:
             near = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1, cutoff=0.6)
             hint = f"; did you mean '{'.'.join(key.split('.')[:-1] + near)}'?" if near else ""
             lines.append(f"unknown key '{key}' (allowed keys: {allowed}){hint}")
-        elif key in by_key:
-            by_key[key][0].append(e["msg"])
         else:
-            by_key[key] = ([e["msg"]], e.get("input"))
-            lines.append(key)
+            # the docs say "even" where pydantic says "a multiple of 2"
+            msg = "Input should be even" if (e.get("ctx") or {}).get("multiple_of") == 2 else e["msg"]
+            if key in by_key:
+                by_key[key][0].append(msg)
+            else:
+                by_key[key] = ([msg], e.get("input"))
+                lines.append(key)
     return "; ".join(line if line not in by_key else
                      f"invalid value for '{line}': {' or '.join(by_key[line][0])} (got {_as_json(by_key[line][1])})"
                      for line in lines)

@@ -110,8 +110,8 @@ class DecoupledMomentumMethod(GradientMethod):
                     f"'dgc.decoupled_momentum.update' = \"{cfg.update}\" hands SGD the sum of the ranks' decoupled "
                     f"momenta (decay {cfg.decay}: up to {1 / (1 - cfg.decay):.0f} times the gradient), and SGD's own "
                     f"momentum ({max(momenta)}{when}) would integrate it again: set 'dgc.decoupled_momentum.update' to "
-                    "\"sign\" (DeMo's step at SGD's learning rate, schedule and weight decay), or SGD's 'momentum' to 0, "
-                    "or 'dgc.decoupled_momentum.decay' to 0")
+                    "\"sign\" (DeMo's step at SGD's learning rate, schedule and weight decay), or SGD's 'momentum' to "
+                    "0, or 'dgc.decoupled_momentum.decay' to 0")
         elif name in owners.ADAM_TYPES:
             beta1 = max(float(g.get("betas", (0.0, 0.0))[0]) for g in basic.param_groups)
             if beta1 > 0:
@@ -121,9 +121,9 @@ class DecoupledMomentumMethod(GradientMethod):
                     "average it again, a momentum of a momentum that trails stock's loss by 12% to 26% on the Hugging "
                     "Face job (docs/huggingface.md): set the optimizer's betas[0] to 0, so that the decoupled momentum "
                     "is its first moment and it keeps only its second ('optimizer.params.betas' [0.0, 0.99]; with "
-                    "the Trainer, TrainingArguments(adam_beta1=0.0, adam_beta2=0.99)), or 'dgc.decoupled_momentum.update' "
-                    f"to \"sign\" (DeMo's step at {name}'s learning rate, schedule and weight decay), or "
-                    "'dgc.decoupled_momentum.decay' to 0")
+                    "the Trainer, TrainingArguments(adam_beta1=0.0, adam_beta2=0.99)), or "
+                    f"'dgc.decoupled_momentum.update' to \"sign\" (DeMo's step at {name}'s learning rate, schedule "
+                    "and weight decay), or 'dgc.decoupled_momentum.decay' to 0")
 
     def partitions_hold(self, state) -> str:
         return ("u, the sum over ranks of their decoded DCT top-k momenta (DeMo's update; the ranks never send "
