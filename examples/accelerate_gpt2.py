@@ -12,9 +12,10 @@ returns the norm DeepSpeed measured. On 2 ranks (CPU ranks without a GPU), from 
         --max-steps 50 --grad-accum 2 --max-grad-norm 1.0 --bf16
 
 (``deepspeed --num_gpus 2 examples/accelerate_gpt2.py ...`` starts it too.) ``--stock`` runs the same config
-without its ``"dgc"`` section. At the end rank 0 prints ``DGC_TELEMETRY {...}`` as ``hf_trainer_gpt2.py`` does:
-every optimizer step's loss (the mean over ranks and micro-steps), ``final_loss`` (the mean of the last 10) and the
-compression telemetry.
+without its ``"dgc"`` section. The loop's AdamW takes betas (0, 0.99) where the config hands the method's update
+to it, as this config does (``hf_common.adam_betas``), else (0.9, 0.999). At the end rank 0 prints
+``DGC_TELEMETRY {...}`` as ``hf_trainer_gpt2.py`` does: every optimizer step's loss (the mean over ranks and
+micro-steps), ``final_loss`` (the mean of the last 10) and the compression telemetry.
 """
 
 import argparse
@@ -41,7 +42,8 @@ def main(argv=None) -> None:
     from deepspeed.accelerator import get_accelerator
     from transformers import get_scheduler
 
-    plugin = DeepSpeedPlugin(hf_ds_config=hf_common.load_ds_config(args.deepspeed, args.stock),
+    ds_config = hf_common.load_ds_config(args.deepspeed, args.stock)
+    plugin = DeepSpeedPlugin(hf_ds_config=ds_config,
                              gradient_accumulation_steps=args.grad_accum, gradient_clipping=args.max_grad_norm)
     # the process group's backend named: without a GPU, Accelerate 1.15 names none, and a state without a backend
     # counts one process (each rank then loads every batch and reduce() sums instead of averaging)
@@ -54,7 +56,8 @@ def main(argv=None) -> None:
                                          generator=torch.Generator().manual_seed(args.seed))
     model = hf_common.gpt2(args, vocab)
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=hf_common.adam_betas(args, ds_config),
+                                  weight_decay=args.weight_decay)
     # Accelerate steps a prepared schedule once per process at every optimizer step (its schedules count the
     # samples of one process's view of the data), so the schedule's steps are optimizer steps times processes
     scheduler = get_scheduler(args.lr_scheduler, optimizer,

@@ -43,6 +43,11 @@ def add_common_args(ap: argparse.ArgumentParser, default_config: str, output_dir
     ap.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
     ap.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping (DeepSpeed's, by the norm)")
     ap.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    ap.add_argument("--adam-beta1", type=float, default=None,
+                    help="AdamW's beta1 (default: 0 where the config hands the method's update to AdamW, else 0.9)")
+    ap.add_argument("--adam-beta2", type=float, default=None,
+                    help="AdamW's beta2 (default: 0.99 where the config hands the method's update to AdamW, "
+                    "else 0.999)")
     ap.add_argument("--lr-scheduler", default="cosine", help="transformers' schedule name: linear, cosine, ...")
     ap.add_argument("--warmup-steps", type=int, default=None, help="default: a fifth of the run, at most 10")
     ap.add_argument("--bf16", action="store_true", help="bf16 engine (DeepSpeed's bf16 section)")
@@ -54,6 +59,22 @@ def add_common_args(ap: argparse.ArgumentParser, default_config: str, output_dir
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--output-dir", default=output_dir)
     ap.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+
+
+# AdamW's betas where decoupled momentum hands its update u to it ('update: "optimizer"'): the ranks' decoupled
+# momentum is then Adam's first moment (beta1 0; the extension refuses beta1 > 0 there) and Adam keeps the second, at
+# 0.99 (docs/huggingface.md); elsewhere the Trainer's and torch's defaults
+BETAS_ON_U, BETAS_DEFAULT = (0.0, 0.99), (0.9, 0.999)
+
+
+def adam_betas(args, ds_config: dict) -> tuple[float, float]:
+    """AdamW's ``(beta1, beta2)``: ``--adam-beta1`` / ``--adam-beta2`` where given, else :data:`BETAS_ON_U` where
+    ``ds_config``'s ``"dgc"`` section hands decoupled momentum's update to the optimizer, else
+    :data:`BETAS_DEFAULT` (a stock run's config has no ``"dgc"`` section)."""
+    update = (ds_config.get("dgc") or {}).get("decoupled_momentum", {}) or {}
+    default = BETAS_ON_U if update.get("update") in ("optimizer", "adam") else BETAS_DEFAULT
+    return (default[0] if args.adam_beta1 is None else args.adam_beta1,
+            default[1] if args.adam_beta2 is None else args.adam_beta2)
 
 
 def warmup_steps(args) -> int:
@@ -92,12 +113,15 @@ def gpt2(args, vocab_size: int):
 
 def report(engine, losses: list[float], n_params: int, **extra) -> dict | None:
     """On rank 0, print ``DGC_TELEMETRY {json}``: the loss of every optimizer step (the mean over ranks and
-    micro-steps), ``final_loss`` (the mean of the last :data:`FINAL_WINDOW`), the compression telemetry of this rank
-    (``"dgc": null`` on a stock run) and ``extra``. Returns the dict printed (None on other ranks)."""
+    micro-steps), ``final_loss`` (the mean of the last :data:`FINAL_WINDOW`), the betas of the optimizer ZeRO-3 steps
+    with (its first param group's; None without), the compression telemetry of this rank (``"dgc": null`` on a stock
+    run) and ``extra``. Returns the dict printed (None on other ranks)."""
     if int(os.environ.get("RANK", "0")) != 0:
         return None
     tail = losses[-FINAL_WINDOW:]
+    betas = getattr(getattr(engine.optimizer, "optimizer", None), "param_groups", [{}])[0].get("betas")
     line = {"losses": [round(x, 6) for x in losses], "final_loss": sum(tail) / max(1, len(tail)),
+            "betas": None if betas is None else [float(b) for b in betas],
             "n_params": n_params, "world_size": int(os.environ.get("WORLD_SIZE", "1")), **extra}
     stats = deepspeed_dgc.get_stats(engine)
     if stats is None:

@@ -10,7 +10,10 @@ GPU), from the repository root::
     deepspeed --num_gpus 2 examples/hf_trainer_gpt2.py --deepspeed configs/hf_zero3_dgc_adam.json \\
         --max-steps 50 --grad-accum 2 --max-grad-norm 1.0 --lr-scheduler cosine --bf16
 
-``--stock`` runs the same config without its ``"dgc"`` section, to compare with. At the end rank 0 prints one
+The config hands the method's update to the Trainer's AdamW (``"update": "optimizer"``), whose betas are then
+(0, 0.99): the ranks' decoupled momentum is Adam's first moment (``--adam-beta1`` / ``--adam-beta2`` to change
+them; docs/huggingface.md). ``--stock`` runs the same config without its ``"dgc"`` section, with the Trainer's
+AdamW defaults (0.9, 0.999), to compare with. At the end rank 0 prints one
 line, ``DGC_TELEMETRY {...}``: every optimizer step's training loss (the Trainer's logged loss, averaged over ranks),
 ``final_loss`` (the mean of the last 10), and the compression telemetry (bytes this rank sent, what stock fp32
 ZeRO-3 would have sent, the compression ratio, which compression path ran; ``"dgc": null`` on a stock run).
@@ -36,13 +39,17 @@ def main(argv=None) -> None:
     from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
 
     set_seed(args.seed)
+    ds_config = hf_common.load_ds_config(args.deepspeed, args.stock)
+    beta1, beta2 = hf_common.adam_betas(args, ds_config)
     targs = TrainingArguments(output_dir=args.output_dir,
-                              deepspeed=hf_common.load_ds_config(args.deepspeed, args.stock),
+                              deepspeed=ds_config,
                               per_device_train_batch_size=args.batch_size,
                               gradient_accumulation_steps=args.grad_accum,
                               max_grad_norm=args.max_grad_norm,
                               max_steps=args.max_steps,
                               learning_rate=args.lr,
+                              adam_beta1=beta1,
+                              adam_beta2=beta2,
                               lr_scheduler_type=args.lr_scheduler,
                               warmup_steps=hf_common.warmup_steps(args),
                               bf16=args.bf16,

@@ -162,6 +162,20 @@ def test_the_shipped_lion_config_is_the_adam_config_with_lion_stepping_on_u():
     assert (dm.update, dm.decay, dm.topk, dm.chunk) == ("optimizer", 0.9, 4, 64)
 
 
+def test_the_shipped_adam_on_u_config_is_the_adam_config_with_adamw_stepping_on_u():
+    """configs/zero3_dgc_adam_on_u.json is configs/zero3_dgc_adam.json with Adam's betas (0, 0.99) and decoupled
+    momentum handing u to it with decay 0.99: the setting docs/methods.md ("AdamW on u") measured on the main job;
+    the section parses."""
+    adam = json.loads((CONFIGS / "zero3_dgc_adam.json").read_text())
+    on_u = json.loads((CONFIGS / "zero3_dgc_adam_on_u.json").read_text())
+    want = copy.deepcopy(adam)
+    want["optimizer"]["params"]["betas"] = [0.0, 0.99]
+    want["dgc"]["decoupled_momentum"].update(update="optimizer", decay=0.99)
+    assert on_u == want
+    dm = parse_dgc_config(on_u).decoupled_momentum
+    assert (dm.update, dm.decay, dm.topk, dm.quantization) == ("optimizer", 0.99, 2, "int2")
+
+
 def test_check_command_reads_each_file_as_initialize_does(tmp_path, capsys):
     """``python -m deepspeed_dgc check``: per file, the section's keys (a method's subsection with its defaults) or the
     error naming the key; the warnings initialize gives; exit 1 when any file fails."""
