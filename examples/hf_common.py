@@ -69,10 +69,11 @@ BETAS_ON_U, BETAS_DEFAULT = (0.0, 0.99), (0.9, 0.999)
 
 def adam_betas(args, ds_config: dict) -> tuple[float, float]:
     """AdamW's ``(beta1, beta2)``: ``--adam-beta1`` / ``--adam-beta2`` where given, else :data:`BETAS_ON_U` where
-    ``ds_config``'s ``"dgc"`` section hands decoupled momentum's update to the optimizer, else
+    ``ds_config``'s ``"dgc"`` section is enabled and hands decoupled momentum's update to the optimizer, else
     :data:`BETAS_DEFAULT` (a stock run's config has no ``"dgc"`` section)."""
-    update = (ds_config.get("dgc") or {}).get("decoupled_momentum", {}) or {}
-    default = BETAS_ON_U if update.get("update") in ("optimizer", "adam") else BETAS_DEFAULT
+    dgc = ds_config.get("dgc") or {}
+    method = (dgc.get("decoupled_momentum") or {}) if dgc.get("enabled") is True else {}
+    default = BETAS_ON_U if method.get("update") in ("optimizer", "adam") else BETAS_DEFAULT
     return (default[0] if args.adam_beta1 is None else args.adam_beta1,
             default[1] if args.adam_beta2 is None else args.adam_beta2)
 
