@@ -100,8 +100,8 @@ class DecoupledMomentumConfig(BaseModel):
         "are not used; `\"optimizer\"` (`\"adam\"`, its earlier name): the job's optimizer steps on `u` as its "
         "gradient (`u` is a momentum sum up to `1 / (1 - decay)` times the gradient, which a scale-free optimizer "
         "such as Adam or Lion takes as it is: Lion with `decay` 0.9 and `topk` 4 kept stock Lion's loss, where the "
-        "sign step at Lion's lr did not; AdamW with betas (0, 0.99) and `decay` 0.99 kept stock's loss on the "
-        "Hugging Face jobs, where the sign step did not, docs/methods.md; with `decay` above 0, SGD with momentum "
+        "sign step at Lion's lr did not; AdamW with betas (0, 0.99) and `decay` 0.99 ended below the sign step's "
+        "loss on the main job, docs/methods.md; with `decay` above 0, SGD with momentum "
         "and Adam with `betas[0]` above 0 are refused at initialize, or after the first step where a schedule turned "
         "that momentum on: it would integrate `u` again)")
     storage: Literal["fp32", "bf16", "int8"] = Field(

@@ -13,7 +13,7 @@ returns the norm DeepSpeed measured. On 2 ranks (CPU ranks without a GPU), from 
 
 (``deepspeed --num_gpus 2 examples/accelerate_gpt2.py ...`` starts it too.) ``--stock`` runs the same config
 without its ``"dgc"`` section. The loop's AdamW takes betas (0, 0.99) where the config hands the method's update
-to it, as this config does (``hf_common.adam_betas``), else (0.9, 0.999). At the end rank 0 prints
+to it (``hf_common.adam_betas``), else (0.9, 0.999). At the end rank 0 prints
 ``DGC_TELEMETRY {...}`` as ``hf_trainer_gpt2.py`` does: every optimizer step's loss (the mean over ranks and
 micro-steps), ``final_loss`` (the mean of the last 10) and the compression telemetry.
 """

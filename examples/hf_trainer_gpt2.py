@@ -10,10 +10,10 @@ GPU), from the repository root::
     deepspeed --num_gpus 2 examples/hf_trainer_gpt2.py --deepspeed configs/hf_zero3_dgc_adam.json \\
         --max-steps 50 --grad-accum 2 --max-grad-norm 1.0 --lr-scheduler cosine --bf16
 
-The config hands the method's update to the Trainer's AdamW (``"update": "optimizer"``), whose betas are then
-(0, 0.99): the ranks' decoupled momentum is Adam's first moment (``--adam-beta1`` / ``--adam-beta2`` to change
-them; docs/huggingface.md). ``--stock`` runs the same config without its ``"dgc"`` section, with the Trainer's
-AdamW defaults (0.9, 0.999), to compare with. At the end rank 0 prints one
+Where a config hands the method's update to the Trainer's AdamW (``"update": "optimizer"``), the example sets
+AdamW's betas to (0, 0.99): the ranks' decoupled momentum is then Adam's first moment (``--adam-beta1`` /
+``--adam-beta2`` to change them; docs/huggingface.md). ``--stock`` runs the same config without its ``"dgc"``
+section, with the Trainer's AdamW defaults (0.9, 0.999), to compare with. At the end rank 0 prints one
 line, ``DGC_TELEMETRY {...}``: every optimizer step's training loss (the Trainer's logged loss, averaged over ranks),
 ``final_loss`` (the mean of the last 10), and the compression telemetry (bytes this rank sent, what stock fp32
 ZeRO-3 would have sent, the compression ratio, which compression path ran; ``"dgc": null`` on a stock run).
