@@ -20,6 +20,19 @@ from ..zero3.swap import replace
 from .base import Bucket, Exchange, GradientMethod, Reduced, register
 
 
+# torch's optimizers whose betas[0] is a first moment of the gradient; other classes count where "adam" is in their
+# name (DeepSpeed's FusedAdam and DeepSpeedCPUAdam, bitsandbytes' AdamW8bit, ...)
+ADAM_FAMILY = (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adamax)
+AFTER_INIT = (", set after initialize, e.g. by a schedule that cycles momentum: turn that off, e.g. OneCycle's "
+              "'cycle_momentum': false")
+
+
+def averages_gradients(basic) -> bool:
+    """Whether ``basic`` keeps a first moment of its gradient by ``betas[0]``: torch's Adam family
+    (:data:`ADAM_FAMILY`, subclasses too) or a class with "adam" in its name."""
+    return isinstance(basic, ADAM_FAMILY) or "adam" in type(basic).__name__.lower()
+
+
 @register("decoupled_momentum", lambda cfg, device: cfg.decoupled_momentum is not None, order=10)
 class DecoupledMomentumMethod(GradientMethod):
     """See the module docstring; ``reducer.momentum`` is its :class:`~deepspeed_dgc.memory.momentum.
@@ -93,12 +106,12 @@ class DecoupledMomentumMethod(GradientMethod):
         """``update: "optimizer"``: SGD's momentum or Adam's ``betas[0]`` may have been turned on since initialize (a
         momentum-cycling schedule): refused as at initialize (see :meth:`install`), after the first step that had
         it."""
-        self._refuse_double_momentum(opt.optimizer, " (set after initialize, e.g. by a schedule that cycles momentum)")
+        self._refuse_double_momentum(opt.optimizer, AFTER_INIT)
 
     def _refuse_double_momentum(self, basic, when: str) -> None:
         """:class:`~deepspeed_dgc.config.DGCConfigError` where the optimizer's own momentum would integrate ``u`` again
-        (see :meth:`install`): SGD's ``momentum`` or Adam's first moment (``betas[0]``, any of
-        :data:`~deepspeed_dgc.zero3.optimizer.ADAM_TYPES`); nothing under ``update: "sign"`` or ``decay`` 0."""
+        (see :meth:`install`): SGD's ``momentum`` or Adam's first moment (``betas[0]``, :func:`averages_gradients`);
+        nothing under ``update: "sign"`` or ``decay`` 0. ``when``: said after the value (:data:`AFTER_INIT`)."""
         cfg = self.reducer.momentum.cfg
         if cfg.update == "sign" or cfg.decay == 0:
             return
@@ -112,7 +125,7 @@ class DecoupledMomentumMethod(GradientMethod):
                     f"momentum ({max(momenta)}{when}) would integrate it again: set 'dgc.decoupled_momentum.update' to "
                     "\"sign\" (DeMo's step at SGD's learning rate, schedule and weight decay), or SGD's 'momentum' to "
                     "0, or 'dgc.decoupled_momentum.decay' to 0")
-        elif name in owners.ADAM_TYPES:
+        elif averages_gradients(basic):
             beta1 = max(float(g.get("betas", (0.0, 0.0))[0]) for g in basic.param_groups)
             if beta1 > 0:
                 raise DGCConfigError(
@@ -120,8 +133,9 @@ class DecoupledMomentumMethod(GradientMethod):
                     f"momenta (decay {cfg.decay}), and {name}'s first moment (betas[0] = {beta1}{when}) would "
                     "average it again, a momentum of a momentum that trails stock's loss by 12% to 26% on the Hugging "
                     "Face job (docs/huggingface.md): set the optimizer's betas[0] to 0, so that the decoupled momentum "
-                    "is its first moment and it keeps only its second ('optimizer.params.betas' [0.0, 0.99]; with "
-                    "the Trainer, TrainingArguments(adam_beta1=0.0, adam_beta2=0.99)), or "
+                    "is its first moment and it keeps only its second ('optimizer.params.betas' [0.0, 0.99], or the "
+                    "betas of the optimizer passed to deepspeed.initialize; with the Trainer, "
+                    "TrainingArguments(adam_beta1=0.0, adam_beta2=0.99)), or "
                     f"'dgc.decoupled_momentum.update' to \"sign\" (DeMo's step at {name}'s learning rate, schedule "
                     "and weight decay), or 'dgc.decoupled_momentum.decay' to 0")
 

@@ -359,11 +359,13 @@ EXPECTED = {  # case -> what its DGCConfigError names
     "mc_and_compressed_momentum": "exclude each other",
     "local_clip_without_mc": "dgc.local_clip_norm",
     "demo_optimizer_update_momentum_sgd": "SGD's own momentum (0.9) would integrate it again",
-    "demo_optimizer_update_sgd_momentum_later": "SGD's own momentum (0.95 (set after initialize, e.g. by a schedule "
-                                                "that cycles momentum)) would integrate it again",
+    "demo_optimizer_update_sgd_momentum_later": "SGD's own momentum (0.95, set after initialize, e.g. by a schedule "
+                                                "that cycles momentum: turn that off, e.g. OneCycle's 'cycle_momentum': "
+                                                "false) would integrate it again",
     "demo_optimizer_update_adam_beta1": "AdamW's first moment (betas[0] = 0.9) would average it again",
-    "demo_optimizer_update_adam_beta1_later": "AdamW's first moment (betas[0] = 0.85 (set after initialize, e.g. by a "
-                                              "schedule that cycles momentum)) would average it again",
+    "demo_optimizer_update_adam_beta1_later": "AdamW's first moment (betas[0] = 0.85, set after initialize, e.g. by a "
+                                              "schedule that cycles momentum: turn that off, e.g. OneCycle's "
+                                              "'cycle_momentum': false) would average it again",
 }
 MISMATCH = {  # rank 1 differs: case -> (rank 1's difference, key named, value on rank 0, value on rank 1)
     "mismatch_density": ({"rank1_config": {"dgc": {"density": 0.2}}}, "'dgc.density'", "0.1", "0.2"),

@@ -99,3 +99,40 @@ def test_the_hierarchical_topology_refuses_a_method_without_a_layout(scratch_reg
     hier = DGCConfig(enabled=True, stats_interval=4321, topology="hierarchical")
     with pytest.raises(ValueError, match="'test_only_dense_sum' says no owner matrix"):
         methods.build(CompressedReduceScatter(hier, ErrorFeedback("fp32")), "cpu")
+
+
+
+class MyAdamW(torch.optim.AdamW):
+    """A user's subclass of AdamW (its own class name)."""
+
+
+class Adam8bitLike(torch.optim.Optimizer):
+    """Stands in for an optimizer of another library whose name says Adam (bitsandbytes' AdamW8bit)."""
+
+    def __init__(self, params, betas=(0.9, 0.999)):
+        super().__init__(params, {"lr": 1e-3, "betas": betas})
+
+
+def _decoupled(**dm):
+    """The decoupled-momentum method of a reducer with ``dm`` as its ``"decoupled_momentum"`` section."""
+    from deepspeed_dgc.memory.momentum import DecoupledMomentum
+    config = DGCConfig(enabled=True, decoupled_momentum=dm)
+    reducer = CompressedReduceScatter(config, ErrorFeedback("fp32"), momentum=DecoupledMomentum(
+        config.decoupled_momentum))
+    return methods.build(reducer, "cpu")
+
+
+@pytest.mark.parametrize("make", [torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam,
+                                  torch.optim.Adamax, MyAdamW, Adam8bitLike], ids=lambda c: c.__name__)
+def test_update_optimizer_refuses_every_adam_with_a_first_moment(make):
+    """``decoupled_momentum.update: "optimizer"`` with ``decay`` above 0: any optimizer of torch's Adam family
+    (subclasses too) or named Adam whose betas[0] is above 0 is refused naming it and the fix; at betas[0] 0, or with
+    ``decay`` 0, or under the sign step, it is not."""
+    from deepspeed_dgc.config import DGCConfigError
+    params = [torch.nn.Parameter(torch.randn(3))]
+    with pytest.raises(DGCConfigError, match=rf"hands {make.__name__} .*{make.__name__}'s first moment \(betas\[0\] = "
+                                              r"0\.9\) would average it again.*betas\[0\] to 0"):
+        _decoupled(update="optimizer", decay=0.99)._refuse_double_momentum(make(params, betas=(0.9, 0.99)), "")
+    _decoupled(update="optimizer", decay=0.99)._refuse_double_momentum(make(params, betas=(0.0, 0.99)), "")
+    _decoupled(update="optimizer", decay=0.0)._refuse_double_momentum(make(params, betas=(0.9, 0.99)), "")
+    _decoupled(decay=0.99)._refuse_double_momentum(make(params, betas=(0.9, 0.99)), "")
