@@ -360,8 +360,8 @@ EXPECTED = {  # case -> what its DGCConfigError names
     "local_clip_without_mc": "dgc.local_clip_norm",
     "demo_optimizer_update_momentum_sgd": "SGD's own momentum (0.9) would integrate it again",
     "demo_optimizer_update_sgd_momentum_later": "SGD's own momentum (0.95, set after initialize, e.g. by a schedule "
-                                                "that cycles momentum: turn that off, e.g. OneCycle's 'cycle_momentum': "
-                                                "false) would integrate it again",
+                                                "that cycles momentum: turn that off, e.g. OneCycle's "
+                                                "'cycle_momentum': false) would integrate it again",
     "demo_optimizer_update_adam_beta1": "AdamW's first moment (betas[0] = 0.9) would average it again",
     "demo_optimizer_update_adam_beta1_later": "AdamW's first moment (betas[0] = 0.85, set after initialize, e.g. by a "
                                               "schedule that cycles momentum: turn that off, e.g. OneCycle's "
