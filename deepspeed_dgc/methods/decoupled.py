@@ -153,7 +153,7 @@ class DecoupledMomentumMethod(GradientMethod):
                 the defaults and 0.9): no learning rate of the stock job survives that (results/study_jobs.md). Or
                 an Adam with ``betas[0]`` above 0: scale-free, but its first moment lags the momentum sum again
                 (+12% to +26% on the Hugging Face job, docs/huggingface.md); with ``betas[0]`` 0 Adam steps on
-                ``u / sqrt(v)``, which kept stock's loss there.
+                ``u / sqrt(v)`` (docs/methods.md, "AdamW on u").
         """
         cfg = self.reducer.momentum.cfg
         self._refuse_double_momentum(opt.optimizer, "")

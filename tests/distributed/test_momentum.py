@@ -349,9 +349,9 @@ def test_decoupled_momentum_hands_u_to_a_users_lion_against_a_float64_replay():
 
 
 def test_decoupled_momentum_hands_u_to_adamw_with_beta1_0_against_a_float64_replay():
-    """``update: "optimizer"`` with DeepSpeed's AdamW at ``betas`` (0, 0.99), the setting that keeps stock's loss on
-    the Hugging Face job (docs/huggingface.md): the decoupled momentum (decay 0.99) is Adam's first moment, Adam
-    keeps its second. 2 ranks, 6 steps, raw top-3 of 16, clipping 0.05 (it acts); float64 replay of torch's AdamW on
+    """``update: "optimizer"`` with DeepSpeed's AdamW at ``betas`` (0, 0.99), configs/zero3_dgc_adam_on_u.json's
+    setting (docs/methods.md, "AdamW on u"): the decoupled momentum (decay 0.99) is Adam's first moment, Adam keeps
+    its second. 2 ranks, 6 steps, raw top-3 of 16, clipping 0.05 (it acts); float64 replay of torch's AdamW on
     u over the clip factor: ``v <- 0.99 v + 0.01 g^2``, ``p <- p (1 - lr wd) - lr g / (sqrt(v / (1 - 0.99^k)) + eps)``
     (beta1 0: no first-moment bias correction)."""
     decay = 0.99
