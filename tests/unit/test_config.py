@@ -146,13 +146,17 @@ def test_a_misspelled_section_name_is_named():
     assert misspelled_section(stock) is None and misspelled_section(None) is None
 
 
+def _adam_config_and(name: str):
+    """A copy of configs/zero3_dgc_adam.json to edit into what ``configs/<name>`` should be, and that file."""
+    adam = json.loads((CONFIGS / "zero3_dgc_adam.json").read_text())
+    return copy.deepcopy(adam), json.loads((CONFIGS / name).read_text())
+
+
 def test_the_shipped_lion_config_is_the_adam_config_with_lion_stepping_on_u():
     """configs/zero3_dgc_lion.json is configs/zero3_dgc_adam.json with DeepSpeed's Lion at lr 0.001 (the schedule's
     peak too) under ZeRO-Offload, and decoupled momentum handing u to Lion with decay 0.9 and top-4: the setting
     docs/methods.md ("Lion") measured within 1% of stock Lion; the section parses."""
-    adam = json.loads((CONFIGS / "zero3_dgc_adam.json").read_text())
-    lion = json.loads((CONFIGS / "zero3_dgc_lion.json").read_text())
-    want = copy.deepcopy(adam)
+    want, lion = _adam_config_and("zero3_dgc_lion.json")
     want["optimizer"] = {"type": "Lion", "params": {"lr": 0.001, "betas": [0.9, 0.99], "weight_decay": 0.0}}
     want["scheduler"]["params"]["warmup_max_lr"] = 0.001
     want["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
@@ -166,9 +170,7 @@ def test_the_shipped_adam_on_u_config_is_the_adam_config_with_adamw_stepping_on_
     """configs/zero3_dgc_adam_on_u.json is configs/zero3_dgc_adam.json with Adam's betas (0, 0.99) and decoupled
     momentum handing u to it with decay 0.99: the setting docs/methods.md ("AdamW on u") measured on the main job;
     the section parses."""
-    adam = json.loads((CONFIGS / "zero3_dgc_adam.json").read_text())
-    on_u = json.loads((CONFIGS / "zero3_dgc_adam_on_u.json").read_text())
-    want = copy.deepcopy(adam)
+    want, on_u = _adam_config_and("zero3_dgc_adam_on_u.json")
     want["optimizer"]["params"]["betas"] = [0.0, 0.99]
     want["dgc"]["decoupled_momentum"].update(update="optimizer", decay=0.99)
     assert on_u == want
