@@ -203,8 +203,12 @@ def render_config_reference() -> str:
            "(`dgc.densty`), a value of the wrong JSON type (types are strict: `\"0.5\"` or `true` is not a density, `1` "
            "is not a boolean), a value out of range, or a combination the rules below refuse (a misspelled key's error "
            "names the nearest allowed one). `python -m deepspeed_dgc check DS_CONFIG.json ...` reads files the same "
-           "way without a launch and prints each section's keys or its error; what needs the job (the optimizer, "
-           "fp16, offload, the world size) is checked at `deepspeed.initialize` only.", ""]
+           "way without a launch and prints each section's keys or its error, and makes the checks of the job that "
+           "the file decides, with initialize's messages: ZeRO-3 and its competing settings, and the method against "
+           "the optimizer its `\"optimizer\"` section builds, fp16, `torch_autocast`, optimizer offload and the "
+           "sends per step. What needs the launch (the world size, the other ranks, an optimizer passed in code, "
+           "`\"auto\"` values, a schedule that changes the optimizer later) is checked at `deepspeed.initialize` only.",
+           ""]
     out += head + _rows(DGCConfig) + [""]
     for name, model in SUBSECTIONS.items():
         out += [f"## `{name}`", "", _intro(model), ""] + head + _rows(model, f"{name}.") + [""]
@@ -236,11 +240,15 @@ def check(paths: typing.Sequence[Path]) -> int:
     (:func:`deepspeed_dgc.config.parse_dgc_config`, and the warnings for a misspelled section or a section without
     ``"enabled"``) and print, per file, the keys the section sets (a subsection given, such as
     ``"decoupled_momentum"``, with every setting of it, defaults filled in) as JSON, or the error naming the key.
-    What needs the job itself (the optimizer, fp16, offload, the world size and the other ranks' settings) is checked
-    at ``deepspeed.initialize`` only. Returns 1 when a file cannot be read, is not a JSON object or its section is
-    refused, else 0."""
+    With the section enabled, also what ``deepspeed.initialize`` checks that the file decides
+    (:func:`deepspeed_dgc.zero3.job.check_job`: the ZeRO settings, and the method against the optimizer the
+    ``"optimizer"`` section builds, fp16, ``torch_autocast``, optimizer offload and the sends per step), with the same
+    messages; the world size, the other ranks' settings, an optimizer passed in code and ``"auto"`` values are left to
+    ``deepspeed.initialize``. Returns 1 when a file cannot be read, is not a JSON object, or its section or its job
+    is refused, else 0."""
     import json
     from .config import SUBSECTIONS, misspelled_section, parse_dgc_config, switched_off_by_default
+    from .zero3.job import check_job
     status = 0
     for path in paths:
         try:
@@ -248,7 +256,8 @@ def check(paths: typing.Sequence[Path]) -> int:
             if not isinstance(ds_config, dict):
                 raise ValueError(f"the top level is {type(ds_config).__name__}, not an object")
             cfg = parse_dgc_config(ds_config)
-        except (OSError, ValueError) as err:  # bad JSON and DGCConfigError are ValueErrors
+            job = check_job(cfg, ds_config) if cfg is not None and cfg.enabled else ""
+        except (OSError, ValueError) as err:  # bad JSON, DGCConfigError and DeepSpeed's own refusals are ValueErrors
             print(f"{path}: refused: {err}")
             status = 1
             continue
@@ -261,6 +270,7 @@ def check(paths: typing.Sequence[Path]) -> int:
             for key in shown.keys() & SUBSECTIONS.keys():  # a subsection given: every setting of it, defaults filled
                 shown[key] = None if getattr(cfg, key) is None else getattr(cfg, key).model_dump()
             print(f"{path}: ok, 'dgc' = {json.dumps(shown)} (keys not shown take their defaults, docs/config.md)")
+            print(f"{path}: {job}")
     return status
 
 

@@ -14,23 +14,9 @@ import torch
 
 from ..codec import dct, fixed, wire
 from ..codec.layout import layout_for
-from ..config import DGCConfigError
 from ..zero3 import optimizer as owners
 from ..zero3.swap import replace
 from .base import Bucket, Exchange, GradientMethod, Reduced, register
-
-
-# torch's optimizers whose betas[0] is a first moment of the gradient; other classes count where "adam" is in their
-# name (DeepSpeed's FusedAdam and DeepSpeedCPUAdam, bitsandbytes' AdamW8bit, ...)
-ADAM_FAMILY = (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adamax)
-AFTER_INIT = (", set after initialize, e.g. by a schedule that cycles momentum: turn that off, e.g. OneCycle's "
-              "'cycle_momentum': false")
-
-
-def averages_gradients(basic) -> bool:
-    """Whether ``basic`` keeps a first moment of its gradient by ``betas[0]``: torch's Adam family
-    (:data:`ADAM_FAMILY`, subclasses too) or a class with "adam" in its name."""
-    return isinstance(basic, ADAM_FAMILY) or "adam" in type(basic).__name__.lower()
 
 
 @register("decoupled_momentum", lambda cfg, device: cfg.decoupled_momentum is not None, order=10)
@@ -104,59 +90,19 @@ class DecoupledMomentumMethod(GradientMethod):
 
     def after_step(self, opt, state, applied: bool) -> None:
         """``update: "optimizer"``: SGD's momentum or Adam's ``betas[0]`` may have been turned on since initialize (a
-        momentum-cycling schedule): refused as at initialize (see :meth:`install`), after the first step that had
-        it."""
-        self._refuse_double_momentum(opt.optimizer, AFTER_INIT)
-
-    def _refuse_double_momentum(self, basic, when: str) -> None:
-        """:class:`~deepspeed_dgc.config.DGCConfigError` where the optimizer's own momentum would integrate ``u`` again
-        (see :meth:`install`): SGD's ``momentum`` or Adam's first moment (``betas[0]``, :func:`averages_gradients`);
-        nothing under ``update: "sign"`` or ``decay`` 0. ``when``: said after the value (:data:`AFTER_INIT`)."""
-        cfg = self.reducer.momentum.cfg
-        if cfg.update == "sign" or cfg.decay == 0:
-            return
-        name = type(basic).__name__
-        if isinstance(basic, torch.optim.SGD):
-            momenta = [g.get("momentum", 0) or 0 for g in basic.param_groups]
-            if any(m > 0 for m in momenta):
-                raise DGCConfigError(
-                    f"'dgc.decoupled_momentum.update' = \"{cfg.update}\" hands SGD the sum of the ranks' decoupled "
-                    f"momenta (decay {cfg.decay}: up to {1 / (1 - cfg.decay):.0f} times the gradient), and SGD's own "
-                    f"momentum ({max(momenta)}{when}) would integrate it again: set 'dgc.decoupled_momentum.update' to "
-                    "\"sign\" (DeMo's step at SGD's learning rate, schedule and weight decay), or SGD's 'momentum' to "
-                    "0, or 'dgc.decoupled_momentum.decay' to 0")
-        elif averages_gradients(basic):
-            beta1 = max(float(g.get("betas", (0.0, 0.0))[0]) for g in basic.param_groups)
-            if beta1 > 0:
-                raise DGCConfigError(
-                    f"'dgc.decoupled_momentum.update' = \"{cfg.update}\" hands {name} the sum of the ranks' decoupled "
-                    f"momenta (decay {cfg.decay}), and {name}'s first moment (betas[0] = {beta1}{when}) would "
-                    "average it again, a momentum of a momentum that trails stock's loss by 12% to 26% on the Hugging "
-                    "Face job (docs/huggingface.md): set the optimizer's betas[0] to 0, so that the decoupled momentum "
-                    "is its first moment and it keeps only its second ('optimizer.params.betas' [0.0, 0.99], or the "
-                    "betas of the optimizer passed to deepspeed.initialize; with the Trainer, "
-                    "TrainingArguments(adam_beta1=0.0, adam_beta2=0.99)), or "
-                    f"'dgc.decoupled_momentum.update' to \"sign\" (DeMo's step at {name}'s learning rate, schedule "
-                    "and weight decay), or 'dgc.decoupled_momentum.decay' to 0")
+        momentum-cycling schedule): refused as at initialize (:func:`~deepspeed_dgc.zero3.optimizer.
+        refuse_double_momentum`), after the first step that had it."""
+        owners.refuse_double_momentum(self.reducer.momentum.cfg, opt.optimizer, owners.AFTER_INIT)
 
     def partitions_hold(self, state) -> str:
         return ("u, the sum over ranks of their decoded DCT top-k momenta (DeMo's update; the ranks never send "
                 "gradients, so no averaged gradient is formed)")
 
     def install(self, engine, opt, state) -> None:
-        """``update: "sign"``: the owners step with DeMo's sign update at the optimizer's learning rate.
-
-        Raises:
-            DGCConfigError: ``update: "optimizer"`` with a momentum ``decay`` above 0 and an SGD with momentum: ``u``
-                carries DeMo's momentum (up to ``1 / (1 - decay)`` times the gradient) and SGD's momentum would
-                integrate it again, about ``1 / ((1 - decay) (1 - momentum))`` times the gradient per step (10,000 at
-                the defaults and 0.9): no learning rate of the stock job survives that (results/study_jobs.md). Or
-                an Adam with ``betas[0]`` above 0: scale-free, but its first moment lags the momentum sum again
-                (+12% to +26% on the Hugging Face job, docs/huggingface.md); with ``betas[0]`` 0 Adam steps on
-                ``u / sqrt(v)`` (docs/methods.md, "AdamW on u").
-        """
+        """``update: "sign"``: the owners step with DeMo's sign update at the optimizer's learning rate;
+        ``update: "optimizer"``: the optimizer's own step on ``u`` (an optimizer whose momentum would integrate ``u``
+        again was refused before: :func:`~deepspeed_dgc.zero3.optimizer.refuse_double_momentum`)."""
         cfg = self.reducer.momentum.cfg
-        self._refuse_double_momentum(opt.optimizer, "")
         if cfg.update == "sign":
             decoupled = owners.decoupled_weight_decay(opt.optimizer)
             replace(opt.optimizer, "step", types.MethodType(lambda basic, closure=None: owners.sign_step(

@@ -240,6 +240,97 @@ def check_adam_method(optimizer, method: str, fp16: bool = False, offload: bool 
                              "state is read beside the gradients)")
 
 
+# torch's optimizers whose betas[0] is a first moment of the gradient; other classes count where "adam" is in their
+# name (DeepSpeed's FusedAdam and DeepSpeedCPUAdam, bitsandbytes' AdamW8bit, ...)
+ADAM_FAMILY = (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adamax)
+AFTER_INIT = (", set after initialize, e.g. by a schedule that cycles momentum: turn that off, e.g. OneCycle's "
+              "'cycle_momentum': false")
+
+
+def averages_gradients(basic) -> bool:
+    """Whether ``basic`` keeps a first moment of its gradient by ``betas[0]``: torch's Adam family
+    (:data:`ADAM_FAMILY`, subclasses too) or a class with "adam" in its name."""
+    return isinstance(basic, ADAM_FAMILY) or "adam" in type(basic).__name__.lower()
+
+
+def refuse_double_momentum(cfg, basic, when: str) -> None:
+    """Refuse ``decoupled_momentum``'s ``update: "optimizer"`` where the optimizer's own momentum would integrate ``u``
+    again: ``u`` carries DeMo's momentum (up to ``1 / (1 - decay)`` times the gradient), and SGD's momentum would make
+    it about ``1 / ((1 - decay) (1 - momentum))`` times the gradient per step (10,000 at the defaults and 0.9: no
+    learning rate of the stock job survives that, results/study_jobs.md); Adam's first moment (``betas[0]`` above 0,
+    :func:`averages_gradients`) is scale-free but lags the momentum sum again (+12% to +26% on the Hugging Face job,
+    docs/huggingface.md); with ``betas[0]`` 0 Adam steps on ``u / sqrt(v)`` (docs/methods.md, "AdamW on u").
+    Nothing under ``update: "sign"`` or ``decay`` 0.
+
+    Args:
+        cfg: the ``"decoupled_momentum"`` section (:class:`~deepspeed_dgc.config.DecoupledMomentumConfig`).
+        basic: the owners' basic optimizer, or a stand-in with its class name and ``param_groups``.
+        when: said after the value: ``""`` at initialize, :data:`AFTER_INIT` after a step.
+
+    Raises:
+        DGCConfigError: naming the optimizer, the value and the fixes.
+    """
+    if cfg.update == "sign" or cfg.decay == 0:
+        return
+    name = type(basic).__name__
+    if isinstance(basic, torch.optim.SGD):
+        momenta = [g.get("momentum", 0) or 0 for g in basic.param_groups]
+        if any(m > 0 for m in momenta):
+            raise DGCConfigError(
+                f"'dgc.decoupled_momentum.update' = \"{cfg.update}\" hands SGD the sum of the ranks' decoupled "
+                f"momenta (decay {cfg.decay}: up to {1 / (1 - cfg.decay):.0f} times the gradient), and SGD's own "
+                f"momentum ({max(momenta)}{when}) would integrate it again: set 'dgc.decoupled_momentum.update' to "
+                "\"sign\" (DeMo's step at SGD's learning rate, schedule and weight decay), or SGD's 'momentum' to "
+                "0, or 'dgc.decoupled_momentum.decay' to 0")
+    elif averages_gradients(basic):
+        beta1 = max(float(g.get("betas", (0.0, 0.0))[0]) for g in basic.param_groups)
+        if beta1 > 0:
+            raise DGCConfigError(
+                f"'dgc.decoupled_momentum.update' = \"{cfg.update}\" hands {name} the sum of the ranks' decoupled "
+                f"momenta (decay {cfg.decay}), and {name}'s first moment (betas[0] = {beta1}{when}) would "
+                "average it again, a momentum of a momentum that trails stock's loss by 12% to 26% on the Hugging "
+                "Face job (docs/huggingface.md): set the optimizer's betas[0] to 0, so that the decoupled momentum "
+                "is its first moment and it keeps only its second ('optimizer.params.betas' [0.0, 0.99], or the "
+                "betas of the optimizer passed to deepspeed.initialize; with the Trainer, "
+                "TrainingArguments(adam_beta1=0.0, adam_beta2=0.99)), or "
+                f"'dgc.decoupled_momentum.update' to \"sign\" (DeMo's step at {name}'s learning rate, schedule "
+                "and weight decay), or 'dgc.decoupled_momentum.decay' to 0")
+
+
+def check_method_fits(cfg, optimizer, sends_per_step: int, fp16: bool, offload: bool, autocast: bool):
+    """Check that the job fits the momentum method ``cfg`` asks for, at ``deepspeed.initialize`` and in
+    ``python -m deepspeed_dgc check`` (one set of rules for both).
+
+    Args:
+        cfg: the enabled ``"dgc"`` config (:class:`~deepspeed_dgc.config.DGCConfig`).
+        optimizer: the owners' basic optimizer (``zero_optimizer.optimizer``), or a stand-in with its class name,
+            ``param_groups`` and ``defaults`` (:mod:`deepspeed_dgc.zero3.job`).
+        sends_per_step: reduce-scatters per optimizer step (1 where the window is held and sent at its end).
+        fp16, offload, autocast: the engine's ``fp16``, ``zero_optimization.offload_optimizer`` and
+            ``torch_autocast``.
+
+    Returns:
+        ``compressed_momentum``'s beta1 or ``momentum_correction``'s momentum (float), else None.
+
+    Raises:
+        DGCConfigError: the combination is refused (the message names the keys and the reason).
+    """
+    if (cfg.compressed_momentum is not None or cfg.momentum_correction) and autocast:
+        raise DGCConfigError("'dgc.compressed_momentum' and 'dgc.momentum_correction' do not support "
+                             "'torch_autocast' (untested with them); use 'bf16' or fp32, or 'dgc.decoupled_momentum'")
+    if cfg.compressed_momentum is not None:
+        return check_optimizer(optimizer, sends_per_step, fp16, offload)
+    if cfg.decoupled_momentum is not None:  # any optimizer, fp16, offload
+        check_step_optimizer(optimizer, "decoupled_momentum")
+        refuse_double_momentum(cfg.decoupled_momentum, optimizer, "")
+        return None
+    if cfg.shared_mask is not None:  # no local momentum: the owners' Adam state chooses (share_masks)
+        check_adam_method(optimizer, "shared_mask", fp16, offload)
+    if cfg.momentum_correction:
+        return check_sgd_optimizer(optimizer, sends_per_step, fp16, offload)
+    return None
+
+
 def choose_masks(opt, density: float, score: str, explore: float, step: int, world: int,
                  key_of: Callable[[torch.nn.Parameter], Hashable]) -> Tuple[List[Hashable], List[int], List[torch.Tensor]]:
     """This owner's shared mask of every parameter: SCAPE's owner-side choice (arXiv 2607.01678, section 3).

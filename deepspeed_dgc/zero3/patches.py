@@ -301,9 +301,6 @@ def _check_job(engine, cfg: DGCConfig) -> int:
         raise DGCConfigError(f"'zero_optimization.zero_hpz_partition_size' = {hpz} but 'dgc.topology' = \"hierarchical\" "
                              f"uses {ranks_per_node} ranks per node (from {source}): both must describe the same node; "
                              f"set 'dgc.ranks_per_node' = {hpz} or the hpZ size to {ranks_per_node}")
-    if (cfg.compressed_momentum is not None or cfg.momentum_correction) and engine.torch_autocast_enabled():
-        raise DGCConfigError("'dgc.compressed_momentum' and 'dgc.momentum_correction' do not support "
-                             "'torch_autocast' (untested with them); use 'bf16' or fp32, or 'dgc.decoupled_momentum'")
     return ranks_per_node
 
 
@@ -313,18 +310,15 @@ def _momentum_state(engine, opt, cfg: DGCConfig):
     # sends per optimizer step: one where the window is held and sent at its end (accumulation.py)
     sends = 1 if cfg.accumulate_locally and engine.managed_gradient_accumulation() \
         else engine.gradient_accumulation_steps()
+    fit = owners.check_method_fits(cfg, opt.optimizer, sends, engine.fp16_enabled(), offload,
+                                   engine.torch_autocast_enabled())
     if cfg.compressed_momentum is not None:
-        beta1 = owners.check_optimizer(opt.optimizer, sends, engine.fp16_enabled(), offload)
-        return CompressedMomentum(cfg.compressed_momentum, beta1)
+        return CompressedMomentum(cfg.compressed_momentum, fit)
     if cfg.decoupled_momentum is not None:
-        owners.check_step_optimizer(opt.optimizer, "decoupled_momentum")  # any optimizer, fp16, offload
         on_host = cfg.decoupled_momentum.offload
         return DecoupledMomentum(cfg.decoupled_momentum, offload if on_host is None else on_host)
-    if cfg.shared_mask is not None:  # no local momentum: the owners' Adam state chooses (share_masks)
-        owners.check_adam_method(opt.optimizer, "shared_mask", engine.fp16_enabled(), offload)
     if cfg.momentum_correction:
-        m = owners.check_sgd_optimizer(opt.optimizer, sends, engine.fp16_enabled(), offload)
-        return MomentumCorrection(cfg, m, dist.get_world_size(group=opt.dp_process_group))
+        return MomentumCorrection(cfg, fit, dist.get_world_size(group=opt.dp_process_group))
     return None
 
 

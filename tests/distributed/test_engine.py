@@ -3,6 +3,7 @@ ranks that disagree (tests/workers/scenarios)."""
 
 import csv
 import dataclasses
+import json
 import math
 import os
 import tempfile
@@ -413,6 +414,34 @@ def test_bad_config_fails_on_every_rank_naming_the_key(config_errors):
         assert ("no C++ compiler" in msg) if r == 1 else ("could not load on rank(s) [1]" in msg), msg
     assert "allowed keys: enabled, density" in ranks[0]["misspelled"]
     assert "'fp8_e5m2' or 'none'" in ranks[0]["quantization_value"]
+
+
+# refused configs that `python -m deepspeed_dgc check` passes: what refuses them needs the launch
+INIT_ONLY = {
+    "hpz_node_mismatch": "the ranks per node the launcher gives",
+    "nodes_do_not_divide": "the world size",
+    "mpi_without_mpirun": "the MPI job", "mpi4py_missing": "the MPI job",
+    "fused_missing_on_rank1": "the op on every rank",
+    "demo_optimizer_update_sgd_momentum_later": "a step", "demo_optimizer_update_adam_beta1_later": "a step",
+}
+
+
+def test_check_command_refuses_what_initialize_refuses_with_its_message(config_errors, tmp_path, capsys):
+    """``python -m deepspeed_dgc check`` on each refused config (the worker's BASE with the case's override): the
+    message ``deepspeed.initialize`` gave on rank 0, word for word, but for the cases in INIT_ONLY, which it passes
+    as fitting (the file says nothing of what refuses them)."""
+    from deepspeed_dgc.__main__ import main
+    from scenarios.model import BASE, merge
+    for case, override in BAD.items():
+        path = tmp_path / f"{case}.json"
+        path.write_text(json.dumps(merge(BASE, override)))
+        status = main(["check", str(path)])
+        out = capsys.readouterr().out
+        if case in INIT_ONLY:
+            assert status == 0 and f"{case}.json: job fits: " in out, (case, out)
+            continue
+        init = config_errors[0][case]
+        assert status == 1 and out == f"{path}: refused: {init.split(': ', 1)[1]}\n", (case, out, init)
 
 
 @pytest.mark.parametrize("case", list(MISMATCH))

@@ -193,7 +193,9 @@ def test_check_command_reads_each_file_as_initialize_does(tmp_path, capsys):
                           "\"topk\": 4, \"decay\": 0.9, \"transform\": \"dct\", \"quantization\": \"int2\", \"group_size\": "
                           "128, \"update\": \"optimizer\", \"storage\": \"int8\", \"offload\": null}} (keys not shown take "
                           "their defaults, docs/config.md)"), ok[0]
-    assert ok[1].endswith("zero3_baseline.json: ok, compression off (no 'dgc' section)") and len(ok) == 2
+    assert ok[1].endswith("zero3_dgc_lion.json: job fits: DeepSpeedCPULion (what DeepSpeed builds from the "
+                          "'optimizer' section), fp16 off, optimizer offload on"), ok[1]
+    assert ok[2].endswith("zero3_baseline.json: ok, compression off (no 'dgc' section)") and len(ok) == 3
     assert main(["check"] + [str(tmp_path / f"{name}.json") for name in (*files, "broken")]) == 1
     out = capsys.readouterr().out
     assert "typo.json: refused: invalid ds_config section 'dgc': unknown key 'dgc.decoupled_momentum.topK'" in out
@@ -203,3 +205,61 @@ def test_check_command_reads_each_file_as_initialize_does(tmp_path, capsys):
     assert "unswitched.json: ok, compression off (dgc.enabled false in the 'dgc' section)" in out
     assert "misspelled.json: warning: deepspeed_dgc: the ds_config has 'DGC' at its top level" in out
     assert "broken.json: refused: Expecting property name enclosed in double quotes" in out
+
+
+ADAM_OPT = {"type": "Adam", "params": {"lr": 1e-3}}
+JOB_CASES = {  # case -> (ds_config without its "dgc" section, "dgc" section, what check prints after "PATH: ")
+    "fused_adam": ({"optimizer": ADAM_OPT}, {"enabled": True, "decoupled_momentum": {}},
+                   "job fits: FusedAdam (what DeepSpeed builds from the 'optimizer' section), fp16 off, optimizer "
+                   "offload off"),
+    "fused_adam_beta1_under_update_optimizer": (
+        {"optimizer": ADAM_OPT}, {"enabled": True, "decoupled_momentum": {"update": "optimizer"}},
+        "refused: 'dgc.decoupled_momentum.update' = \"optimizer\" hands FusedAdam the sum of the ranks' decoupled "
+        "momenta (decay 0.999), and FusedAdam's first moment (betas[0] = 0.9) would average it again"),
+    "cpu_adam_l2_under_compressed_momentum": (
+        {"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "adam_w_mode": False, "weight_decay": 0.1}},
+         "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}},
+        {"enabled": True, "compressed_momentum": {"freeze_step": 10}},
+        "refused: 'dgc.compressed_momentum' does not support 'zero_optimization.offload_optimizer'"),
+    "fused_adam_l2_under_compressed_momentum": (
+        {"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "adam_w_mode": False, "weight_decay": 0.1}}},
+        {"enabled": True, "compressed_momentum": {"freeze_step": 10}}, "refused: 'dgc.compressed_momentum' needs decoupled weight decay"),
+    "cpu_adam_offload": ({"optimizer": ADAM_OPT, "zero_optimization": {"stage": 3, "offload_optimizer": {
+        "device": "cpu"}}}, {"enabled": True, "decoupled_momentum": {}}, "job fits: DeepSpeedCPUAdam (what DeepSpeed "
+                                                                        "builds from the 'optimizer' section), fp16 "
+                                                                        "off, optimizer offload on"),
+    "sgd_under_shared_mask": ({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}, {"enabled": True,
+                                                                                      "shared_mask": {}},
+                              "refused: 'dgc.shared_mask' needs an Adam optimizer"),
+    "sgd_bad_momentum": ({"optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": -1}}}, {"enabled": True},
+                         "refused: Invalid momentum value: -1"),
+    "sent_every_micro_step": ({"optimizer": ADAM_OPT, "gradient_accumulation_steps": 4},
+                                   {"enabled": True, "compressed_momentum": {"freeze_step": 10}, "accumulate_locally": False},
+                                   "refused: 'dgc.compressed_momentum' needs one send per optimizer step"),
+    "lamb": ({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}, {"enabled": True},
+             "ZeRO settings fit; the optimizer is not checked: its optimizer 'lamb' is one of DeepSpeed's this check "
+             "does not build"),
+    "no_optimizer": ({}, {"enabled": True}, "ZeRO settings fit; the optimizer is not checked: the file has no "
+                                            "'optimizer' section (an optimizer passed in code is checked at initialize)"),
+    "auto": ({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}, "bf16": {"enabled": "auto"}},
+             {"enabled": True}, "job settings not checked: 'bf16', 'optimizer' hold \"auto\" values, which the "
+                                "Trainer or Accelerate fill in; deepspeed.initialize checks them"),
+}
+
+
+@pytest.mark.parametrize("case", list(JOB_CASES))
+def test_check_command_checks_the_job_the_file_describes(case, tmp_path, capsys):
+    """``check`` makes initialize's checks of the method against the optimizer the ``"optimizer"`` section builds
+    (DeepSpeed's FusedAdam, CPU Adam, torch's classes), offload and the sends per step, and says what it leaves to
+    initialize. (Every refusal of tests/distributed/test_engine.py's BAD table is compared with initialize's own
+    message there.)"""
+    from deepspeed_dgc.__main__ import main
+    job, section, want = JOB_CASES[case]
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}, **job,
+                                "dgc": section}))
+    status = main(["check", str(path)])
+    out = capsys.readouterr().out.splitlines()
+    assert status == (1 if want.startswith("refused") else 0)
+    assert out[-1].startswith(f"{path}: {want}"), out
+

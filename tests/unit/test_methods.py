@@ -113,26 +113,22 @@ class Adam8bitLike(torch.optim.Optimizer):
         super().__init__(params, {"lr": 1e-3, "betas": betas})
 
 
-def _decoupled(**dm):
-    """The decoupled-momentum method of a reducer with ``dm`` as its ``"decoupled_momentum"`` section."""
-    from deepspeed_dgc.memory.momentum import DecoupledMomentum
-    config = DGCConfig(enabled=True, decoupled_momentum=dm)
-    reducer = CompressedReduceScatter(config, ErrorFeedback("fp32"), momentum=DecoupledMomentum(
-        config.decoupled_momentum))
-    return methods.build(reducer, "cpu")
-
-
 @pytest.mark.parametrize("make", [torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam,
                                   torch.optim.Adamax, MyAdamW, Adam8bitLike], ids=lambda c: c.__name__)
 def test_update_optimizer_refuses_every_adam_with_a_first_moment(make):
     """``decoupled_momentum.update: "optimizer"`` with ``decay`` above 0: any optimizer of torch's Adam family
     (subclasses too) or named Adam whose betas[0] is above 0 is refused naming it and the fix; at betas[0] 0, or with
     ``decay`` 0, or under the sign step, it is not."""
-    from deepspeed_dgc.config import DGCConfigError
+    from deepspeed_dgc.config import DGCConfigError, DecoupledMomentumConfig
+    from deepspeed_dgc.zero3.optimizer import refuse_double_momentum
     params = [torch.nn.Parameter(torch.randn(3))]
+
+    def refuse(betas, **dm):
+        refuse_double_momentum(DecoupledMomentumConfig(**dm), make(params, betas=betas), "")
+
     with pytest.raises(DGCConfigError, match=rf"hands {make.__name__} .*{make.__name__}'s first moment \(betas\[0\] = "
                                               r"0\.9\) would average it again.*betas\[0\] to 0"):
-        _decoupled(update="optimizer", decay=0.99)._refuse_double_momentum(make(params, betas=(0.9, 0.99)), "")
-    _decoupled(update="optimizer", decay=0.99)._refuse_double_momentum(make(params, betas=(0.0, 0.99)), "")
-    _decoupled(update="optimizer", decay=0.0)._refuse_double_momentum(make(params, betas=(0.9, 0.99)), "")
-    _decoupled(decay=0.99)._refuse_double_momentum(make(params, betas=(0.9, 0.99)), "")
+        refuse((0.9, 0.99), update="optimizer", decay=0.99)
+    refuse((0.0, 0.99), update="optimizer", decay=0.99)
+    refuse((0.9, 0.99), update="optimizer", decay=0.0)
+    refuse((0.9, 0.99), decay=0.99)
