@@ -261,6 +261,10 @@ def check(paths: typing.Sequence[Path]) -> int:
             print(f"{path}: refused: {err}")
             status = 1
             continue
+        except Exception as err:  # a bug of this check: said, and the other files are still read
+            print(f"{path}: check failed: {type(err).__name__}: {err}")
+            status = 1
+            continue
         for warning in filter(None, (misspelled_section(ds_config), switched_off_by_default(cfg))):
             print(f"{path}: warning: {warning}")
         if cfg is None or not cfg.enabled:

@@ -13,17 +13,23 @@ and a schedule that changes the optimizer's settings after a step.
 """
 
 import inspect
-from typing import Any, Mapping, Optional, Tuple
+from typing import Any, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zenflow.engine import configure_zenflow
+from deepspeed.runtime.zero.utils import ZERO_SUPPORTED_OPTIMIZERS
 
-from ..config import DGC_SECTION, DGCConfig, check_engine_compatible
+from ..config import DGC_SECTION, DGCConfig, DGCConfigError, check_engine_compatible
 from . import optimizer as owners
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+# what check_engine_compatible reads, and what the method's checks read (dotted ds_config paths)
+ZERO_KEYS = ("zero_optimization.stage", "zero_optimization.zero_quantized_weights",
+             "zero_optimization.zero_quantized_nontrainable_weights", "zero_optimization.zero_quantized_gradients")
+METHOD_KEYS = ("optimizer", "fp16", "torch_autocast", "gradient_accumulation_steps", "managed_gradient_accumulation",
+               "zero_optimization.offload_optimizer", "zero_allow_untested_optimizer")
 
 
 class ConfigEngine:
@@ -40,7 +46,8 @@ class ConfigEngine:
     _ACCESSORS = ("zero_optimization_stage", "zero_quantized_weights", "zero_quantized_nontrainable_weights",
                   "zero_quantized_gradients", "zero_use_cpu_optimizer", "fp16_enabled", "torch_autocast_enabled",
                   "gradient_accumulation_steps", "managed_gradient_accumulation", "optimizer_name",
-                  "optimizer_params", "bf16_optimizer_states", "zenflow_config", "get_optimizer_configuration")
+                  "optimizer_params", "bf16_optimizer_states", "zenflow_config", "get_optimizer_configuration",
+                  "zero_allow_untested_optimizer")
 
     def __init__(self, ds_config: Mapping[str, Any]):
         gas = ds_config.get("gradient_accumulation_steps")
@@ -55,12 +62,29 @@ for _name in ConfigEngine._ACCESSORS:  # DeepSpeed's own readings of its config,
     setattr(ConfigEngine, _name, getattr(DeepSpeedEngine, _name))
 
 
-def _has_auto(value) -> bool:
+def _without_auto(value, path: str = "") -> Tuple[Any, List[str]]:
+    """``value`` without its ``"auto"`` leaves (the Trainer and Accelerate fill them in at launch), and their
+    dotted paths."""
     if isinstance(value, Mapping):
-        return any(_has_auto(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_has_auto(v) for v in value)
-    return value == "auto"
+        kept, auto = {}, []
+        for key, v in value.items():
+            sub = f"{path}.{key}" if path else str(key)
+            if v == "auto" or (isinstance(v, (list, tuple)) and "auto" in v):
+                auto.append(sub)
+            else:
+                kept[key], more = _without_auto(v, sub)
+                auto += more
+        return kept, auto
+    return value, []
+
+
+def _touches(paths: Sequence[str], keys: Sequence[str]) -> List[str]:
+    """The paths in ``paths`` that are, hold or lie under one of ``keys``."""
+    return [p for p in paths if any(p == k or p.startswith(k + ".") or k.startswith(p + ".") for k in keys)]
+
+
+def _one_line(err: BaseException) -> str:
+    return f"{type(err).__name__}: {' '.join(str(err).split())}"
 
 
 def _stand_in(cls, params: Mapping[str, Any], attributes: Mapping[str, Any]):
@@ -76,67 +100,108 @@ def _stand_in(cls, params: Mapping[str, Any], attributes: Mapping[str, Any]):
     return stand_in
 
 
-def basic_optimizer(engine: ConfigEngine) -> Tuple[Optional[Any], str]:
+def basic_optimizer(engine: ConfigEngine, spelled: Any) -> Tuple[Optional[Any], Optional[type], str]:
     """The basic optimizer DeepSpeed would build from the file's ``"optimizer"`` section, or None and why not.
 
+    Args:
+        spelled: the section's ``"type"`` as the file spells it (DeepSpeed lower-cases its own names).
+
     Returns:
-        ``(optimizer, "")``, or ``(None, reason)`` where the file names no optimizer or one this cannot stand in for.
+        ``(optimizer, class, "")``: a torch optimizer on a one-element parameter, or a stand-in named as DeepSpeed's
+        class; or ``(None, None, reason)`` where the file names no optimizer or one of DeepSpeed's that this does
+        not stand in for.
 
     Raises:
-        What the optimizer's constructor raises for its params (e.g. torch's ValueError for a beta out of [0, 1)).
+        ValueError: DeepSpeed would refuse the name, or the optimizer's constructor refuses its params (the
+            constructor's message).
     """
     name = engine.optimizer_name()
     if name is None:
-        return None, "the file has no 'optimizer' section (an optimizer passed in code is checked at initialize)"
-    params = dict(engine.optimizer_params() or {})
+        return None, None, "the file has no 'optimizer' section (an optimizer passed in code is checked at initialize)"
+    if not isinstance(name, str) or not DeepSpeedEngine._is_supported_optimizer(engine, name):
+        raise ValueError(f"'optimizer.type' = {spelled!r} is not a supported DeepSpeed optimizer (initialize would "
+                         "refuse it): DeepSpeed's names (Adam, AdamW, Lion, Lamb, OneBitAdam, ...) or a class of "
+                         "torch.optim, spelled as torch spells it (\"SGD\")")
+    params = engine.optimizer_params()
+    if not isinstance(params, Mapping):
+        raise ValueError(f"'optimizer.params' must be a JSON object, got {type(params).__name__}")
+    params = dict(params)
     if name in ("adam", "adamw"):  # DeepSpeed's own choice among torch's, CPU and fused Adam
         adam_w_mode = params.pop("adam_w_mode", True)
         cls, kwargs = engine.get_optimizer_configuration(params, name == "adamw" or adam_w_mode)
     elif name == "lion":
         from deepspeed.ops.lion import DeepSpeedCPULion, FusedLion
         cls, kwargs = (DeepSpeedCPULion if engine.zero_use_cpu_optimizer() else FusedLion), {}
+    elif isinstance(getattr(torch.optim, name, None), type):
+        cls, kwargs = getattr(torch.optim, name), {}
     else:
-        cls, kwargs = getattr(torch.optim, name, None), {}
-        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-            return None, f"its optimizer {name!r} is one of DeepSpeed's this check does not build"
-    if cls.__module__.startswith("torch."):
-        return cls([torch.nn.Parameter(torch.zeros(1))], **params, **kwargs), ""
-    return _stand_in(cls, params, kwargs), ""
+        return None, None, (f"{spelled!r} is one of DeepSpeed's own optimizers, which this check does not build "
+                            "(deepspeed.initialize checks it)")
+    try:
+        if cls.__module__.startswith("torch."):
+            return cls([torch.nn.Parameter(torch.zeros(1))], **params, **kwargs), cls, ""
+        return _stand_in(cls, params, kwargs), cls, ""
+    except Exception as err:  # the constructor's own refusal (torch's ValueError for a beta out of range, ...)
+        raise ValueError(f"'optimizer.params' are refused by {cls.__name__}: {_one_line(err)}") from None
 
 
 def check_job(cfg: DGCConfig, ds_config: Mapping[str, Any]) -> str:
     """Make the checks of ``deepspeed.initialize`` that a ds_config file decides: ZeRO stage 3 and the ZeRO settings
-    that compete with compression (:func:`~deepspeed_dgc.config.check_engine_compatible`), and the momentum method
-    against the optimizer, fp16, ``torch_autocast``, optimizer offload and the sends per step
-    (:func:`~deepspeed_dgc.zero3.optimizer.check_method_fits`), with the same messages.
+    that compete with compression (:func:`~deepspeed_dgc.config.check_engine_compatible`), DeepSpeed's own refusal of
+    an optimizer it does not know or ZeRO has not tested, and the momentum method against the optimizer, fp16,
+    ``torch_autocast``, optimizer offload and the sends per step
+    (:func:`~deepspeed_dgc.zero3.optimizer.check_method_fits`), with initialize's messages. Settings that hold
+    ``"auto"`` are left out, and what they decide is not checked.
 
     Args:
         cfg: the file's enabled ``"dgc"`` config; ds_config: the whole file.
 
     Returns:
-        What was checked, or why the job's side was not (``"auto"`` values, no optimizer section, ...).
+        What was checked, and what was left to ``deepspeed.initialize`` (``"auto"`` values, no optimizer section,
+        the batch sizes and the world size).
 
     Raises:
         DGCConfigError: the combination is refused, as ``deepspeed.initialize`` would refuse it.
-        ValueError: DeepSpeed or the optimizer's constructor refuses the file's settings.
+        ValueError: DeepSpeed, or the optimizer's constructor, refuses the file's settings (their message, one line).
     """
-    auto = sorted(k for k, v in ds_config.items() if k != DGC_SECTION and _has_auto(v))
-    if auto:
-        return (f"job settings not checked: {', '.join(repr(k) for k in auto)} hold \"auto\" values, which the "
-                "Trainer or Accelerate fill in; deepspeed.initialize checks them")
-    engine = ConfigEngine(ds_config)
+    view, auto = _without_auto({k: v for k, v in ds_config.items() if k != DGC_SECTION})
+    gas = view.get("gradient_accumulation_steps")
+    if gas is not None and (isinstance(gas, bool) or not isinstance(gas, int) or gas < 1):
+        raise ValueError(f"'gradient_accumulation_steps' must be an integer >= 1 (or \"auto\"), got {gas!r}")
+    later = "the batch sizes and the world size are checked at initialize"
+    if _touches(auto, ZERO_KEYS):
+        return (f"job settings not checked: {_said(_touches(auto, ZERO_KEYS))} \"auto\" (filled in by the Trainer or "
+                "Accelerate); deepspeed.initialize checks them")
+    try:
+        engine = ConfigEngine(view)
+    except Exception as err:  # DeepSpeed's parse: pydantic's ValidationError, AssertionError, TypeError, ...
+        raise ValueError(f"DeepSpeed cannot read the file's settings: {_one_line(err)}") from None
     check_engine_compatible(cfg, engine)
-    optimizer, why = basic_optimizer(engine)
+    held = cfg.accumulate_locally and engine.managed_gradient_accumulation()  # one send per step, whatever the window
+    undecided = [p for p in _touches(auto, METHOD_KEYS) if not (held and p == "gradient_accumulation_steps")]
+    if undecided:
+        return (f"ZeRO settings fit; the method against the optimizer is not checked: {_said(undecided)} \"auto\" "
+                f"(filled in by the Trainer or Accelerate; deepspeed.initialize checks it); {later}")
+    spelled = ds_config["optimizer"].get("type") if isinstance(ds_config.get("optimizer"), Mapping) else None
+    optimizer, cls, why = basic_optimizer(engine, spelled)
     if optimizer is None:
-        return f"ZeRO settings fit; the optimizer is not checked: {why}"
-    gas = ds_config.get("gradient_accumulation_steps")
-    held = cfg.accumulate_locally and engine.managed_gradient_accumulation()
-    if not held and not isinstance(gas, int) and "train_batch_size" in ds_config:
-        gas_note = "; the sends per step depend on the world size (checked at initialize)"
-    else:
-        gas_note = ""
-    owners.check_method_fits(cfg, optimizer, 1 if held else engine.gradient_accumulation_steps(),
-                             engine.fp16_enabled(), engine.zero_use_cpu_optimizer(), engine.torch_autocast_enabled())
+        return f"ZeRO settings fit; the optimizer is not checked: {why}; {later}"
+    if cls not in ZERO_SUPPORTED_OPTIMIZERS and not engine.zero_allow_untested_optimizer():
+        raise ValueError(f"DeepSpeed refuses {cls.__name__} under ZeRO at initialize unless the file says "
+                         "\"zero_allow_untested_optimizer\": true (\"You are using an untested ZeRO Optimizer\")")
+    try:
+        owners.check_method_fits(cfg, optimizer, 1 if held else engine.gradient_accumulation_steps(),
+                                 engine.fp16_enabled(), engine.zero_use_cpu_optimizer(), engine.torch_autocast_enabled())
+    except DGCConfigError:
+        raise
+    except Exception as err:  # a param group of odd values (betas of one element, ...)
+        raise ValueError(f"'optimizer.params' cannot be read: {_one_line(err)}") from None
+    sends = "" if held or "gradient_accumulation_steps" in ds_config or "train_batch_size" not in ds_config else \
+        " (the sends per step follow the world size: 1 assumed)"
     return (f"job fits: {type(optimizer).__name__} (what DeepSpeed builds from the 'optimizer' section), "
             f"fp16 {'on' if engine.fp16_enabled() else 'off'}, optimizer offload "
-            f"{'on' if engine.zero_use_cpu_optimizer() else 'off'}{gas_note}")
+            f"{'on' if engine.zero_use_cpu_optimizer() else 'off'}{sends}; {later}")
+
+
+def _said(paths: Sequence[str]) -> str:
+    return ", ".join(repr(p) for p in paths) + (" holds" if len(paths) == 1 else " hold")

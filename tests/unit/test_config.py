@@ -194,7 +194,8 @@ def test_check_command_reads_each_file_as_initialize_does(tmp_path, capsys):
                           "128, \"update\": \"optimizer\", \"storage\": \"int8\", \"offload\": null}} (keys not shown take "
                           "their defaults, docs/config.md)"), ok[0]
     assert ok[1].endswith("zero3_dgc_lion.json: job fits: DeepSpeedCPULion (what DeepSpeed builds from the "
-                          "'optimizer' section), fp16 off, optimizer offload on"), ok[1]
+                          "'optimizer' section), fp16 off, optimizer offload on; the batch sizes and the world size are "
+                          "checked at initialize"), ok[1]
     assert ok[2].endswith("zero3_baseline.json: ok, compression off (no 'dgc' section)") and len(ok) == 3
     assert main(["check"] + [str(tmp_path / f"{name}.json") for name in (*files, "broken")]) == 1
     out = capsys.readouterr().out
@@ -228,22 +229,40 @@ JOB_CASES = {  # case -> (ds_config without its "dgc" section, "dgc" section, wh
         "device": "cpu"}}}, {"enabled": True, "decoupled_momentum": {}}, "job fits: DeepSpeedCPUAdam (what DeepSpeed "
                                                                         "builds from the 'optimizer' section), fp16 "
                                                                         "off, optimizer offload on"),
-    "sgd_under_shared_mask": ({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}, {"enabled": True,
-                                                                                      "shared_mask": {}},
+    "sgd_under_shared_mask": ({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_allow_untested_optimizer":
+                               True}, {"enabled": True, "shared_mask": {}},
                               "refused: 'dgc.shared_mask' needs an Adam optimizer"),
+    "sgd_untested_under_zero": ({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}, {"enabled": True},
+                                "refused: DeepSpeed refuses SGD under ZeRO at initialize unless the file says "
+                                "\"zero_allow_untested_optimizer\": true"),
+    "sgd_lower_case": ({"optimizer": {"type": "sgd", "params": {"lr": 0.1}}}, {"enabled": True},
+                       "refused: 'optimizer.type' = 'sgd' is not a supported DeepSpeed optimizer"),
+    "betas_of_one": ({"optimizer": {"type": "AdamW", "params": {"lr": 0.1, "betas": [0.9], "torch_adam": True}}},
+                     {"enabled": True, "decoupled_momentum": {}},
+                     "refused: 'optimizer.params' are refused by AdamW: IndexError"),
+    "lr_text": ({"optimizer": {"type": "AdamW", "params": {"lr": "fast", "torch_adam": True}}},
+                {"enabled": True}, "refused: 'optimizer.params' are refused by AdamW: TypeError:"),
+    "fp16_not_an_object": ({"optimizer": ADAM_OPT, "fp16": True}, {"enabled": True},
+                           "refused: DeepSpeed cannot read the file's settings: TypeError:"),
+    "gas_text": ({"optimizer": ADAM_OPT, "gradient_accumulation_steps": "4"}, {"enabled": True},
+                 "refused: 'gradient_accumulation_steps' must be an integer >= 1 (or \"auto\"), got '4'"),
+    "stage2_with_auto_lr": ({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+                             "zero_optimization": {"stage": 2}}, {"enabled": True},
+                            "refused: 'dgc.enabled' requires 'zero_optimization.stage' = 3, got 2"),
     "sgd_bad_momentum": ({"optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": -1}}}, {"enabled": True},
-                         "refused: Invalid momentum value: -1"),
+                         "refused: 'optimizer.params' are refused by SGD: ValueError: Invalid momentum value: -1"),
     "sent_every_micro_step": ({"optimizer": ADAM_OPT, "gradient_accumulation_steps": 4},
                                    {"enabled": True, "compressed_momentum": {"freeze_step": 10}, "accumulate_locally": False},
                                    "refused: 'dgc.compressed_momentum' needs one send per optimizer step"),
     "lamb": ({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}, {"enabled": True},
-             "ZeRO settings fit; the optimizer is not checked: its optimizer 'lamb' is one of DeepSpeed's this check "
-             "does not build"),
+             "ZeRO settings fit; the optimizer is not checked: 'Lamb' is one of DeepSpeed's own optimizers, which this "
+             "check does not build (deepspeed.initialize checks it)"),
     "no_optimizer": ({}, {"enabled": True}, "ZeRO settings fit; the optimizer is not checked: the file has no "
                                             "'optimizer' section (an optimizer passed in code is checked at initialize)"),
     "auto": ({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}, "bf16": {"enabled": "auto"}},
-             {"enabled": True}, "job settings not checked: 'bf16', 'optimizer' hold \"auto\" values, which the "
-                                "Trainer or Accelerate fill in; deepspeed.initialize checks them"),
+             {"enabled": True}, "ZeRO settings fit; the method against the optimizer is not checked: "
+                                "'optimizer.params.lr' holds \"auto\" (filled in by the Trainer or Accelerate; "
+                                "deepspeed.initialize checks it)"),
 }
 
 
