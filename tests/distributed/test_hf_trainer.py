@@ -27,7 +27,8 @@ HF_WARMUP = 60
 # Trainer (its schedule reaches the sign step exactly; the main job with the Trainer's settings trails as much at this
 # size) nor stock's betas, but the sign update's lag at 2 layers and 200 steps, widened by GPT-2's 0.02 init
 HF_GAP_GUARD = 0.04
-# one seed's gap moves by up to 1.2 points (docs/huggingface.md): the gap is the mean over these
+# one seed's gap ranges from -0.3% to +2.8% (docs/huggingface.md, "Twenty seeds": +1.00% over 20): the gap is the mean
+# over these three (+1.34%; 20 seeds would take 17 minutes)
 HF_SEEDS = (1234, 1, 2)
 # the job's settings but its length: peak lr 3e-3, cosine decay, 2 micro-steps per step, clipping at 1.0, bf16
 JOB_SETTINGS = ["--lr", "3e-3", "--lr-scheduler", "cosine", "--grad-accum", "2", "--max-grad-norm", "1.0", "--bf16"]
