@@ -7,9 +7,9 @@ DeepSpeed reads the file itself (its ``DeepSpeedConfig``, through ``DeepSpeedEng
 basic optimizer is the one DeepSpeed would build from the ``"optimizer"`` section: torch's optimizers are built on a
 one-element parameter, DeepSpeed's (FusedAdam, DeepSpeedCPUAdam, FusedLion, DeepSpeedCPULion) are stood in for by an
 object with their class name and their default param group (nothing is compiled). What needs the launch is left to
-``deepspeed.initialize``: the world size, the other ranks' settings, ranks per node, an optimizer passed in code,
-``"auto"`` values (filled in by the Trainer or Accelerate), DeepSpeed's other optimizers (LAMB, 1-bit Adam, ...),
-and a schedule that changes the optimizer's settings after a step.
+``deepspeed.initialize``: the world size and the batch sizes, the other ranks' settings, ranks per node, an optimizer
+passed in code, what settings holding ``"auto"`` decide (the Trainer or Accelerate fill them in), DeepSpeed's other
+optimizers (LAMB, 1-bit Adam, ...), and a schedule that changes the optimizer's settings after a step.
 """
 
 import inspect
