@@ -16,7 +16,7 @@ import inspect
 from typing import Any, List, Mapping, Optional, Sequence, Tuple
 
 import torch
-from deepspeed.runtime.config import DeepSpeedConfig
+from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS, DeepSpeedConfig
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zenflow.engine import configure_zenflow
 from deepspeed.runtime.zero.utils import ZERO_SUPPORTED_OPTIMIZERS
@@ -120,8 +120,8 @@ def basic_optimizer(engine: ConfigEngine, spelled: Any) -> Tuple[Optional[Any], 
         return None, None, "the file has no 'optimizer' section (an optimizer passed in code is checked at initialize)"
     if not isinstance(name, str) or not DeepSpeedEngine._is_supported_optimizer(engine, name):
         raise ValueError(f"'optimizer.type' = {spelled!r} is not a supported DeepSpeed optimizer (initialize would "
-                         "refuse it): DeepSpeed's names (Adam, AdamW, Lion, Lamb, OneBitAdam, ...) or a class of "
-                         "torch.optim, spelled as torch spells it (\"SGD\")")
+                         f"refuse it): one of DeepSpeed's ({', '.join(DEEPSPEED_OPTIMIZERS)}, in any case) or a class "
+                         "of torch.optim, spelled as torch spells it (\"SGD\")")
     params = engine.optimizer_params()
     if not isinstance(params, Mapping):
         raise ValueError(f"'optimizer.params' must be a JSON object, got {type(params).__name__}")
