@@ -9,7 +9,7 @@ one-element parameter, DeepSpeed's (FusedAdam, DeepSpeedCPUAdam, FusedLion, Deep
 object with their class name and their default param group (nothing is compiled). What needs the launch is left to
 ``deepspeed.initialize``: the world size and the batch sizes, the other ranks' settings, ranks per node, an optimizer
 passed in code, what settings holding ``"auto"`` decide (the Trainer or Accelerate fill them in), DeepSpeed's other
-optimizers (LAMB, 1-bit Adam, ...), and a schedule that changes the optimizer's settings after a step.
+optimizers (LAMB, Adagrad, MuAdam, Muon, ...), and a schedule that changes the optimizer's settings after a step.
 """
 
 import inspect
