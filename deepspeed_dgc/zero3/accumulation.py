@@ -31,6 +31,19 @@ from typing import Dict, Hashable, List, Sequence, Tuple
 import torch
 
 
+def holds_windows(cfg, engine) -> bool:
+    """Whether each rank holds a window's micro-steps and sends their sum once, at ZeRO-3's accumulation boundary:
+    ``dgc.accumulate_locally`` with DeepSpeed's managed gradient accumulation (``engine``: a ``DeepSpeedEngine``, or
+    :class:`~deepspeed_dgc.zero3.job.ConfigEngine` for a file)."""
+    return bool(cfg.accumulate_locally and engine.managed_gradient_accumulation())
+
+
+def sends_per_step(cfg, engine) -> int:
+    """Compressed sends per optimizer step: 1 where the window is held (:func:`holds_windows`), else every micro-step,
+    the engine's ``gradient_accumulation_steps``."""
+    return 1 if holds_windows(cfg, engine) else engine.gradient_accumulation_steps()
+
+
 class LocalAccumulation:
     """The gradients of the micro-steps of one accumulation window that were not sent yet, keyed like the residuals.
 

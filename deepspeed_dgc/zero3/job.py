@@ -23,6 +23,7 @@ from deepspeed.runtime.zero.utils import ZERO_SUPPORTED_OPTIMIZERS
 
 from ..config import DGC_SECTION, DGCConfig, DGCConfigError, check_engine_compatible
 from . import optimizer as owners
+from .accumulation import holds_windows, sends_per_step
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 # what check_engine_compatible reads, and what the method's checks read (dotted ds_config paths)
@@ -177,7 +178,7 @@ def check_job(cfg: DGCConfig, ds_config: Mapping[str, Any]) -> str:
     except Exception as err:  # DeepSpeed's parse: pydantic's ValidationError, AssertionError, TypeError, ...
         raise ValueError(f"DeepSpeed cannot read the file's settings: {_one_line(err)}") from None
     check_engine_compatible(cfg, engine)
-    held = cfg.accumulate_locally and engine.managed_gradient_accumulation()  # one send per step, whatever the window
+    held = holds_windows(cfg, engine)  # one send per step, whatever the window
     undecided = [p for p in _touches(auto, METHOD_KEYS) if not (held and p == "gradient_accumulation_steps")]
     if undecided:
         return (f"ZeRO settings fit; the method against the optimizer is not checked: {_said(undecided)} \"auto\" "
@@ -190,8 +191,8 @@ def check_job(cfg: DGCConfig, ds_config: Mapping[str, Any]) -> str:
         raise ValueError(f"DeepSpeed refuses {cls.__name__} under ZeRO at initialize unless the file says "
                          "\"zero_allow_untested_optimizer\": true (\"You are using an untested ZeRO Optimizer\")")
     try:
-        owners.check_method_fits(cfg, optimizer, 1 if held else engine.gradient_accumulation_steps(),
-                                 engine.fp16_enabled(), engine.zero_use_cpu_optimizer(), engine.torch_autocast_enabled())
+        owners.check_method_fits(cfg, optimizer, sends_per_step(cfg, engine), engine.fp16_enabled(),
+                                 engine.zero_use_cpu_optimizer(), engine.torch_autocast_enabled())
     except DGCConfigError:
         raise
     except Exception as err:  # a param group of odd values (betas of one element, ...)

@@ -55,6 +55,7 @@ from ..config import (DGCConfig, DGCConfigError, check_engine_compatible, misspe
                       switched_off_by_default)
 from ..memory.momentum import CompressedMomentum, DecoupledMomentum, MomentumCorrection
 from . import checkpoint, ds_api, saving
+from .accumulation import holds_windows, sends_per_step
 from . import optimizer as owners
 from .allgather import QuantizedAllGather, check_layout_seam
 from .policy import STOCK, stock_result_bytes
@@ -307,10 +308,7 @@ def _check_job(engine, cfg: DGCConfig) -> int:
 def _momentum_state(engine, opt, cfg: DGCConfig):
     """The momentum state the config asks for, after checking that the owners' optimizer fits it; or None."""
     offload = bool(getattr(opt, "offload_optimizer", False))
-    # sends per optimizer step: one where the window is held and sent at its end (accumulation.py)
-    sends = 1 if cfg.accumulate_locally and engine.managed_gradient_accumulation() \
-        else engine.gradient_accumulation_steps()
-    fit = owners.check_method_fits(cfg, opt.optimizer, sends, engine.fp16_enabled(), offload,
+    fit = owners.check_method_fits(cfg, opt.optimizer, sends_per_step(cfg, engine), engine.fp16_enabled(), offload,
                                    engine.torch_autocast_enabled())
     if cfg.compressed_momentum is not None:
         return CompressedMomentum(cfg.compressed_momentum, fit)
@@ -345,7 +343,7 @@ def _patch_instance(engine, opt, state: DGCState) -> None:
     replace(opt, CONTIGUOUS_SEAM, _avg_scatter_contiguous_grads(opt, state))
     replace(opt, "step", _step(opt, state))
     replace(opt, "independent_gradient_partition_epilogue", _send_leftovers(opt, state))
-    state.holds_windows = state.cfg.accumulate_locally and engine.managed_gradient_accumulation()
+    state.holds_windows = holds_windows(state.cfg, engine)
     replace(engine, "save_checkpoint", _save_checkpoint(engine, state))
     replace(engine, "load_checkpoint", _load_checkpoint(engine, state))
     _method(state).install(engine, opt, state)  # the owners' side of the method (its optimizer step)
