@@ -36,8 +36,9 @@ METHOD_KEYS = ("optimizer", "fp16", "torch_autocast", "gradient_accumulation_ste
 class ConfigEngine:
     """``DeepSpeedEngine``'s config accessors over a ds_config dict, without a model, a process group or a device.
 
-    The batch keys are replaced by one micro-batch of ``gradient_accumulation_steps`` (where it is a number), since
-    DeepSpeed's batch arithmetic needs the world size, which a file does not say.
+    The batch keys are replaced by one micro-batch of ``gradient_accumulation_steps`` (1 where the file does not
+    give it; :func:`check_job` has checked that it is an integer), since DeepSpeed's batch arithmetic needs the world
+    size, which a file does not say. ``ds_config`` is the file without its ``"dgc"`` section.
 
     Raises:
         Whatever ``DeepSpeedConfig`` raises for the file (a ValueError or pydantic's ValidationError, naming the key).
@@ -51,10 +52,9 @@ class ConfigEngine:
                   "zero_allow_untested_optimizer")
 
     def __init__(self, ds_config: Mapping[str, Any]):
-        gas = ds_config.get("gradient_accumulation_steps")
-        view = {k: v for k, v in ds_config.items() if k not in BATCH_KEYS and k != DGC_SECTION}
+        view = {k: v for k, v in ds_config.items() if k not in BATCH_KEYS}
         view.update(train_micro_batch_size_per_gpu=1,
-                    gradient_accumulation_steps=gas if isinstance(gas, int) and not isinstance(gas, bool) else 1)
+                    gradient_accumulation_steps=ds_config.get("gradient_accumulation_steps", 1))
         self._config = DeepSpeedConfig(view)
         configure_zenflow(self)
 
