@@ -71,9 +71,9 @@ def adam_betas(args, ds_config: dict) -> tuple[float, float]:
     """AdamW's ``(beta1, beta2)``: ``--adam-beta1`` / ``--adam-beta2`` where given, else :data:`BETAS_ON_U` where
     ``ds_config``'s ``"dgc"`` section is enabled and hands decoupled momentum's update to the optimizer, else
     :data:`BETAS_DEFAULT` (a stock run's config has no ``"dgc"`` section)."""
-    dgc = ds_config.get("dgc") or {}
-    method = (dgc.get("decoupled_momentum") or {}) if dgc.get("enabled") is True else {}
-    default = BETAS_ON_U if method.get("update") in ("optimizer", "adam") else BETAS_DEFAULT
+    cfg = deepspeed_dgc.config.parse_dgc_config(ds_config)  # read as initialize reads it (names, aliases, defaults)
+    dm = cfg.decoupled_momentum if cfg is not None and cfg.enabled else None
+    default = BETAS_ON_U if dm is not None and dm.update != "sign" else BETAS_DEFAULT
     return (default[0] if args.adam_beta1 is None else args.adam_beta1,
             default[1] if args.adam_beta2 is None else args.adam_beta2)
 
