@@ -99,11 +99,12 @@ class DecoupledMomentumMethod(GradientMethod):
                 "gradients, so no averaged gradient is formed)")
 
     def install(self, engine, opt, state) -> None:
-        """``update: "sign"``: the owners step with DeMo's sign update at the optimizer's learning rate;
+        """``update: "sign"``: the owners step with DeMo's sign update at the optimizer's learning rate (times
+        ``lr_scale``);
         ``update: "optimizer"``: the optimizer's own step on ``u`` (an optimizer whose momentum would integrate ``u``
         again was refused before: :func:`~deepspeed_dgc.zero3.optimizer.refuse_double_momentum`)."""
         cfg = self.reducer.momentum.cfg
         if cfg.update == "sign":
             decoupled = owners.decoupled_weight_decay(opt.optimizer)
             replace(opt.optimizer, "step", types.MethodType(lambda basic, closure=None: owners.sign_step(
-                basic, decoupled, closure), opt.optimizer))
+                basic, decoupled, closure, cfg.lr_scale), opt.optimizer))

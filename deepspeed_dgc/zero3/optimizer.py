@@ -188,9 +188,9 @@ def frozen_variance_step(optimizer, owner_inv: Dict[int, torch.Tensor], decouple
     return _owners_step(optimizer, closure, decoupled, lambda p, u, l2: u)
 
 
-def _owners_step(optimizer, closure, decoupled: bool, direction: Callable):
-    """What the owners' steps share: ``p <- p (1 - lr wd) - lr direction(p, u, l2)`` for every param with a gradient
-    ``u`` (decoupled weight decay; ``l2`` is the weight decay when it is not decoupled, else 0). Returns the
+def _owners_step(optimizer, closure, decoupled: bool, direction: Callable, lr_scale: float = 1.0):
+    """What the owners' steps share: ``p <- p (1 - lr wd) - lr_scale lr direction(p, u, l2)`` for every param with a
+    gradient ``u`` (decoupled weight decay; ``l2`` is the weight decay when it is not decoupled, else 0). Returns the
     closure's loss, or None."""
     loss = None
     if closure is not None:
@@ -203,7 +203,7 @@ def _owners_step(optimizer, closure, decoupled: bool, direction: Callable):
                 continue
             if wd and decoupled:
                 p.mul_(1.0 - lr * wd)
-            p.add_(direction(p, p.grad, 0.0 if decoupled else wd), alpha=-lr)
+            p.add_(direction(p, p.grad, 0.0 if decoupled else wd), alpha=-lr * lr_scale)
     return loss
 
 
@@ -378,8 +378,9 @@ def choose_masks(opt, density: float, score: str, explore: float, step: int, wor
 
 
 @torch.no_grad()
-def sign_step(optimizer, decoupled: bool, closure=None):
-    """DeMo's owners' step: ``p <- p (1 - lr wd) - lr sign(u)`` for every param with a gradient.
+def sign_step(optimizer, decoupled: bool, closure=None, lr_scale: float = 1.0):
+    """DeMo's owners' step: ``p <- p (1 - lr wd) - lr_scale lr sign(u)`` for every param with a gradient (``lr`` and
+    ``wd`` each param group's; ``lr_scale`` is ``decoupled_momentum.lr_scale``, 1 in DeMo).
 
     Peng et al., arXiv 2411.19870, Algorithm 1 (bloc97/DeMo ``DeMo.step``: sign-SGD on the decoded sum, decoupled
     weight decay). ``p.grad`` holds ``u``, the sum over ranks of their decoded chunked DCT top-k (any scale: only
@@ -390,7 +391,8 @@ def sign_step(optimizer, decoupled: bool, closure=None):
     Returns the closure's loss, or None.
     """
     # in place: the gradient is dead after the step (ZeRO-3 frees it)
-    loss = _owners_step(optimizer, closure, decoupled, lambda p, u, l2: (u.add_(p, alpha=l2) if l2 else u).sign_())
+    loss = _owners_step(optimizer, closure, decoupled, lambda p, u, l2: (u.add_(p, alpha=l2) if l2 else u).sign_(),
+                        lr_scale)
     for group in optimizer.param_groups:
         for p in group["params"]:
             if p.grad is not None:

@@ -255,22 +255,27 @@ FP16 = {"fp16": {"enabled": True, "initial_scale_power": 8}}
 AUTOCAST = {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}
 
 
-@pytest.mark.parametrize("fmt,half,opt", [("none", None, ADAMW), ("int4", "bf16", ADAMW), ("none", None, SGD_DEMO),
-                                          ("int4", "fp16", ADAMW), ("int4", "autocast", ADAMW)],
-                         ids=["raw", "int4-bf16", "raw-sgd", "int4-fp16", "int4-autocast"])
-def test_decoupled_momentum_against_a_float64_replay(fmt, half, opt):
+@pytest.mark.parametrize("fmt,half,opt,scale", [("none", None, ADAMW, None), ("int4", "bf16", ADAMW, 1.5),
+                                                ("none", None, SGD_DEMO, 0.5), ("int4", "fp16", ADAMW, None),
+                                                ("int4", "autocast", ADAMW, None)],
+                         ids=["raw", "int4-bf16-lr1.5", "raw-sgd-lr0.5", "int4-fp16", "int4-autocast"])
+def test_decoupled_momentum_against_a_float64_replay(fmt, half, opt, scale):
     """DeMo's method, 2 ranks, 6 steps, AdamW (weight decay 0.1), chunks of 16, 3 coefficients each, decay 0.9:
     every rank's momentum is delta = 0.9 delta + g / 2 minus what it sent, and every parameter moves by
     p <- p (1 - lr wd) - lr sign(u) with u the sum over ranks of what their momenta lost (sign checked where
     |u| is not at rounding level). ``raw-sgd``: momentum SGD (weight decay 0.1, L2): p <- p - lr sign(u + wd p),
     at SGD's learning rate and schedule, its momentum buffer unused. ``int4-fp16``: an fp16 engine with dynamic loss
-    scaling (the owners' partitions carry u times the loss scale, and ZeRO-3 divides it out before the sign). Raw values: what was sent is the float64 top-3 of each chunk's DCT, and the
+    scaling (the owners' partitions carry u times the loss scale, and ZeRO-3 divides it out before the sign).
+    ``lr1.5`` / ``lr0.5``: ``lr_scale`` 1.5 / 0.5, the sign term's rate times it, the weight decay's not (unset: 1).
+    Raw values: what was sent is the float64 top-3 of each chunk's DCT, and the
     momenta equal the float64 replay. INT4: the sum the owner applies includes the quantization, and what a
     momentum lost is exactly what was sent (the rest stays); also with a bf16 engine (bf16 gradients, the fp32
     master partitions step)."""
     lr, wd, decay = 1e-2, 0.1, 0.9
+    method = {"chunk": 16, "topk": 3, "decay": decay, "quantization": fmt, **({"lr_scale": scale} if scale else {})}
+    scale = scale or 1.0
     ranks = run_scenario(Train(steps=6, local_grads=True, lr_scheduler=True, config=dict(opt, dgc={
-        "enabled": True, "decoupled_momentum": {"chunk": 16, "topk": 3, "decay": decay, "quantization": fmt}},
+        "enabled": True, "decoupled_momentum": method},
         **({"bf16": {"enabled": True}} if half == "bf16" else FP16 if half == "fp16" else AUTOCAST if half else {})),
         allow_fp16=half == "fp16"), timeout_s=300)
     assert ranks[0].optimizer.type == opt["optimizer"]["type"]
@@ -287,10 +292,10 @@ def test_decoupled_momentum_against_a_float64_replay(fmt, half, opt):
             if l2:  # L2: the decay is part of what the sign is taken of
                 direction = u[i] / clip + wd * before
                 clear = direction.abs() > 1e-4 * float(direction.abs().max())
-                want = before - lr * torch.sign(direction)
+                want = before - scale * lr * torch.sign(direction)
             else:
                 clear = u[i].abs() > 1e-4 * float(u[i].abs().max())
-                want = before * (1 - lr * wd) - lr * torch.sign(u[i])
+                want = before * (1 - lr * wd) - scale * lr * torch.sign(u[i])
             torch.testing.assert_close(after[clear], want[clear], rtol=1e-6, atol=1e-6)
             checked += int(clear.sum())
             assert torch.equal(ranks[1].params[t + 1][i], ranks[0].params[t + 1][i])

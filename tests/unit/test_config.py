@@ -83,6 +83,10 @@ def test_config_defaults_and_lossless():
     ({"decoupled_momentum": {"decay": 1.0}}, "'dgc.decoupled_momentum.decay'"),
     ({"decoupled_momentum": {"update": "lion"}}, "'dgc.decoupled_momentum.update'"),
     ({"decoupled_momentum": {"transform": "fft"}}, "'dgc.decoupled_momentum.transform'"),
+    ({"decoupled_momentum": {"lr_scale": 0}}, "'dgc.decoupled_momentum.lr_scale': Input should be greater than 0"),
+    ({"decoupled_momentum": {"lr_scale": "1.5x"}}, "'dgc.decoupled_momentum.lr_scale'"),
+    ({"decoupled_momentum": {"update": "optimizer", "lr_scale": 1.5}}, "'dgc.decoupled_momentum.lr_scale' scales "
+     "the sign step's learning rate; with 'update' = \"optimizer\" the optimizer steps at its own: remove 'lr_scale'$"),
     ({"decoupled_momentum": {"topk": 2, "sparsity": 0.9}}, "unknown key 'dgc.decoupled_momentum.sparsity'"),
     ({"decoupled_momentum": {}, "density": 0.01}, "'dgc.density' is a setting of the gradient codec, which "
      "'dgc.decoupled_momentum' replaces"),
@@ -189,10 +193,10 @@ def test_check_command_reads_each_file_as_initialize_does(tmp_path, capsys):
     (tmp_path / "broken.json").write_text('{"dgc": {"enabled": true,}}')
     assert main(["check", str(CONFIGS / "zero3_dgc_lion.json"), str(CONFIGS / "zero3_baseline.json")]) == 0
     ok = capsys.readouterr().out.splitlines()
-    assert ok[0].endswith("zero3_dgc_lion.json: ok, 'dgc' = {\"enabled\": true, \"decoupled_momentum\": {\"chunk\": 64, "
-                          "\"topk\": 4, \"decay\": 0.9, \"transform\": \"dct\", \"quantization\": \"int2\", \"group_size\": "
-                          "128, \"update\": \"optimizer\", \"storage\": \"int8\", \"offload\": null}} (keys not shown take "
-                          "their defaults, docs/config.md)"), ok[0]
+    assert ok[0].endswith("zero3_dgc_lion.json: ok, 'dgc' = {\"enabled\": true, \"decoupled_momentum\": {"
+                          "\"chunk\": 64, \"topk\": 4, \"decay\": 0.9, \"transform\": \"dct\", \"quantization\": "
+                          "\"int2\", \"group_size\": 128, \"update\": \"optimizer\", \"lr_scale\": 1.0, \"storage\": "
+                          "\"int8\", \"offload\": null}} (keys not shown take their defaults, docs/config.md)"), ok[0]
     assert ok[1].endswith("zero3_dgc_lion.json: job fits: DeepSpeedCPULion (what DeepSpeed builds from the "
                           "'optimizer' section), fp16 off, optimizer offload on; the batch sizes and the world size are "
                           "checked at initialize"), ok[1]
