@@ -285,8 +285,14 @@ def _settings_note(state: DGCState, saved: Optional[dict]) -> str:
     if not isinstance(saved, dict):
         return ""
     now = state.cfg.model_dump(mode="json")  # keys of one version only: a setting added since was not recorded
-    changed = [f"{key} {saved[key]!r} -> {now[key]!r}" for key in sorted(set(saved) & set(now) - NEUTRAL_SETTINGS)
-               if saved[key] != now[key]]
+    changed = []
+    for key in sorted(set(saved) & set(now) - NEUTRAL_SETTINGS):
+        was, is_ = saved[key], now[key]
+        if isinstance(was, dict) and isinstance(is_, dict):  # a method's section: its settings one by one, those
+            changed += [f"{key}.{sub} {was[sub]!r} -> {is_[sub]!r}"  # both versions record
+                        for sub in sorted(set(was) & set(is_)) if was[sub] != is_[sub]]
+        elif was != is_:
+            changed.append(f"{key} {was!r} -> {is_!r}")
     if not changed:
         return ""
     return ("; the saved run's 'dgc' settings differ from this run's (" + ", ".join(changed) + "): the state it "

@@ -5,14 +5,15 @@ side-cars of an earlier version."""
 import errno
 import os
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
 from deepspeed_dgc.config import DGCConfig
-from deepspeed_dgc.zero3.checkpoint import (NOT_ROUTINE, DGCCheckpointError, gather_shards, load_state, read_sidecar,
-                                           save_state, shard_numel, split_shard)
+from deepspeed_dgc.zero3.checkpoint import (NOT_ROUTINE, DGCCheckpointError, _settings_note, gather_shards, load_state,
+                                           read_sidecar, save_state, shard_numel, split_shard)
 from deepspeed_dgc.zero3.state import DGCState
 
 CPU = torch.device("cpu")
@@ -279,6 +280,21 @@ def test_a_run_resumed_with_other_dgc_settings_is_told_which(tmp_path, world):
     same = _state(saved_cfg, world=world)
     msg = load_state(same, str(tmp_path), "tag", world_size=world, device=CPU)
     assert "differ" not in msg and not any(mark in msg for mark in NOT_ROUTINE), msg
+
+
+def test_a_methods_settings_are_compared_one_by_one_and_ones_not_recorded_then_are_not_reported():
+    """A side-car's ``decoupled_momentum`` section against this run's: a changed setting is named with both values
+    (``decoupled_momentum.chunk 64 -> 32``), one the saved version did not record yet (``lr_scale``, added later) is
+    not reported; a method switched on names the whole section."""
+    now = SimpleNamespace(cfg=DGCConfig(enabled=True, decoupled_momentum={"chunk": 32, "lr_scale": 1.25}))
+    saved = DGCConfig(enabled=True, decoupled_momentum={"chunk": 64}).model_dump(mode="json")
+    del saved["decoupled_momentum"]["lr_scale"]  # as a version before the setting wrote it
+    assert _settings_note(now, saved).startswith("; the saved run's 'dgc' settings differ from this run's "
+                                                 "(decoupled_momentum.chunk 64 -> 32): "), _settings_note(now, saved)
+    saved["decoupled_momentum"]["chunk"] = 32
+    assert _settings_note(now, saved) == ""
+    note = _settings_note(now, DGCConfig(enabled=True).model_dump(mode="json"))
+    assert "(decoupled_momentum None -> {'chunk': 32, " in note and "'lr_scale': 1.25" in note, note
 
 
 def test_widening_the_residual_storage_is_exact_and_neutral_settings_are_not_reported(tmp_path):
