@@ -95,22 +95,22 @@ class DecoupledMomentumConfig(BaseModel):
     group_size: int = Field(128, ge=2, le=1 << 20, multiple_of=2, description="sent values per fp32 scale")
     update: Literal["sign", "optimizer", "adam"] = Field(
         "sign", description="the owners' step: `\"sign\"`, DeMo's `p <- p (1 - lr wd) - lr sign(u)` with the "
-        "optimizer's learning rate (times `lr_scale`) and weight decay (decoupled as the optimizer's is: AdamW, Lion; else L2, `wd p` "
-        "added to `u` before the sign; `gradient_clipping` cannot change a sign); the optimizer's own state and rule "
-        "are not used; `\"optimizer\"` (`\"adam\"`, its earlier name): the job's optimizer steps on `u` as its "
-        "gradient (`u` is a momentum sum up to `1 / (1 - decay)` times the gradient, which a scale-free optimizer "
-        "such as Adam or Lion takes as it is: Lion with `decay` 0.9 and `topk` 4 kept stock Lion's loss, where the "
-        "sign step at Lion's lr did not; AdamW with betas (0, 0.99) and `decay` 0.99 ended below the sign step's "
-        "loss on the main job, docs/methods.md; with `decay` above 0, SGD with momentum "
+        "optimizer's learning rate (times `lr_scale`) and weight decay (decoupled as the optimizer's is: AdamW, Lion; "
+        "else L2, `wd p` added to `u` before the sign; `gradient_clipping` cannot change a sign); the optimizer's own "
+        "state and rule are not used; `\"optimizer\"` (`\"adam\"`, its earlier name): the job's optimizer steps on "
+        "`u` as its gradient (`u` is a momentum sum up to `1 / (1 - decay)` times the gradient, which a scale-free "
+        "optimizer such as Adam or Lion takes as it is: Lion with `decay` 0.9 and `topk` 4 kept stock Lion's loss, "
+        "where the sign step at Lion's lr did not; AdamW with betas (0, 0.99) and `decay` 0.99 ended below the sign "
+        "step's loss on the main job, docs/methods.md; with `decay` above 0, SGD with momentum "
         "and Adam with `betas[0]` above 0 are refused at initialize, or after the first step where a schedule turned "
         "that momentum on: it would integrate `u` again)")
     lr_scale: float = Field(
         1.0, gt=0.0, le=100.0, allow_inf_nan=False, description="`update: \"sign\"`: the sign step's learning rate "
-        "as a multiple of the optimizer's, `p <- p (1 - lr wd) - lr_scale lr sign(u)`: the schedule kept, the weight "
-        "decay's rate not scaled. 1 is DeMo's. The rate a job tuned for Adam is not a sign step's best (Lion, Chen et "
-        "al., arXiv 2302.06675, takes 3-10x below AdamW's, its update having the larger norm); where the sign step "
-        "lags Adam's loss at the job's rate, a larger one can close it: the Hugging Face configs take 1.25 "
-        "(docs/huggingface.md, \"The sign step's rate\"); 0.5 and 1.5 were worse there")
+        "as a multiple of the optimizer's, `p <- p (1 - lr wd) - lr_scale lr sign(u)`: the schedule kept, decoupled "
+        "weight decay's rate not scaled (L2's is inside the sign). 1 is DeMo's. The rate a job tuned for Adam is not "
+        "a sign step's best (Lion, Chen et al., arXiv 2302.06675, takes 3-10x below AdamW's, its update having the "
+        "larger norm); where the sign step lags Adam's loss at the job's rate, a larger one can close it: the Hugging "
+        "Face configs take 1.25 (docs/huggingface.md, \"The sign step's rate\"); 0.5 and 1.5 were worse there")
     storage: Literal["fp32", "bf16", "int8"] = Field(
         "fp32", description="storage of the local momentum between steps: 4, 2 or 1.03 bytes per parameter per rank. "
         "bf16 rounds to nearest and drops changes below 2^-9 of the momentum (the 0.999 decay among them), which "
