@@ -20,15 +20,11 @@ pytest.importorskip("transformers")
 # per optimizer step, clipping at 1.0, a bf16 engine; HF_STEPS optimizer steps of a 0.41M-parameter GPT-2
 HF_STEPS = 200
 HF_WARMUP = 60
-# measured on this job (docs/huggingface.md): with the sent coefficients in INT2 (the main job's config, 245x) the
-# method ended +3.65% above stock's loss at 200 steps, the mean of 3 seeds; in FP8 (this config, 143x), +1.34%. The
-# 1% the issue asks for does not hold, so the test is an expected failure while the mean gap stays below this guard
-# and fails outright above it (a regression). Why (docs/huggingface.md, "Why: controlled experiments"): not the
-# Trainer (its schedule reaches the sign step exactly; the main job with the Trainer's settings trails as much at this
-# size) nor stock's betas, but the sign update's lag at 2 layers and 200 steps, widened by GPT-2's 0.02 init
-HF_GAP_GUARD = 0.04
-# one seed's gap ranges from -0.3% to +2.8% (docs/huggingface.md, "Twenty seeds": +1.00% over 20): the gap is the mean
-# over these three (+1.34%; 20 seeds would take 17 minutes)
+# the issue's bound (item 3): the method's final loss within 1% of stock's, the mean gap over HF_SEEDS. Measured on
+# this job (docs/huggingface.md): the sign step at the job's own rate trailed by +1.00% over 20 seeds; at the config's
+# "lr_scale" 1.25 (chosen on seeds 10 to 19: -0.23%), these three end +0.14%, +1.49% and -0.69% (+0.31%); one seed's
+# gap spreads over about 3 points, so the mean of three, not one
+HF_GAP = 0.01
 HF_SEEDS = (1234, 1, 2)
 # the job's settings but its length: peak lr 3e-3, cosine decay, 2 micro-steps per step, clipping at 1.0, bf16
 JOB_SETTINGS = ["--lr", "3e-3", "--lr-scheduler", "cosine", "--grad-accum", "2", "--max-grad-norm", "1.0", "--bf16"]
@@ -106,7 +102,7 @@ def test_hf_trainer_recommended_method_within_1pct_of_stock():
     """The recommended method (configs/hf_zero3_dgc_adam.json) with the Trainer's schedule, gradient accumulation,
     clipping and bf16 ends within 1% of the same job on stock ZeRO-3 (the same config without its "dgc" section,
     the same seed): the mean training loss of the last 10 optimizer steps, the gap averaged over 3 seeds. Six runs
-    of 200 steps (about 3 minutes on 2 cores): `make hf-gap`, not `make test` (the previous test runs the method
+    of 200 steps (about 18 minutes on 2 cores): `make hf-gap`, not `make test` (the previous test runs the method
     under the Trainer in CI)."""
     gaps, said = [], []
     for seed in HF_SEEDS:
@@ -122,9 +118,7 @@ def test_hf_trainer_recommended_method_within_1pct_of_stock():
         said.append(f"seed {seed}: {method['final_loss']:.4f} vs stock {stock['final_loss']:.4f} ({gaps[-1]:+.2%})")
     gap = sum(gaps) / len(gaps)
     said = f"final loss, {'; '.join(said)}; mean gap {gap:+.2%}"
-    assert gap < HF_GAP_GUARD, said
-    if gap >= 0.01:
-        pytest.xfail(f"not within 1% of stock at {HF_STEPS} steps (issue 51, item 3): {said}")
+    assert gap < HF_GAP, f"not within {HF_GAP:.0%} of stock at {HF_STEPS} steps (issue 51, item 3): {said}"
 
 
 def test_accelerate_recommended_method_compresses_and_trains():
