@@ -266,8 +266,8 @@ def test_decoupled_momentum_against_a_float64_replay(fmt, half, opt, scale):
     |u| is not at rounding level). ``raw-sgd``: momentum SGD (weight decay 0.1, L2): p <- p - lr sign(u + wd p),
     at SGD's learning rate and schedule, its momentum buffer unused. ``int4-fp16``: an fp16 engine with dynamic loss
     scaling (the owners' partitions carry u times the loss scale, and ZeRO-3 divides it out before the sign).
-    ``lr1.5`` / ``lr0.5``: ``lr_scale`` 1.5 / 0.5, the sign term's rate times it, the weight decay's not (unset: 1).
-    Raw values: what was sent is the float64 top-3 of each chunk's DCT, and the
+    ``lr1.5`` / ``lr0.5``: ``lr_scale`` 1.5 / 0.5, the sign term's rate times it, decoupled weight decay's not (L2's
+    is inside the sign; unset: 1). Raw values: what was sent is the float64 top-3 of each chunk's DCT, and the
     momenta equal the float64 replay. INT4: the sum the owner applies includes the quantization, and what a
     momentum lost is exactly what was sent (the rest stays); also with a bf16 engine (bf16 gradients, the fp32
     master partitions step)."""
