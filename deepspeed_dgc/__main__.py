@@ -206,7 +206,9 @@ def render_config_reference() -> str:
            "way without a launch and prints each section's keys or its error, and makes the checks of the job that "
            "the file decides, with initialize's messages: ZeRO-3 and its competing settings, and the method against "
            "the optimizer its `\"optimizer\"` section builds, fp16, `torch_autocast`, optimizer offload and the "
-           "sends per step. What needs the launch (the world size, the other ranks, an optimizer passed in code, "
+           "sends per step; with `--world-size N` (and `--ranks-per-node L`, the launcher's `LOCAL_SIZE`, where "
+           "`dgc.ranks_per_node` is null) also DeepSpeed's batch arithmetic for N ranks and, under `\"hierarchical\"`, "
+           "whole nodes and hpZ's node size. What needs the launch (the other ranks, an optimizer passed in code, "
            "`\"auto\"` values, a schedule that changes the optimizer later) is checked at `deepspeed.initialize` only.",
            ""]
     out += head + _rows(DGCConfig) + [""]
@@ -235,7 +237,8 @@ def docs(check: bool, path: Path = CONFIG_DOC) -> int:
     return 0
 
 
-def check(paths: typing.Sequence[Path]) -> int:
+def check(paths: typing.Sequence[Path], world_size: typing.Optional[int] = None,
+          ranks_per_node: typing.Optional[int] = None) -> int:
     """Read the ``"dgc"`` section of each ds_config JSON file in ``paths`` as ``deepspeed.initialize`` does
     (:func:`deepspeed_dgc.config.parse_dgc_config`, and the warnings for a misspelled section or a section without
     ``"enabled"``) and print, per file, the keys the section sets (a subsection given, such as
@@ -243,9 +246,11 @@ def check(paths: typing.Sequence[Path]) -> int:
     With the section enabled, also what ``deepspeed.initialize`` checks that the file decides
     (:func:`deepspeed_dgc.zero3.job.check_job`: the ZeRO settings, and the method against the optimizer the
     ``"optimizer"`` section builds, fp16, ``torch_autocast``, optimizer offload and the sends per step), with the same
-    messages; the world size, the other ranks' settings, an optimizer passed in code and ``"auto"`` values are left to
-    ``deepspeed.initialize``. Returns 1 when a file cannot be read, is not a JSON object, or its section or its job
-    is refused, else 0."""
+    messages; the other ranks' settings, an optimizer passed in code and ``"auto"`` values are left to
+    ``deepspeed.initialize``, and so are the batch sizes against the world size unless ``world_size`` (the job's
+    ranks) is given: then DeepSpeed's batch arithmetic for it, and under ``"hierarchical"`` whole nodes of
+    ``dgc.ranks_per_node`` ranks, or of ``ranks_per_node`` (the launcher's ``LOCAL_SIZE``) where that is null.
+    Returns 1 when a file cannot be read, is not a JSON object, or its section or its job is refused, else 0."""
     import json
     from .config import SUBSECTIONS, misspelled_section, parse_dgc_config, switched_off_by_default
     from .zero3.job import check_job
@@ -256,7 +261,7 @@ def check(paths: typing.Sequence[Path]) -> int:
             if not isinstance(ds_config, dict):
                 raise ValueError(f"the top level is {type(ds_config).__name__}, not an object")
             cfg = parse_dgc_config(ds_config)
-            job = check_job(cfg, ds_config) if cfg is not None and cfg.enabled else ""
+            job = check_job(cfg, ds_config, world_size, ranks_per_node) if cfg is not None and cfg.enabled else ""
         except (OSError, ValueError) as err:  # bad JSON, DGCConfigError and DeepSpeed's own refusals are ValueErrors
             print(f"{path}: refused: {err}")
             status = 1
@@ -278,6 +283,17 @@ def check(paths: typing.Sequence[Path]) -> int:
     return status
 
 
+def _positive(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m deepspeed_dgc", description="deepspeed_dgc tools")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -288,6 +304,10 @@ def main(argv=None) -> int:
     doc.add_argument("--path", type=Path, default=CONFIG_DOC, help="the file (default: docs/config.md of this checkout)")
     chk = sub.add_parser("check", help="read the \"dgc\" section of ds_config files as deepspeed.initialize does")
     chk.add_argument("configs", nargs="+", type=Path, metavar="DS_CONFIG.json")
+    chk.add_argument("--world-size", type=_positive, metavar="N",
+                     help="the job's ranks: also check the batch sizes for them (and the nodes, hierarchical)")
+    chk.add_argument("--ranks-per-node", type=_positive, metavar="L",
+                     help="ranks the launcher starts per node (its LOCAL_SIZE), where 'dgc.ranks_per_node' is null")
     sub.add_parser("universal", add_help=False,
                    help="DeepSpeed's ds_to_universal, also without Adam's moments (--input_folder, --output_folder)")
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -298,7 +318,7 @@ def main(argv=None) -> int:
     if args.command == "report":
         return report(args.load)
     if args.command == "check":
-        return check(args.configs)
+        return check(args.configs, args.world_size, args.ranks_per_node)
     return docs(args.check, args.path)
 
 

@@ -91,6 +91,35 @@ class ReduceComms:
         return intra, sum(sent) - intra
 
 
+def check_whole_nodes(world_size: int, ranks_per_node: int) -> None:
+    """The hierarchical topology's rule on the world: whole nodes of ``ranks_per_node`` ranks.
+
+    Raises:
+        DGCConfigError: ``world_size`` is not a multiple of ``ranks_per_node``.
+    """
+    if world_size % ranks_per_node:
+        raise DGCConfigError(f"'dgc.topology' = \"hierarchical\": the world size {world_size} is not a multiple of "
+                             f"{ranks_per_node} ranks per node ('dgc.ranks_per_node' or the launcher's LOCAL_SIZE); "
+                             "set 'dgc.ranks_per_node' to a divisor of the world size")
+
+
+def check_hpz_node(hpz_partition_size: int, ranks_per_node: int, source: str) -> None:
+    """The hierarchical topology's node against hpZ's (ZeRO++'s secondary partition, one per node): the same size.
+
+    Args:
+        hpz_partition_size: ``zero_optimization.zero_hpz_partition_size`` (1: hpZ off); ranks_per_node: the
+        topology's node; source: where ``ranks_per_node`` came from, as the message names it.
+
+    Raises:
+        DGCConfigError: hpZ is on with another node size.
+    """
+    if hpz_partition_size > 1 and hpz_partition_size != ranks_per_node:
+        raise DGCConfigError(f"'zero_optimization.zero_hpz_partition_size' = {hpz_partition_size} but 'dgc.topology' = "
+                             f"\"hierarchical\" uses {ranks_per_node} ranks per node (from {source}): both must "
+                             f"describe the same node; set 'dgc.ranks_per_node' = {hpz_partition_size} or the hpZ size "
+                             f"to {ranks_per_node}")
+
+
 def build_reduce_comms(cfg: DGCConfig, group, ranks_per_node: int) -> ReduceComms:
     """Create the communicators of ``group`` for ``cfg.topology`` and ``cfg.comm_backend``.
 
@@ -114,10 +143,7 @@ def build_reduce_comms(cfg: DGCConfig, group, ranks_per_node: int) -> ReduceComm
         raise DGCConfigError(f"'dgc.topology' = \"hierarchical\" needs data parallelism over the whole world; the gradient "
                              f"partition group holds {world_size} of {full_world} ranks (model, sequence or expert "
                              "parallelism): use \"flat\"")
-    if full_world % L:
-        raise DGCConfigError(f"'dgc.topology' = \"hierarchical\": the world size {full_world} is not a multiple of "
-                             f"{L} ranks per node ('dgc.ranks_per_node' or the launcher's LOCAL_SIZE); set "
-                             "'dgc.ranks_per_node' to a divisor of the world size")
+    check_whole_nodes(full_world, L)
     N = full_world // L
     node, local = rank // L, rank % L
     node_ranks = [[k * L + j for j in range(L)] for k in range(N)]

@@ -50,7 +50,7 @@ from ..codec.kernels import DGCKernelError
 from ..codec.layout import real_count
 from ..comm.agreement import check_agreement, gather_int, ranks_failing
 from ..comm.communicators import DGCBackendError, check_mpi_world, group_timeout_s
-from ..comm.topology import resolve_ranks_per_node
+from ..comm.topology import check_hpz_node, resolve_ranks_per_node
 from ..config import (DGCConfig, DGCConfigError, check_engine_compatible, misspelled_section, parse_dgc_config,
                       switched_off_by_default)
 from ..memory.momentum import CompressedMomentum, DecoupledMomentum, MomentumCorrection
@@ -297,11 +297,8 @@ def _check_job(engine, cfg: DGCConfig) -> int:
         problem = check_mpi_world()
         if problem:
             raise DGCBackendError(f"'dgc.comm_backend' = \"mpi\": {problem}")
-    hpz = engine.zero_hpz_partition_size()
-    if cfg.topology == "hierarchical" and hpz > 1 and hpz != ranks_per_node:
-        raise DGCConfigError(f"'zero_optimization.zero_hpz_partition_size' = {hpz} but 'dgc.topology' = \"hierarchical\" "
-                             f"uses {ranks_per_node} ranks per node (from {source}): both must describe the same node; "
-                             f"set 'dgc.ranks_per_node' = {hpz} or the hpZ size to {ranks_per_node}")
+    if cfg.topology == "hierarchical":
+        check_hpz_node(engine.zero_hpz_partition_size(), ranks_per_node, source)
     return ranks_per_node
 
 

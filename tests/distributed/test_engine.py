@@ -418,30 +418,32 @@ def test_bad_config_fails_on_every_rank_naming_the_key(config_errors):
 
 # refused configs that `python -m deepspeed_dgc check` passes: what refuses them needs the launch
 INIT_ONLY = {
-    "hpz_node_mismatch": "the ranks per node the launcher gives",
-    "nodes_do_not_divide": "the world size",
     "mpi_without_mpirun": "the MPI job", "mpi4py_missing": "the MPI job",
     "fused_missing_on_rank1": "the op on every rank",
     "demo_optimizer_update_sgd_momentum_later": "a step", "demo_optimizer_update_adam_beta1_later": "a step",
 }
+WORLD_ONLY = {"nodes_do_not_divide": "the world size"}  # refused by check given the launch's world size only
+LAUNCH = ["--world-size", "2", "--ranks-per-node", "2"]  # the launch's: 2 ranks, LOCAL_SIZE 2 (tests/dist_launch.py)
 
 
 def test_check_command_refuses_what_initialize_refuses_with_its_message(config_errors, tmp_path, capsys):
-    """``python -m deepspeed_dgc check`` on each refused config (the worker's BASE with the case's override): the
-    message ``deepspeed.initialize`` gave on rank 0, word for word, but for the cases in INIT_ONLY, which it passes
-    as fitting (the file says nothing of what refuses them)."""
+    """``python -m deepspeed_dgc check`` on each refused config (the worker's BASE with the case's override), without
+    and with the launch's world size and ranks per node (LAUNCH): the message ``deepspeed.initialize`` gave on rank 0,
+    word for word, but for the cases in INIT_ONLY, which it passes as fitting (the file says nothing of what refuses
+    them), and those of WORLD_ONLY, which it passes without the world size."""
     from deepspeed_dgc.__main__ import main
     from scenarios.model import BASE, merge
-    for case, override in BAD.items():
-        path = tmp_path / f"{case}.json"
-        path.write_text(json.dumps(merge(BASE, override)))
-        status = main(["check", str(path)])
-        out = capsys.readouterr().out
-        if case in INIT_ONLY:
-            assert status == 0 and f"{case}.json: job fits: " in out, (case, out)
-            continue
-        init = config_errors[0][case]
-        assert status == 1 and out == f"{path}: refused: {init.split(': ', 1)[1]}\n", (case, out, init)
+    for options in ([], LAUNCH):
+        for case, override in BAD.items():
+            path = tmp_path / f"{case}.json"
+            path.write_text(json.dumps(merge(BASE, override)))
+            status = main(["check", str(path), *options])
+            out = capsys.readouterr().out
+            if case in INIT_ONLY or (case in WORLD_ONLY and not options):
+                assert status == 0 and f"{case}.json: job fits: " in out, (case, options, out)
+                continue
+            init = config_errors[0][case]
+            assert status == 1 and out == f"{path}: refused: {init.split(': ', 1)[1]}\n", (case, options, out, init)
 
 
 @pytest.mark.parametrize("case", list(MISMATCH))

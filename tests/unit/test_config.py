@@ -212,6 +212,78 @@ def test_check_command_reads_each_file_as_initialize_does(tmp_path, capsys):
     assert "broken.json: refused: Expecting property name enclosed in double quotes" in out
 
 
+WORLD_CASES = [  # (batch keys, "dgc" section's extra keys, check's options, what check prints after "PATH: ")
+    ({"train_batch_size": 48, "train_micro_batch_size_per_gpu": 4}, {}, ["--world-size", "4"],
+     "job fits: FusedAdam (what DeepSpeed builds from the 'optimizer' section), fp16 off, optimizer offload off; the "
+     "batch sizes fit 4 ranks"),
+    ({"train_batch_size": 48, "train_micro_batch_size_per_gpu": 4}, {}, ["--world-size", "5"],
+     "refused: DeepSpeed refuses the file's settings for 5 ranks: AssertionError: Check batch related parameters. "
+     "train_batch_size is not equal to micro_batch_per_gpu * gradient_acc_step * world_size 48 != 4 * 2 * 5"),
+    ({"train_batch_size": 8}, {}, ["--world-size", "16"],
+     "refused: DeepSpeed refuses the file's settings for 16 ranks: AssertionError: Micro batch size per gpu: 0 has to "
+     "be greater than 0"),
+    ({"train_batch_size": 48, "train_micro_batch_size_per_gpu": 4}, {}, [],
+     "job fits: FusedAdam (what DeepSpeed builds from the 'optimizer' section), fp16 off, optimizer offload off; the "
+     "batch sizes and the world size are checked at initialize"),
+    ({"train_micro_batch_size_per_gpu": 4}, {"topology": "hierarchical"}, ["--world-size", "6"],
+     "job fits: FusedAdam (what DeepSpeed builds from the 'optimizer' section), fp16 off, optimizer offload off; the "
+     "batch sizes fit 6 ranks, the nodes are not checked: 'dgc.ranks_per_node' is null (the launcher's LOCAL_SIZE; "
+     "give --ranks-per-node)"),
+    ({"train_micro_batch_size_per_gpu": 4}, {"topology": "hierarchical"}, ["--world-size", "6", "--ranks-per-node", "4"],
+     "refused: 'dgc.topology' = \"hierarchical\": the world size 6 is not a multiple of 4 ranks per node "
+     "('dgc.ranks_per_node' or the launcher's LOCAL_SIZE); set 'dgc.ranks_per_node' to a divisor of the world size"),
+    ({"train_micro_batch_size_per_gpu": 4}, {"topology": "hierarchical", "ranks_per_node": 3},
+     ["--world-size", "6", "--ranks-per-node", "4"],
+     "job fits: FusedAdam (what DeepSpeed builds from the 'optimizer' section), fp16 off, optimizer offload off; the "
+     "batch sizes fit 6 ranks, 2 nodes of 3 ranks"),
+    ({"train_micro_batch_size_per_gpu": 4}, {"topology": "hierarchical"}, ["--ranks-per-node", "4"],
+     "job fits: FusedAdam (what DeepSpeed builds from the 'optimizer' section), fp16 off, optimizer offload off; the "
+     "batch sizes and the world size are checked at initialize"),
+    ({"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}},
+     {"topology": "hierarchical"}, ["--ranks-per-node", "4"],
+     "refused: 'zero_optimization.zero_hpz_partition_size' = 2 but 'dgc.topology' = \"hierarchical\" uses 4 ranks "
+     "per node (from --ranks-per-node): both must describe the same node; set 'dgc.ranks_per_node' = 2 or the hpZ "
+     "size to 4"),
+    ({"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}},
+     {"topology": "hierarchical", "ranks_per_node": 2}, ["--world-size", "8", "--ranks-per-node", "4"],
+     "job fits: FusedAdam (what DeepSpeed builds from the 'optimizer' section), fp16 off, optimizer offload off; the "
+     "batch sizes fit 8 ranks, 4 nodes of 2 ranks"),
+    ({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}, {"topology": "hierarchical"},
+     ["--world-size", "3", "--ranks-per-node", "2"],
+     "refused: 'dgc.topology' = \"hierarchical\": the world size 3 is not a multiple of 2 ranks per node "
+     "('dgc.ranks_per_node' or the launcher's LOCAL_SIZE); set 'dgc.ranks_per_node' to a divisor of the world size"),
+    ({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}, {}, ["--world-size", "3"],
+     "job fits: FusedAdam (what DeepSpeed builds from the 'optimizer' section), fp16 off, optimizer offload off; "
+     "batch sizes not checked: 'train_micro_batch_size_per_gpu', 'gradient_accumulation_steps' hold \"auto\""),
+]
+
+
+@pytest.mark.parametrize("batch, section, options, want", WORLD_CASES)
+def test_check_given_the_world_size_makes_deepspeeds_batch_arithmetic_and_counts_the_nodes(batch, section, options,
+                                                                                        want, tmp_path, capsys):
+    """``check --world-size N [--ranks-per-node L]``: DeepSpeed's own batch arithmetic for N ranks (its messages), and
+    under the hierarchical topology hpZ's node against 'dgc.ranks_per_node', or L where that is null, and with N whole
+    nodes (the messages initialize gives, from the same functions; tests/distributed/test_engine.py compares them)."""
+    from deepspeed_dgc.__main__ import main
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 3},
+                                **batch, "dgc": {"enabled": True, "decoupled_momentum": {}, **section}}))
+    status = main(["check", str(path), *options])
+    out = capsys.readouterr().out.splitlines()
+    assert status == (1 if want.startswith("refused") else 0)
+    assert out[-1] == f"{path}: {want}", out
+
+
+@pytest.mark.parametrize("option", ["--world-size", "--ranks-per-node"])
+@pytest.mark.parametrize("value", ["0", "-2", "two", "1.5"])
+def test_check_refuses_a_world_size_or_ranks_per_node_below_one_or_not_an_integer(option, value, tmp_path, capsys):
+    from deepspeed_dgc.__main__ import main
+    with pytest.raises(SystemExit) as exit_:
+        main(["check", str(CONFIGS / "zero3_dgc_adam.json"), option, value])
+    assert exit_.value.code == 2
+    assert f"argument {option}: " in capsys.readouterr().err
+
+
 ADAM_OPT = {"type": "Adam", "params": {"lr": 1e-3}}
 JOB_CASES = {  # case -> (ds_config without its "dgc" section, "dgc" section, what check prints after "PATH: ")
     "fused_adam": ({"optimizer": ADAM_OPT}, {"enabled": True, "decoupled_momentum": {}},
