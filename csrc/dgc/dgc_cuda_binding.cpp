@@ -2,7 +2,7 @@
 // checked here; the Python side (deepspeed_dgc/codec/kernels.py, FusedCUDAOps) does the rest. The caller
 // passes the CUDA stream as an integer (torch.cuda.current_stream().cuda_stream), so this file needs
 // no c10/cuda header and compiles (syntax check in the tests) against a CPU-only torch too.
-#include <torch/extension.h>
+#include <torch/python.h>  // pybind11 and the Tensor casters; torch/extension.h adds torch/all.h, a third of the compile
 
 #include <cuda_runtime.h>
 
