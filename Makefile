@@ -18,16 +18,16 @@ install: $(VENV)/.installed
 # DS_BUILD_DGC=1: prebuild the fused CPU op (and the CUDA op where torch has CUDA) into deepspeed_dgc/_prebuilt. torch
 # and deepspeed (what the build needs) come first (about 45 s here); then the op compiles (one core, about 75 s) while
 # pip installs the rest (the other core, about 30 s) and then builds DeepSpeed's CPU shared-memory comm op where the
-# tests' launches load it (build/torch_extensions, tests/conftest.py; about 40 s, which the first launch of the tests
-# otherwise spends with one core idle; if it fails, the tests build it); the editable install then builds nothing.
-TEST_EXTENSIONS := $(CURDIR)/build/torch_extensions
+# tests' launches and make demo's load it (build/torch_extensions, tests/conftest.py; about 40 s, which the first launch
+# otherwise spends with one core idle; if it fails, the first launch builds it); the editable install then builds nothing.
+EXTENSIONS := $(CURDIR)/build/torch_extensions
 $(VENV)/.installed: setup.py requirements-test.txt $(wildcard csrc/dgc/*) $(wildcard op_builder/*.py)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $$(grep -E '^(torch|deepspeed)==' requirements-test.txt)
 	DS_BUILD_DGC=1 $(PY) setup.py -q build_ext --inplace > $(VENV)/op_build.log 2>&1 & build=$$!; \
 	$(PY) -m pip install -q -r requirements-test.txt; deps=$$?; \
-	[ $$deps -ne 0 ] || TORCH_EXTENSIONS_DIR=$(TEST_EXTENSIONS) $(PY) -c \
+	[ $$deps -ne 0 ] || TORCH_EXTENSIONS_DIR=$(EXTENSIONS) $(PY) -c \
 		"from deepspeed.comm.torch import build_shm_op; build_shm_op()" > $(VENV)/shm_build.log 2>&1 || \
 		echo "make install: DeepSpeed's shm comm op did not build ($(VENV)/shm_build.log); the tests will build it"; \
 	wait $$build || { cat $(VENV)/op_build.log; echo "make install: building the fused op failed"; exit 1; }; \
@@ -64,8 +64,9 @@ PEER_ARGS ?=
 peer-tests: install
 	$(PY) -m benchmarks.peer_tests $(PEER_ARGS)
 
+# DeepSpeed's CPU comm op, which make install built there (else the first launch builds it in ~/.cache, about a minute)
 demo: install
-	$(PY) examples/compare.py --max-steps $(STEPS) --seed $(SEED)
+	TORCH_EXTENSIONS_DIR=$(EXTENSIONS) $(PY) examples/compare.py --max-steps $(STEPS) --seed $(SEED)
 
 # as root: a private network namespace with a tc-limited loopback (100 Mbit/s, 1 Gbit/s, unlimited), about 80 min
 bench: install

@@ -15,7 +15,7 @@ from ._version import __version__
 from .codec.kernels import DGCKernelError
 from .codec.wire import DGCProtocolError
 from .comm.communicators import DGCBackendError, DGCCommError, DGCTimeoutError
-from .config import DGCConfig, DGCConfigError, parse_dgc_config
+from .config import DGCConfig, DGCConfigError, parse_dgc_config, read_ds_config
 from .trainer import HybridTrainer
 from .zero3.patches import DGCSeamError, activate, deactivate, install, uninstall
 from .zero3.ds_api import DGCStateError
@@ -25,4 +25,4 @@ activate()
 
 __all__ = ["DGCBackendError", "DGCCommError", "DGCConfig", "DGCConfigError", "DGCKernelError", "DGCProtocolError",
            "DGCSeamError", "DGCStateError", "DGCTimeoutError", "HybridTrainer", "activate", "deactivate", "get_stats", "install",
-           "parse_dgc_config", "uninstall", "__version__"]
+           "parse_dgc_config", "read_ds_config", "uninstall", "__version__"]

@@ -239,7 +239,8 @@ def docs(check: bool, path: Path = CONFIG_DOC) -> int:
 
 def check(paths: typing.Sequence[Path], world_size: typing.Optional[int] = None,
           ranks_per_node: typing.Optional[int] = None) -> int:
-    """Read the ``"dgc"`` section of each ds_config JSON file in ``paths`` as ``deepspeed.initialize`` does
+    """Read each ds_config file in ``paths`` as ``deepspeed.initialize`` does
+    (:func:`deepspeed_dgc.config.read_ds_config`: hjson, a key given twice refused) and its ``"dgc"`` section
     (:func:`deepspeed_dgc.config.parse_dgc_config`, and the warnings for a misspelled section or a section without
     ``"enabled"``) and print, per file, the keys the section sets (a subsection given, such as
     ``"decoupled_momentum"``, with every setting of it, defaults filled in) as JSON, or the error naming the key.
@@ -250,16 +251,15 @@ def check(paths: typing.Sequence[Path], world_size: typing.Optional[int] = None,
     ``deepspeed.initialize``, and so are the batch sizes against the world size unless ``world_size`` (the job's
     ranks) is given: then DeepSpeed's batch arithmetic for it, and under ``"hierarchical"`` whole nodes of
     ``dgc.ranks_per_node`` ranks, or of ``ranks_per_node`` (the launcher's ``LOCAL_SIZE``) where that is null.
-    Returns 1 when a file cannot be read, is not a JSON object, or its section or its job is refused, else 0."""
+    Returns 1 when a file cannot be read, is not a JSON (hjson) object, or its section or its job is refused, else
+    0."""
     import json
-    from .config import SUBSECTIONS, misspelled_section, parse_dgc_config, switched_off_by_default
+    from .config import SUBSECTIONS, misspelled_section, parse_dgc_config, read_ds_config, switched_off_by_default
     from .zero3.job import check_job
     status = 0
     for path in paths:
         try:
-            ds_config = json.loads(Path(path).read_text())
-            if not isinstance(ds_config, dict):
-                raise ValueError(f"the top level is {type(ds_config).__name__}, not an object")
+            ds_config = read_ds_config(path)
             cfg = parse_dgc_config(ds_config)
             job = check_job(cfg, ds_config, world_size, ranks_per_node) if cfg is not None and cfg.enabled else ""
         except (OSError, ValueError) as err:  # bad JSON, DGCConfigError and DeepSpeed's own refusals are ValueErrors

@@ -541,6 +541,56 @@ def _as_json(value: Any) -> str:
         return repr(value)
 
 
+def json_type(value: Any) -> str:
+    """The JSON name of a parsed value's type, for messages: ``null``, ``a boolean``, ``a number``, ``a string``,
+    ``an array``, ``an object``."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return "an object" if isinstance(value, Mapping) else "an array" if isinstance(value, (list, tuple)) else \
+        type(value).__name__
+
+
+def read_ds_config(path) -> dict:
+    """A ds_config file, read as ``deepspeed.initialize`` reads one given its path (``DeepSpeedConfig``: hjson, so
+    JSON plus comments, trailing commas and unquoted keys, with a key given twice in an object refused).
+
+    Args:
+        path: the file (str or path-like).
+
+    Returns:
+        The config as a dict.
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: the file is empty, not UTF-8 text, not JSON or hjson, gives a key twice in an object (DeepSpeed's
+            message), holds a number hjson cannot read, or its top level is not an object.
+    """
+    import hjson
+    from deepspeed.runtime.config_utils import dict_raise_error_on_duplicate_keys
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as err:
+        raise ValueError(f"not UTF-8 text ({err.reason} at byte {err.start})") from None
+    if not text.strip():
+        raise ValueError("the file is empty")
+    try:
+        config = hjson.loads(text, object_pairs_hook=dict_raise_error_on_duplicate_keys)
+    except hjson.HjsonDecodeError as err:
+        raise ValueError(f"neither JSON nor hjson (DeepSpeed reads ds_config files as hjson): {err}") from None
+    except OverflowError as err:  # 1e400: hjson's own error, which DeepSpeed would raise too
+        raise ValueError(f"a number hjson cannot read (DeepSpeed reads ds_config files as hjson): {err}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"the top level is {json_type(config)}, not an object")
+    return config
+
+
 def parse_dgc_config(ds_config: Mapping[str, Any]) -> Optional[DGCConfig]:
     """Read the ``"dgc"`` section of a ds_config dict.
 
@@ -559,7 +609,7 @@ def parse_dgc_config(ds_config: Mapping[str, Any]) -> Optional[DGCConfig]:
         return None
     section = ds_config[DGC_SECTION]
     if not isinstance(section, Mapping):
-        raise DGCConfigError(f"'{DGC_SECTION}' must be a JSON object, got {type(section).__name__}")
+        raise DGCConfigError(f"'{DGC_SECTION}' must be a JSON object, got {json_type(section)}")
     odd = [k for k in section if not isinstance(k, str)]
     if odd:
         raise DGCConfigError(f"'{DGC_SECTION}' keys must be strings, got {odd[0]!r}")

@@ -83,9 +83,12 @@ def warmup_steps(args) -> int:
 
 
 def load_ds_config(path: str, stock: bool) -> dict:
-    """The DeepSpeed config at ``path``; with ``stock``, without its ``"dgc"`` section (everything else the same)."""
-    with open(path) as f:
-        config = json.load(f)
+    """The DeepSpeed config at ``path`` (read as deepspeed.initialize reads a path: hjson, a key given twice refused);
+    with ``stock``, without its ``"dgc"`` section (everything else the same)."""
+    try:
+        config = deepspeed_dgc.read_ds_config(path)
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"--deepspeed {path}: {err}") from None
     if stock:
         config.pop("dgc", None)
     return config

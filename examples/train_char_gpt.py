@@ -23,6 +23,7 @@ import time
 import traceback
 from collections import Counter, deque
 from pathlib import Path
+from typing import NoReturn
 
 import deepspeed
 import torch
@@ -298,8 +299,10 @@ def load_ds_config(path: str, lr: float | None, dgc_overrides=()) -> dict:
             hint = (f"strings need quotes: {key}='\"{value}\"'" if not value.lstrip().startswith(("{", "["))
                     else "an object's strings need quotes, as JSON's do")
             raise SystemExit(f"--dgc-set {key}: {value!r} is not JSON ({hint})") from None
-    with open(path) as f:
-        config = json.load(f)
+    try:  # as deepspeed.initialize reads a path: hjson (comments, trailing commas), a key given twice refused
+        config = deepspeed_dgc.read_ds_config(path)
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"--deepspeed_config {path}: {err}") from None
     if lr is not None:
         config["optimizer"]["params"]["lr"] = lr
         scheduler_params = config.get("scheduler", {}).get("params", {})
@@ -317,6 +320,17 @@ def load_ds_config(path: str, lr: float | None, dgc_overrides=()) -> dict:
             node = child
         node[leaf] = value
     return config
+
+
+def refuse(err: Exception) -> NoReturn:
+    """End this rank on a config the extension refuses (every rank refuses it: the ranks agree on the section
+    first): ``DGCConfigError: <what is wrong, naming the key>`` on one line instead of a traceback, exit status 1;
+    under mpirun the job is aborted, as for an uncaught exception, so that no rank waits in ``MPI_Finalize``."""
+    print(f"{type(err).__name__}: {err}", file=sys.stderr, flush=True)
+    if "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ:
+        from mpi4py import MPI
+        MPI.COMM_WORLD.Abort(1)
+    raise SystemExit(1)
 
 
 def abort_mpi_job_on_uncaught_exception() -> None:
@@ -348,7 +362,10 @@ def main() -> None:
 
     # a dgc.timeout_s that is set bounds DeepSpeed's own collectives too, so that a hung peer ends the job after it
     # wherever the others wait; unset, the extension takes the process groups' own timeouts
-    dgc = deepspeed_dgc.parse_dgc_config(ds_config)
+    try:
+        dgc = deepspeed_dgc.parse_dgc_config(ds_config)
+    except deepspeed_dgc.DGCConfigError as err:
+        refuse(err)
     if dgc is not None and dgc.enabled and dgc.timeout_s is not None:
         deepspeed.init_distributed(timeout=datetime.timedelta(seconds=dgc.timeout_s))
     else:
@@ -366,7 +383,10 @@ def main() -> None:
     if is_main:
         print(f"model: {n_params:,} parameters, vocab {vocab_size}, world size {world}", flush=True)
 
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    try:
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    except deepspeed_dgc.DGCConfigError as err:
+        refuse(err)
     device = engine.device
     batch_size = engine.train_micro_batch_size_per_gpu()
     grad_accum = engine.gradient_accumulation_steps()

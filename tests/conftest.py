@@ -9,7 +9,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # DeepSpeed JIT-builds its CPU shared-memory comm op on the first init_distributed (make install builds it here
-# first: the Makefile's TEST_EXTENSIONS names this directory). Keep that build in this checkout: another venv sharing
+# first: the Makefile's EXTENSIONS names this directory). Keep that build in this checkout: another venv sharing
 # ~/.cache/torch_extensions rebuilds it with its own include paths, and a build killed half-way leaves a lock that
 # makes every later launch wait forever. No build runs before the session starts, so a lock here is stale.
 EXT_DIR = os.path.join(ROOT, "build", "torch_extensions")

@@ -9,8 +9,9 @@ one-element parameter, DeepSpeed's (FusedAdam, DeepSpeedCPUAdam, FusedLion, Deep
 object with their class name and their default param group (nothing is compiled). What needs the launch is left to
 ``deepspeed.initialize``: the world size and the batch sizes (unless the check is told the world size: then
 DeepSpeed's batch arithmetic, and the hierarchical topology's whole nodes where the ranks per node are known), the
-other ranks' settings, an optimizer passed in code, what settings holding ``"auto"`` decide (the Trainer or Accelerate fill them in), DeepSpeed's other
-optimizers (LAMB, Adagrad, MuAdam, Muon, ...), and a schedule that changes the optimizer's settings after a step.
+other ranks' settings, an optimizer passed in code, what settings holding ``"auto"`` decide (the Trainer or
+Accelerate fill them in), DeepSpeed's other optimizers (LAMB, Adagrad, MuAdam, Muon, ...), and a schedule that
+changes the optimizer's settings after a step.
 """
 
 import inspect
@@ -23,7 +24,7 @@ from deepspeed.runtime.zenflow.engine import configure_zenflow
 from deepspeed.runtime.zero.utils import ZERO_SUPPORTED_OPTIMIZERS
 
 from ..comm.topology import check_hpz_node, check_whole_nodes
-from ..config import DGC_SECTION, DGCConfig, DGCConfigError, check_engine_compatible
+from ..config import DGC_SECTION, DGCConfig, DGCConfigError, check_engine_compatible, json_type
 from . import optimizer as owners
 from .accumulation import holds_windows, sends_per_step
 
@@ -146,7 +147,7 @@ def basic_optimizer(engine: ConfigEngine, spelled: Any) -> Tuple[Optional[Any], 
                          "of torch.optim, spelled as torch spells it (\"SGD\")")
     params = engine.optimizer_params()
     if not isinstance(params, Mapping):
-        raise ValueError(f"'optimizer.params' must be a JSON object, got {type(params).__name__}")
+        raise ValueError(f"'optimizer.params' must be a JSON object, got {json_type(params)}")
     params = dict(params)
     if name in ("adam", "adamw"):  # DeepSpeed's own choice among torch's, CPU and fused Adam
         adam_w_mode = params.pop("adam_w_mode", True)

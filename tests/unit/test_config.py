@@ -190,7 +190,7 @@ def test_check_command_reads_each_file_as_initialize_does(tmp_path, capsys):
              "unswitched": {"dgc": {"density": 0.1}}, "misspelled": {"DGC": {"enabled": True}}}
     for name, content in files.items():
         (tmp_path / f"{name}.json").write_text(json.dumps(content))
-    (tmp_path / "broken.json").write_text('{"dgc": {"enabled": true,}}')
+    (tmp_path / "broken.json").write_text('{"dgc": {"enabled": true')
     assert main(["check", str(CONFIGS / "zero3_dgc_lion.json"), str(CONFIGS / "zero3_baseline.json")]) == 0
     ok = capsys.readouterr().out.splitlines()
     assert ok[0].endswith("zero3_dgc_lion.json: ok, 'dgc' = {\"enabled\": true, \"decoupled_momentum\": {"
@@ -205,11 +205,52 @@ def test_check_command_reads_each_file_as_initialize_does(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "typo.json: refused: invalid ds_config section 'dgc': unknown key 'dgc.decoupled_momentum.topK'" in out
     assert "did you mean 'dgc.decoupled_momentum.topk'?" in out
-    assert "list.json: refused: the top level is list, not an object" in out
+    assert "list.json: refused: the top level is an array, not an object" in out
     assert "unswitched.json: warning: deepspeed_dgc: the ds_config's 'dgc' section sets 'density' but not" in out
     assert "unswitched.json: ok, compression off (dgc.enabled false in the 'dgc' section)" in out
     assert "misspelled.json: warning: deepspeed_dgc: the ds_config has 'DGC' at its top level" in out
-    assert "broken.json: refused: Expecting property name enclosed in double quotes" in out
+    assert "broken.json: refused: neither JSON nor hjson (DeepSpeed reads ds_config files as hjson): " in out
+
+
+FILES = {  # name -> (the file's bytes, what check prints after "PATH: " on its first line)
+    "empty": (b"", "refused: the file is empty"),
+    "blank": (b"  \n\t\n", "refused: the file is empty"),
+    "binary": (b"{\"dgc\": \xc1\xff}", "refused: not UTF-8 text (invalid start byte at byte 8)"),
+    "truncated": (b'{"dgc": ', "refused: neither JSON nor hjson (DeepSpeed reads ds_config files as hjson): "),
+    "string": (b"hello", "refused: the top level is a string, not an object"),
+    "number": (b"3", "refused: the top level is a number, not an object"),
+    "dgc_twice": (b'{"dgc": {"enabled": true}, "dgc": {}}', "refused: Duplicate keys in DeepSpeed config: ['dgc']"),
+    "key_twice": (b'{"dgc": {"enabled": true, "quantization": "int4", "quantization": "int8"}}',
+                  "refused: Duplicate keys in DeepSpeed config: ['quantization']"),
+    "overflow": (b'{"dgc": {"enabled": true, "density": 1e400}}', "refused: a number hjson cannot read"),
+    "dgc_null": (b'{"dgc": null}', "refused: 'dgc' must be a JSON object, got null"),
+    "dgc_text": (b'{"dgc": "on"}', "refused: 'dgc' must be a JSON object, got a string"),
+    "hjson": (b'{\n  // DeepSpeed reads hjson\n  zero_optimization: {"stage": 3},\n'
+              b'  dgc: {"enabled": true, "density": 0.1,},\n}\n',
+              "ok, 'dgc' = {\"enabled\": true, \"density\": 0.1}"),
+}
+
+
+@pytest.mark.parametrize("name", list(FILES))
+def test_check_reads_a_file_as_deepspeed_reads_a_config_path(name, tmp_path, capsys):
+    """``check`` reads a file with DeepSpeed's reader of a config path (hjson: comments, trailing commas and unquoted
+    keys pass; a key given twice in an object is refused with DeepSpeed's message), and says what is wrong with one
+    that is empty, not text, not hjson, or not an object."""
+    import hjson
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed_dgc.__main__ import main
+    path = tmp_path / f"{name}.json"
+    content, want = FILES[name]
+    path.write_bytes(content)
+    status = main(["check", str(path)])
+    out = capsys.readouterr().out.splitlines()
+    assert status == (1 if want.startswith("refused") else 0)
+    assert out[0].startswith(f"{path}: {want}"), out
+    if name in ("dgc_twice", "key_twice", "hjson"):  # DeepSpeed's own reading of the path agrees
+        try:
+            DeepSpeedConfig(str(path))
+        except (ValueError, AssertionError, hjson.HjsonDecodeError) as err:
+            assert ("Duplicate keys" in str(err)) == (name != "hjson"), err
 
 
 WORLD_CASES = [  # (batch keys, "dgc" section's extra keys, check's options, what check prints after "PATH: ")
