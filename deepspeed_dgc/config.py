@@ -557,8 +557,11 @@ def json_type(value: Any) -> str:
 
 
 def read_ds_config(path) -> dict:
-    """A ds_config file, read as ``deepspeed.initialize`` reads one given its path (``DeepSpeedConfig``: hjson, so
-    JSON plus comments, trailing commas and unquoted keys, with a key given twice in an object refused).
+    """A ds_config file, read as JSON with a key given twice in an object refused, as ``deepspeed.initialize`` refuses
+    it given the path (``DeepSpeedConfig``); a file that is not JSON is read as hjson (comments, trailing commas,
+    unquoted keys), as DeepSpeed reads a path. A JSON file is not read as hjson: hjson reads ``0.0`` as the integer 0
+    (torch's Adam then refuses ``"betas": [0.0, 0.99]``), where a config passed as a dict, as the Trainer and most
+    scripts pass it, keeps JSON's float.
 
     Args:
         path: the file (str or path-like).
@@ -568,8 +571,8 @@ def read_ds_config(path) -> dict:
 
     Raises:
         OSError: the file cannot be read.
-        ValueError: the file is empty, not UTF-8 text, not JSON or hjson, gives a key twice in an object (DeepSpeed's
-            message), holds a number hjson cannot read, or its top level is not an object.
+        ValueError: the file is empty, not UTF-8 text, neither JSON nor hjson, gives a key twice in an object
+            (DeepSpeed's message), or its top level is not an object.
     """
     import hjson
     from deepspeed.runtime.config_utils import dict_raise_error_on_duplicate_keys
@@ -581,11 +584,12 @@ def read_ds_config(path) -> dict:
     if not text.strip():
         raise ValueError("the file is empty")
     try:
-        config = hjson.loads(text, object_pairs_hook=dict_raise_error_on_duplicate_keys)
-    except hjson.HjsonDecodeError as err:
-        raise ValueError(f"neither JSON nor hjson (DeepSpeed reads ds_config files as hjson): {err}") from None
-    except OverflowError as err:  # 1e400: hjson's own error, which DeepSpeed would raise too
-        raise ValueError(f"a number hjson cannot read (DeepSpeed reads ds_config files as hjson): {err}") from None
+        config = json.loads(text, object_pairs_hook=dict_raise_error_on_duplicate_keys)
+    except json.JSONDecodeError as not_json:
+        try:
+            config = hjson.loads(text, object_pairs_hook=dict_raise_error_on_duplicate_keys)
+        except (hjson.HjsonDecodeError, OverflowError):
+            raise ValueError(f"not JSON: {not_json} (nor hjson, which DeepSpeed also reads)") from None
     if not isinstance(config, dict):
         raise ValueError(f"the top level is {json_type(config)}, not an object")
     return config

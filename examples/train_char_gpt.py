@@ -322,14 +322,24 @@ def load_ds_config(path: str, lr: float | None, dgc_overrides=()) -> dict:
     return config
 
 
+def under_mpirun() -> bool:
+    """Whether mpirun (Open MPI's, or a PMI launcher's) started this process."""
+    return "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ
+
+
+def abort_mpi_job() -> NoReturn:
+    """End every rank of the MPI job at once (no rank left waiting in ``MPI_Finalize`` or a collective)."""
+    from mpi4py import MPI
+    MPI.COMM_WORLD.Abort(1)
+
+
 def refuse(err: Exception) -> NoReturn:
     """End this rank on a config the extension refuses (every rank refuses it: the ranks agree on the section
     first): ``DGCConfigError: <what is wrong, naming the key>`` on one line instead of a traceback, exit status 1;
-    under mpirun the job is aborted, as for an uncaught exception, so that no rank waits in ``MPI_Finalize``."""
-    print(f"{type(err).__name__}: {err}", file=sys.stderr, flush=True)
-    if "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ:
-        from mpi4py import MPI
-        MPI.COMM_WORLD.Abort(1)
+    under mpirun the job is aborted, as for an uncaught exception."""
+    print(f"{type(err).__name__}: {err}", file=sys.__stderr__, flush=True)
+    if under_mpirun():
+        abort_mpi_job()
     raise SystemExit(1)
 
 
@@ -341,14 +351,13 @@ def abort_mpi_job_on_uncaught_exception() -> None:
     torch's ``init_process_group`` wraps ``sys.excepthook`` and buffers what the wrapped hook
     prints until it returns, which ``Abort`` never does (so ``python -m mpi4py`` loses the message).
     """
-    if "OMPI_COMM_WORLD_SIZE" not in os.environ and "PMI_SIZE" not in os.environ:
+    if not under_mpirun():
         return
 
     def hook(exc_type, exc, tb):
         traceback.print_exception(exc_type, exc, tb, file=sys.__stderr__)
         sys.__stderr__.flush()
-        from mpi4py import MPI
-        MPI.COMM_WORLD.Abort(1)
+        abort_mpi_job()
 
     sys.excepthook = hook
 

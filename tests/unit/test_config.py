@@ -209,20 +209,24 @@ def test_check_command_reads_each_file_as_initialize_does(tmp_path, capsys):
     assert "unswitched.json: warning: deepspeed_dgc: the ds_config's 'dgc' section sets 'density' but not" in out
     assert "unswitched.json: ok, compression off (dgc.enabled false in the 'dgc' section)" in out
     assert "misspelled.json: warning: deepspeed_dgc: the ds_config has 'DGC' at its top level" in out
-    assert "broken.json: refused: neither JSON nor hjson (DeepSpeed reads ds_config files as hjson): " in out
+    assert "broken.json: refused: not JSON: Expecting ',' delimiter: line 1 column 25 (char 24) (nor hjson" in out
 
 
 FILES = {  # name -> (the file's bytes, what check prints after "PATH: " on its first line)
     "empty": (b"", "refused: the file is empty"),
     "blank": (b"  \n\t\n", "refused: the file is empty"),
     "binary": (b"{\"dgc\": \xc1\xff}", "refused: not UTF-8 text (invalid start byte at byte 8)"),
-    "truncated": (b'{"dgc": ', "refused: neither JSON nor hjson (DeepSpeed reads ds_config files as hjson): "),
+    "truncated": (b'{"dgc": ', "refused: not JSON: Expecting value: line 1 column 9 (char 8) (nor hjson, which "
+                                "DeepSpeed also reads)"),
     "string": (b"hello", "refused: the top level is a string, not an object"),
     "number": (b"3", "refused: the top level is a number, not an object"),
     "dgc_twice": (b'{"dgc": {"enabled": true}, "dgc": {}}', "refused: Duplicate keys in DeepSpeed config: ['dgc']"),
     "key_twice": (b'{"dgc": {"enabled": true, "quantization": "int4", "quantization": "int8"}}',
                   "refused: Duplicate keys in DeepSpeed config: ['quantization']"),
-    "overflow": (b'{"dgc": {"enabled": true, "density": 1e400}}', "refused: a number hjson cannot read"),
+    "overflow": (b'{"dgc": {"enabled": true, "density": 1e400}}', "refused: invalid ds_config section 'dgc': "
+                 "invalid value for 'dgc.density': Input should be a finite number or Input should be 'auto' (got inf)"),
+    "float_zero": (b'{"optimizer": {"type": "AdamW", "params": {"lr": 0.01, "betas": [0.0, 0.99], "torch_adam": true}}, '
+                   b'"zero_optimization": {"stage": 3}, "dgc": {"enabled": true}}', "ok, 'dgc' = {\"enabled\": true}"),
     "dgc_null": (b'{"dgc": null}', "refused: 'dgc' must be a JSON object, got null"),
     "dgc_text": (b'{"dgc": "on"}', "refused: 'dgc' must be a JSON object, got a string"),
     "hjson": (b'{\n  // DeepSpeed reads hjson\n  zero_optimization: {"stage": 3},\n'
@@ -233,9 +237,10 @@ FILES = {  # name -> (the file's bytes, what check prints after "PATH: " on its 
 
 @pytest.mark.parametrize("name", list(FILES))
 def test_check_reads_a_file_as_deepspeed_reads_a_config_path(name, tmp_path, capsys):
-    """``check`` reads a file with DeepSpeed's reader of a config path (hjson: comments, trailing commas and unquoted
-    keys pass; a key given twice in an object is refused with DeepSpeed's message), and says what is wrong with one
-    that is empty, not text, not hjson, or not an object."""
+    """``check`` reads a file as JSON, with a key given twice in an object refused with DeepSpeed's message (as
+    DeepSpeed refuses it given the path), a file that is not JSON as hjson (comments, trailing commas and unquoted keys
+    pass, as DeepSpeed reads a path), a float as JSON's float (hjson's 0 would fail AdamW's betas), and says what is
+    wrong with one that is empty, not text, neither JSON nor hjson, or not an object."""
     import hjson
     from deepspeed.runtime.config import DeepSpeedConfig
     from deepspeed_dgc.__main__ import main

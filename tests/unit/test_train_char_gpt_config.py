@@ -45,7 +45,7 @@ def test_a_config_file_is_read_as_deepspeed_reads_it_and_a_bad_one_named(tmp_pat
         load_ds_config(str(tmp_path / "missing.json"), None)
 
 
-def test_a_refused_dgc_setting_ends_the_job_with_one_line(monkeypatch, capsys):
+def test_a_refused_dgc_setting_ends_the_job_with_one_line(monkeypatch, capfd):
     """A "dgc" value the extension refuses (here from --dgc-set) ends the main job before any launch work with exit
     status 1 and ``DGCConfigError: <the message, naming the key>`` on one line, not a traceback."""
     import examples.train_char_gpt as job
@@ -56,5 +56,5 @@ def test_a_refused_dgc_setting_ends_the_job_with_one_line(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_:
         job.main()
     assert exit_.value.code == 1
-    err = capsys.readouterr().err.strip().splitlines()
+    err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("DGCConfigError: ") and "dgc.decoupled_momentum.lr_scale" in err[0], err
