@@ -239,8 +239,8 @@ def docs(check: bool, path: Path = CONFIG_DOC) -> int:
 
 def check(paths: typing.Sequence[Path], world_size: typing.Optional[int] = None,
           ranks_per_node: typing.Optional[int] = None) -> int:
-    """Read each ds_config file in ``paths`` as ``deepspeed.initialize`` does
-    (:func:`deepspeed_dgc.config.read_ds_config`: hjson, a key given twice refused) and its ``"dgc"`` section
+    """Read each ds_config file in ``paths`` (:func:`deepspeed_dgc.config.read_ds_config`: a key given twice refused
+    as DeepSpeed refuses it; hjson where not JSON) and its ``"dgc"`` section as ``deepspeed.initialize`` does
     (:func:`deepspeed_dgc.config.parse_dgc_config`, and the warnings for a misspelled section or a section without
     ``"enabled"``) and print, per file, the keys the section sets (a subsection given, such as
     ``"decoupled_momentum"``, with every setting of it, defaults filled in) as JSON, or the error naming the key.

@@ -83,8 +83,9 @@ def warmup_steps(args) -> int:
 
 
 def load_ds_config(path: str, stock: bool) -> dict:
-    """The DeepSpeed config at ``path`` (read as deepspeed.initialize reads a path: hjson, a key given twice refused);
-    with ``stock``, without its ``"dgc"`` section (everything else the same)."""
+    """The DeepSpeed config at ``path`` (:func:`deepspeed_dgc.read_ds_config`: JSON, a key given twice refused as
+    DeepSpeed refuses it; hjson where the file is not JSON); with ``stock``, without its ``"dgc"`` section (everything
+    else the same)."""
     try:
         config = deepspeed_dgc.read_ds_config(path)
     except (OSError, ValueError) as err:

@@ -299,7 +299,7 @@ def load_ds_config(path: str, lr: float | None, dgc_overrides=()) -> dict:
             hint = (f"strings need quotes: {key}='\"{value}\"'" if not value.lstrip().startswith(("{", "["))
                     else "an object's strings need quotes, as JSON's do")
             raise SystemExit(f"--dgc-set {key}: {value!r} is not JSON ({hint})") from None
-    try:  # as deepspeed.initialize reads a path: hjson (comments, trailing commas), a key given twice refused
+    try:  # JSON, a key given twice refused as DeepSpeed refuses it; hjson (comments, ...) where the file is not JSON
         config = deepspeed_dgc.read_ds_config(path)
     except (OSError, ValueError) as err:
         raise SystemExit(f"--deepspeed_config {path}: {err}") from None

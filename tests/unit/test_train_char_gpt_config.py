@@ -30,8 +30,9 @@ def test_dgc_set_keys_sections_and_errors(tmp_path):
 
 
 def test_a_config_file_is_read_as_deepspeed_reads_it_and_a_bad_one_named(tmp_path):
-    """The main job reads --deepspeed_config as deepspeed.initialize reads a path (hjson: a comment and a trailing
-    comma pass) and ends on one that cannot be read naming the file and what is wrong."""
+    """The main job reads --deepspeed_config with read_ds_config (a key given twice refused as DeepSpeed refuses it; a
+    file with a comment and a trailing comma, not JSON, read as hjson as DeepSpeed reads a path) and ends on one that
+    cannot be read naming the file and what is wrong."""
     path = tmp_path / "ds.json"
     path.write_text('{\n  // a comment\n  "optimizer": {"params": {"lr": 0.1}},\n  "dgc": {"enabled": true,},\n}\n')
     assert load_ds_config(str(path), 0.5)["optimizer"]["params"]["lr"] == 0.5
