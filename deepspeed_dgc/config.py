@@ -571,8 +571,8 @@ def read_ds_config(path) -> dict:
 
     Raises:
         OSError: the file cannot be read.
-        ValueError: the file is empty, not UTF-8 text, neither JSON nor hjson, gives a key twice in an object
-            (DeepSpeed's message), or its top level is not an object.
+        ValueError: the file is empty, not UTF-8 text, neither JSON nor hjson, nested too deeply for Python's parser,
+            gives a key twice in an object (DeepSpeed's message), or its top level is not an object.
     """
     import hjson
     from deepspeed.runtime.config_utils import dict_raise_error_on_duplicate_keys
@@ -584,12 +584,15 @@ def read_ds_config(path) -> dict:
     if not text.strip():
         raise ValueError("the file is empty")
     try:
-        config = json.loads(text, object_pairs_hook=dict_raise_error_on_duplicate_keys)
-    except json.JSONDecodeError as not_json:
         try:
-            config = hjson.loads(text, object_pairs_hook=dict_raise_error_on_duplicate_keys)
-        except (hjson.HjsonDecodeError, OverflowError):
-            raise ValueError(f"not JSON: {not_json} (nor hjson, which DeepSpeed also reads)") from None
+            config = json.loads(text, object_pairs_hook=dict_raise_error_on_duplicate_keys)
+        except json.JSONDecodeError as not_json:
+            try:
+                config = hjson.loads(text, object_pairs_hook=dict_raise_error_on_duplicate_keys)
+            except (hjson.HjsonDecodeError, OverflowError):
+                raise ValueError(f"not JSON: {not_json} (nor hjson, which DeepSpeed also reads)") from None
+    except RecursionError:  # either parser, on arrays or objects nested some thousands deep
+        raise ValueError("arrays or objects nested too deeply to read") from None
     if not isinstance(config, dict):
         raise ValueError(f"the top level is {json_type(config)}, not an object")
     return config

@@ -260,7 +260,8 @@ def _world_said(cfg: DGCConfig, engine: ConfigEngine, world_size: Optional[int],
                         "--ranks-per-node)")
         elif world_size is not None:
             check_whole_nodes(world_size, per_node)
-            said.append(f"{world_size // per_node} nodes of {per_node} ranks")
+            nodes = world_size // per_node
+            said.append(f"{nodes} node{'s' if nodes > 1 else ''} of {per_node} rank{'s' if per_node > 1 else ''}")
     return ", ".join(said)
 
 

@@ -225,6 +225,8 @@ FILES = {  # name -> (the file's bytes, what check prints after "PATH: " on its 
                   "refused: Duplicate keys in DeepSpeed config: ['quantization']"),
     "overflow": (b'{"dgc": {"enabled": true, "density": 1e400}}', "refused: invalid ds_config section 'dgc': "
                  "invalid value for 'dgc.density': Input should be a finite number or Input should be 'auto' (got inf)"),
+    "deep": (b'{"dgc": ' + b"[" * 100000 + b"]" * 100000 + b"}", "refused: arrays or objects nested too deeply to read"),
+    "deep_hjson": (b'{dgc: ' + b"[" * 100000 + b"]" * 100000 + b"}", "refused: arrays or objects nested too deeply to read"),
     "float_zero": (b'{"optimizer": {"type": "AdamW", "params": {"lr": 0.01, "betas": [0.0, 0.99], "torch_adam": true}}, '
                    b'"zero_optimization": {"stage": 3}, "dgc": {"enabled": true}}', "ok, 'dgc' = {\"enabled\": true}"),
     "dgc_null": (b'{"dgc": null}', "refused: 'dgc' must be a JSON object, got null"),
@@ -282,6 +284,9 @@ WORLD_CASES = [  # (batch keys, "dgc" section's extra keys, check's options, wha
      ["--world-size", "6", "--ranks-per-node", "4"],
      "job fits: FusedAdam (what DeepSpeed builds from the 'optimizer' section), fp16 off, optimizer offload off; the "
      "batch sizes fit 6 ranks, 2 nodes of 3 ranks"),
+    ({"train_micro_batch_size_per_gpu": 4}, {"topology": "hierarchical", "ranks_per_node": 4}, ["--world-size", "4"],
+     "job fits: FusedAdam (what DeepSpeed builds from the 'optimizer' section), fp16 off, optimizer offload off; the "
+     "batch sizes fit 4 ranks, 1 node of 4 ranks"),
     ({"train_micro_batch_size_per_gpu": 4}, {"topology": "hierarchical"}, ["--ranks-per-node", "4"],
      "job fits: FusedAdam (what DeepSpeed builds from the 'optimizer' section), fp16 off, optimizer offload off; the "
      "batch sizes and the world size are checked at initialize"),
