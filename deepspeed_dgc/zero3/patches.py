@@ -51,7 +51,7 @@ from ..codec.layout import real_count
 from ..comm.agreement import check_agreement, gather_int, ranks_failing
 from ..comm.communicators import DGCBackendError, check_mpi_world, group_timeout_s
 from ..comm.topology import check_hpz_node, resolve_ranks_per_node
-from ..config import (DGCConfig, DGCConfigError, check_engine_compatible, misspelled_section, parse_dgc_config,
+from ..config import (DGCConfig, check_engine_compatible, misspelled_section, parse_dgc_config,
                       switched_off_by_default)
 from ..memory.momentum import CompressedMomentum, DecoupledMomentum, MomentumCorrection
 from . import checkpoint, ds_api, saving
