@@ -10,7 +10,7 @@
 // decode_add: parse one payload body and scatter-add its dequantized values into a dense
 //   fp32 partition.
 // topk_threshold: DGC's sampled top-k threshold (Lin et al., ICLR 2018, section 3 and appendix).
-#include <torch/python.h>  // pybind11 and the Tensor casters; torch/extension.h adds torch/all.h, a third of the compile
+#include <torch/csrc/utils/pybind.h>  // pybind11 and the Tensor casters: half the compile of torch/python.h, a third of torch/extension.h's
 
 #include "cpu_common.h"
 
