@@ -36,7 +36,7 @@ $(VENV)/.installed: setup.py requirements-test.txt $(wildcard csrc/dgc/*) $(wild
 	touch $@
 
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=20 tests
 
 # the whole fault suite (tests/faults), its slow cases included (CI runs one case of each file through `make test`);
 # about 75 minutes on 2 cores, half of it the 3000-step soak (results/faults.md has each part's command)

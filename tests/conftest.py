@@ -3,6 +3,8 @@
 
 import glob
 import os
+import signal
+import subprocess
 import sys
 
 import pytest
@@ -26,6 +28,55 @@ def pytest_configure(config):
     for dirpath, _, files in os.walk(EXT_DIR):
         if "lock" in files:
             os.unlink(os.path.join(dirpath, "lock"))
+
+
+# JIT builds that tests need, started when the session's tests are collected, one after the other in the order of
+# their first consumers, at the lowest CPU priority (nice 19): they run in the cores' idle time (about a quarter of the
+# suite's: rank start-up, waits on peers and timeouts) instead of inside the first test that needs them, which finds
+# the build done or waits on its lock as it would on any build. Each: (name, the tests that need it, the build). A build
+# still running when the session ends is stopped and its lock removed.
+BACKGROUND_BUILDS = [
+    # DeepSpeed's FusedAdam (its CPU accelerator's op: about 50 s, 90 s of CPU), which the README's quick start
+    # config (an "Adam" section without torch_adam) builds in its first launch
+    ("fused_adam", ("tests/distributed/test_readme.py",),
+     "from deepspeed.accelerator import get_accelerator; "
+     "get_accelerator().create_op_builder('FusedAdamBuilder').load(verbose=False)"),
+    # the fused op's JIT path, whose build test_jit_path_loads then loads and checks against the reference
+    ("dgc_cpu_op", ("tests/unit/codec/test_build.py::test_jit_path_loads",),
+     "__import__('op_builder').DGCCPUBuilder().jit_load(verbose=False)"),
+]
+_background = {}
+
+
+def pytest_collection_finish(session):
+    if session.config.option.collectonly:
+        return
+    first = {}
+    for i, item in enumerate(session.items):
+        for name, consumers, code in BACKGROUND_BUILDS:
+            if name not in first and item.nodeid.startswith(consumers):
+                first[name] = (i, code)
+    if first:
+        codes = [code for _, code in sorted(first.values())]
+        _background["names"] = list(first)
+        _background["proc"] = subprocess.Popen(
+            [sys.executable, "-c", "\n".join(codes)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True, env=dict(os.environ, PYTHONPATH=ROOT), preexec_fn=lambda: os.nice(19))
+
+
+def pytest_unconfigure(config):
+    proc = _background.get("proc")
+    if proc is not None and proc.poll() is None:  # stopped half-way: the next build of it starts over
+        os.killpg(proc.pid, signal.SIGTERM)  # ninja then stops its compilers (each in a process group of its own)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for name in _background["names"]:
+            lock = os.path.join(EXT_DIR, name, "lock")
+            if os.path.exists(lock):
+                os.unlink(lock)
 
 
 SHM_LEFTOVERS = ("/dev/shm/sm_segment.*", "/dev/shm/deepspeed_allreduce_buffer_*")
