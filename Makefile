@@ -16,7 +16,7 @@ SEED ?= 1234
 install: $(VENV)/.installed
 
 # DS_BUILD_DGC=1: prebuild the fused CPU op (and the CUDA op where torch has CUDA) into deepspeed_dgc/_prebuilt. torch
-# and deepspeed (what the build needs) come first (about 45 s here); then the op compiles (one core, about 75 s) while
+# and deepspeed (what the build needs) come first (about 45 s here); then the op compiles (about 40 s on 2 cores) while
 # pip installs the rest (the other core, about 30 s) and then builds DeepSpeed's CPU shared-memory comm op where the
 # tests' launches and make demo's load it (build/torch_extensions, tests/conftest.py; about 40 s, which the first launch
 # otherwise spends with one core idle; if it fails, the first launch builds it); the editable install then builds nothing.
