@@ -3,11 +3,11 @@
 
 import glob
 import os
-import signal
 import subprocess
 import sys
 
 import pytest
+from dist_launch import stop_process_group
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # DeepSpeed JIT-builds its CPU shared-memory comm op on the first init_distributed (make install builds it here
@@ -33,8 +33,8 @@ def pytest_configure(config):
 # JIT builds that tests need, started when the session's tests are collected, one after the other in the order of
 # their first consumers, at the lowest CPU priority (_lowest_priority): they run in the cores' idle time (about a fifth
 # of the suite's: rank start-up, waits on peers and timeouts) instead of inside the first test that needs them, which
-# finds the build done or waits on its lock as it would on any build. Each: (name, the tests that need it, the build). A build
-# still running when the session ends is stopped and its lock removed.
+# finds the build done or waits on its lock as it would on any build. Each: (name, the tests that need it, the
+# build). A build still running when the session ends is stopped and its lock removed.
 BACKGROUND_BUILDS = [
     # DeepSpeed's FusedAdam (its CPU accelerator's op: about 50 s, 90 s of CPU), which the README's quick start
     # config (an "Adam" section without torch_adam) builds in its first launch
@@ -80,12 +80,7 @@ def _lowest_priority():
 def pytest_unconfigure(config):
     proc = _background.get("proc")
     if proc is not None and proc.poll() is None:  # stopped half-way: the next build of it starts over
-        os.killpg(proc.pid, signal.SIGTERM)  # ninja then stops its compilers (each in a process group of its own)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_process_group(proc)
         for name in _background["names"]:
             lock = os.path.join(EXT_DIR, name, "lock")
             if os.path.exists(lock):

@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import runpy
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -32,6 +33,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def stop_process_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """End a process started with ``start_new_session=True`` and everything in its process group, if it still runs:
+    SIGTERM first, on which a JIT build's ninja stops its compilers (each in a process group of its own, so a SIGKILL
+    to the group leaves them running), then SIGKILL after ``grace_s``."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def remove_shm_buffers(port: int) -> None:

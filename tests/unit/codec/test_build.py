@@ -5,13 +5,13 @@ DS_BUILD_DGC=1) load and compute what the reference computes, and ``python -m de
 import glob
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import sysconfig
 
 import pytest
 import torch
+from dist_launch import stop_process_group
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -120,28 +120,17 @@ print("OP_FILE", op.__file__)
 
 
 def _start_check(load: str, env=None, cwd=ROOT) -> subprocess.Popen:
-    """In a session of its own, so that :func:`_stop` ends its build with it."""
+    """In a session of its own, so that ``stop_process_group`` ends its build with it."""
     return subprocess.Popen([sys.executable, "-c", CHECK_OP.format(load=load)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=cwd, start_new_session=True,
                             env=dict(os.environ, PYTHONPATH=ROOT, **(env or {})))
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """End a check still running and its build: SIGTERM to its process group, on which ninja stops its compilers (each
-    in a process group of its own; SIGKILL to the check alone left them running); SIGKILL after 30 s."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _check_result(proc: subprocess.Popen, timeout: float = 900) -> str:
     try:
         out, err = proc.communicate(timeout=timeout)
     finally:
-        _stop(proc)
+        stop_process_group(proc)
     assert proc.returncode == 0, out[-3000:] + err[-3000:]
     return out.split("OP_FILE ")[1].strip()
 
@@ -154,7 +143,7 @@ def jit_check():
     takes the build's lock first builds (about 45 s on 2 cores), the other loads what it built."""
     proc = _start_check("__import__('op_builder').DGCCPUBuilder().jit_load(verbose=False)")
     yield proc
-    _stop(proc)
+    stop_process_group(proc)
     proc.communicate()
 
 
