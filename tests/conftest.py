@@ -25,8 +25,14 @@ def pytest_configure(config):
     # changed", so DeepSpeed's CPU comm op was rebuilt (about 35 s) each time the two alternated.
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     os.environ["TORCH_EXTENSIONS_DIR"] = EXT_DIR
+    _remove_build_locks()
+
+
+def _remove_build_locks(names=None):
+    """Delete the build locks under EXT_DIR (of the builds ``names`` only, where given): a build killed half-way leaves
+    its lock, and every later load of that op would wait on it forever."""
     for dirpath, _, files in os.walk(EXT_DIR):
-        if "lock" in files:
+        if "lock" in files and (names is None or os.path.basename(dirpath) in names):
             os.unlink(os.path.join(dirpath, "lock"))
 
 
@@ -81,10 +87,7 @@ def pytest_unconfigure(config):
     proc = _background.get("proc")
     if proc is not None and proc.poll() is None:  # stopped half-way: the next build of it starts over
         stop_process_group(proc)
-        for name in _background["names"]:
-            lock = os.path.join(EXT_DIR, name, "lock")
-            if os.path.exists(lock):
-                os.unlink(lock)
+        _remove_build_locks(_background["names"])
 
 
 SHM_LEFTOVERS = ("/dev/shm/sm_segment.*", "/dev/shm/deepspeed_allreduce_buffer_*")
